@@ -1,0 +1,63 @@
+"""hybridmem: GPU memory phase switching for hybrid RL engines, done right.
+
+Every primitive is a context manager (``with`` / ``async with``) and a decorator
+(functions, coroutine functions, generator functions, context-manager classes)::
+
+    import hybridmem as hm
+
+    with hm.expandable_segments(True):      # training: less fragmentation
+        train_step()
+    hm.release_cache()                      # hand cached memory to the rollout engine
+    with hm.expandable_segments(False):     # rollout: engines' pools need classic segments
+        generate()
+
+Importing hybridmem never initialises CUDA and never imports an inference engine.
+``HYBRIDMEM_DISABLE=1`` turns every primitive into a no-op that still decorates.
+"""
+
+from __future__ import annotations
+
+from hybridmem._decorate import ScopedContext
+from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
+from hybridmem.allocator import (
+    AllocatorConfig,
+    AllocatorSettings,
+    ExpandableSegments,
+    Setting,
+    allocator_config,
+    allocator_settings,
+    configure_allocator,
+    expandable_segments,
+)
+from hybridmem.cache import (
+    CacheRelease,
+    DeviceRelease,
+    ReleaseReport,
+    aggressive_cache_release,
+    release_cache,
+)
+from hybridmem.telemetry import MemoryInfo, memory_info
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllocatorConfig",
+    "AllocatorSettings",
+    "AllocatorSettingsError",
+    "CacheRelease",
+    "DeviceRelease",
+    "ExpandableSegments",
+    "HybridMemWarning",
+    "MemoryInfo",
+    "ReleaseReport",
+    "ScopedContext",
+    "Setting",
+    "__version__",
+    "aggressive_cache_release",
+    "allocator_config",
+    "allocator_settings",
+    "configure_allocator",
+    "expandable_segments",
+    "memory_info",
+    "release_cache",
+]

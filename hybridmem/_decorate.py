@@ -1,0 +1,371 @@
+"""One base class that makes every primitive a context manager and a decorator.
+
+A :class:`ScopedContext` is usable as ``with x:``, ``async with x:``, and as a
+decorator on plain functions, coroutine functions (the context spans the awaited
+body), generator and async-generator functions (the context is active while the
+body runs and restored at each ``yield``), and on context-manager classes (the
+context is entered before the class's ``__enter__``/``__aenter__`` and exited after
+its ``__exit__``/``__aexit__``, so it spans the managed block).
+
+Why not :class:`contextlib.ContextDecorator`? Decorating an ``async def`` with it
+enters and exits around the creation of the coroutine, before the body runs, and
+it knows nothing about generators or classes. We dispatch on the kind of target
+ourselves, as ``unittest.mock._patch.__call__`` does, and give each decorated call
+fresh state, as ``torch/utils/_contextlib.py`` does. (The standard library already
+has every piece of ``contextlib2``; hybridmem needs neither.)
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio.events
+import copy
+import functools
+import inspect
+import threading
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+from hybridmem._env import disabled
+
+__all__ = ["ScopedContext"]
+
+_Self = TypeVar("_Self", bound="ScopedContext")
+_T = TypeVar("_T")
+
+_DISABLED = object()  # token of an entry made while the kill switch was on
+_fallback_lock = threading.Lock()
+
+
+# The token stacks are keyed by (thread, asyncio task) so that each thread and
+# task pairs its own entries and exits; bound once, they are on the hot path.
+# (id(None) keys a thread's code that runs outside any task.)
+_get_running_loop = asyncio.events._get_running_loop
+_current_task = asyncio.current_task
+_get_ident = threading.get_ident
+
+
+class ScopedContext(abc.ABC):
+    """Base of every hybridmem primitive: ``with``, ``async with`` and decorator.
+
+    Subclasses implement :meth:`_enter` (make the change, return a token) and
+    :meth:`_exit` (undo it from the token). The base keeps a stack of tokens per
+    instance and per thread/task, so one instance may be entered re-entrantly and
+    from several threads; decorated calls use a fresh copy (:meth:`_recreate`).
+    Exits always run, whatever the exception (``KeyboardInterrupt`` and
+    ``asyncio.CancelledError`` included). With ``HYBRIDMEM_DISABLE=1`` entries
+    change nothing.
+
+    Thread-safety: the token stacks are guarded by a lock per instance; the state a
+    subclass changes is guarded by that subclass (allocator settings by one
+    process-wide lock).
+    """
+
+    def __init__(self) -> None:
+        # Token stacks by (thread, task). No lock: a key is only ever touched by its
+        # own thread, and single dict/list operations are atomic.
+        self._frames: dict[tuple[int, int], list[object]] = {}
+
+    # ------------------------------------------------------------------ #
+    # What subclasses implement
+    # ------------------------------------------------------------------ #
+    @abc.abstractmethod
+    def _enter(self) -> object:
+        """Make the change; return a token that :meth:`_exit` undoes."""
+
+    @abc.abstractmethod
+    def _exit(self, token: object, exc: BaseException | None) -> None:
+        """Undo the change recorded by ``token``; ``exc`` is the exception in flight."""
+
+    async def _aenter(self) -> object:
+        """Async form of :meth:`_enter` (default: the sync one)."""
+        return self._enter()
+
+    async def _aexit(self, token: object, exc: BaseException | None) -> None:
+        """Async form of :meth:`_exit` (default: the sync one)."""
+        self._exit(token, exc)
+
+    def _recreate(self: _Self) -> _Self:
+        """Return a fresh, unentered copy with the same arguments (one per decorated call)."""
+        clone = copy.copy(self)
+        ScopedContext.__init__(clone)
+        return clone
+
+    # ------------------------------------------------------------------ #
+    # Token stack
+    # ------------------------------------------------------------------ #
+    def _push(self, token: object) -> None:
+        loop = _get_running_loop()
+        key = (_get_ident(), id(_current_task(loop)) if loop is not None else 0)
+        stack = self._frames.get(key)
+        if stack is None:
+            self._frames[key] = [token]
+        else:
+            stack.append(token)
+
+    def _pop(self) -> object:
+        loop = _get_running_loop()
+        key = (_get_ident(), id(_current_task(loop)) if loop is not None else 0)
+        stack = self._frames.get(key)
+        if not stack:
+            # Exited from another thread or task than it was entered in (an
+            # ExitStack handed over, say): take an entry from wherever one is.
+            with _fallback_lock:
+                other = next((k for k, v in list(self._frames.items()) if v), None)
+                if other is None:
+                    raise RuntimeError(f"{self!r} was exited more often than it was entered")
+                key = other
+                stack = self._frames[key]
+        token = stack.pop()
+        if not stack:
+            self._frames.pop(key, None)
+        return token
+
+    @property
+    def active(self) -> bool:
+        """True while this instance is entered (in any thread or task)."""
+        return any(list(self._frames.values()))
+
+    # ------------------------------------------------------------------ #
+    # Context-manager protocol
+    # ------------------------------------------------------------------ #
+    def __enter__(self: _Self) -> _Self:
+        token = _DISABLED if disabled() else self._enter()
+        self._push(token)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        token = self._pop()
+        if token is not _DISABLED:
+            self._exit(token, exc)
+
+    async def __aenter__(self: _Self) -> _Self:
+        token = _DISABLED if disabled() else await self._aenter()
+        self._push(token)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        token = self._pop()
+        if token is not _DISABLED:
+            await self._aexit(token, exc)
+
+    # ------------------------------------------------------------------ #
+    # Decorator protocol
+    # ------------------------------------------------------------------ #
+    def __call__(self, target: _T) -> _T:
+        """Decorate a function, coroutine/generator/async-generator function or CM class."""
+        if isinstance(target, type):
+            return cast(_T, self._decorate_class(target))
+        if not callable(target):
+            raise TypeError(
+                f"{self!r} decorates functions, coroutine functions, generator functions "
+                f"and context-manager classes; got {target!r} ({type(target).__name__}). "
+                "To scope a block, use it as `with ...:` instead."
+            )
+        fn = cast(Callable[..., Any], target)
+        if inspect.isasyncgenfunction(fn):
+            return cast(_T, self._wrap_async_generator(fn))
+        if inspect.isgeneratorfunction(fn):
+            return cast(_T, self._wrap_generator(fn))
+        if inspect.iscoroutinefunction(fn):
+            return cast(_T, self._wrap_coroutine(fn))
+        return cast(_T, self._wrap_function(fn))
+
+    def _wrap_function(self, fn: Callable[..., _T]) -> Callable[..., _T]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> _T:
+            with self._recreate():
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    def _wrap_coroutine(self, fn: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
+        @functools.wraps(fn)
+        async def wrapper(*args: Any, **kwargs: Any) -> _T:
+            async with self._recreate():
+                return await fn(*args, **kwargs)
+
+        return wrapper
+
+    def _wrap_generator(
+        self, fn: Callable[..., Generator[Any, Any, Any]]
+    ) -> Callable[..., Generator[Any, Any, Any]]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+            ctx = self._recreate()
+            gen = fn(*args, **kwargs)
+            try:
+                with ctx:
+                    response = gen.send(None)
+                while True:
+                    try:
+                        request = yield response
+                    except GeneratorExit:
+                        with ctx:
+                            gen.close()
+                        raise
+                    except BaseException as exc:
+                        with ctx:
+                            response = gen.throw(exc)
+                    else:
+                        with ctx:
+                            response = gen.send(request)
+            except StopIteration as stop:
+                return stop.value
+
+        return wrapper
+
+    def _wrap_async_generator(
+        self, fn: Callable[..., AsyncGenerator[Any, Any]]
+    ) -> Callable[..., AsyncGenerator[Any, Any]]:
+        @functools.wraps(fn)
+        async def wrapper(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+            ctx = self._recreate()
+            agen = fn(*args, **kwargs)
+            try:
+                async with ctx:
+                    response = await agen.asend(None)
+                while True:
+                    try:
+                        request = yield response
+                    except GeneratorExit:
+                        async with ctx:
+                            await agen.aclose()
+                        raise
+                    except BaseException as exc:
+                        async with ctx:
+                            response = await agen.athrow(exc)
+                    else:
+                        async with ctx:
+                            response = await agen.asend(request)
+            except StopAsyncIteration:
+                return
+
+        return wrapper
+
+    def _decorate_class(self, cls: type) -> type:
+        has_sync = callable(getattr(cls, "__enter__", None)) and callable(
+            getattr(cls, "__exit__", None)
+        )
+        has_async = callable(getattr(cls, "__aenter__", None)) and callable(
+            getattr(cls, "__aexit__", None)
+        )
+        if not (has_sync or has_async):
+            raise TypeError(
+                f"{self!r} can decorate a class only if it is a context manager "
+                f"(defines __enter__/__exit__ or __aenter__/__aexit__); {cls.__qualname__} "
+                "is not. Decorate its methods instead."
+            )
+        stacks = _InstanceStacks()
+        if has_sync:
+            self._patch_sync(cls, stacks)
+        if has_async:
+            self._patch_async(cls, stacks)
+        return cls
+
+    def _patch_sync(self, cls: type, stacks: _InstanceStacks) -> None:
+        template = self
+        original_enter = cls.__enter__  # type: ignore[attr-defined]
+        original_exit = cls.__exit__  # type: ignore[attr-defined]
+
+        @functools.wraps(original_enter)
+        def __enter__(instance: Any) -> Any:
+            ctx = template._recreate()
+            ctx.__enter__()
+            try:
+                result = original_enter(instance)
+            except BaseException as exc:
+                ctx.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            stacks.push(instance, ctx)
+            return result
+
+        @functools.wraps(original_exit)
+        def __exit__(instance: Any, et: Any, ev: Any, tb: Any) -> Any:
+            ctx = stacks.pop(instance)
+            try:
+                suppress = original_exit(instance, et, ev, tb)
+            except BaseException as exc:
+                ctx.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            if suppress:
+                ctx.__exit__(None, None, None)
+            else:
+                ctx.__exit__(et, ev, tb)
+            return suppress
+
+        cls.__enter__ = __enter__  # type: ignore[attr-defined]
+        cls.__exit__ = __exit__  # type: ignore[attr-defined]
+
+    def _patch_async(self, cls: type, stacks: _InstanceStacks) -> None:
+        template = self
+        original_aenter = cls.__aenter__  # type: ignore[attr-defined]
+        original_aexit = cls.__aexit__  # type: ignore[attr-defined]
+
+        @functools.wraps(original_aenter)
+        async def __aenter__(instance: Any) -> Any:
+            ctx = template._recreate()
+            await ctx.__aenter__()
+            try:
+                result = await original_aenter(instance)
+            except BaseException as exc:
+                await ctx.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+            stacks.push(instance, ctx)
+            return result
+
+        @functools.wraps(original_aexit)
+        async def __aexit__(instance: Any, et: Any, ev: Any, tb: Any) -> Any:
+            ctx = stacks.pop(instance)
+            try:
+                suppress = await original_aexit(instance, et, ev, tb)
+            except BaseException as exc:
+                await ctx.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+            if suppress:
+                await ctx.__aexit__(None, None, None)
+            else:
+                await ctx.__aexit__(et, ev, tb)
+            return suppress
+
+        cls.__aenter__ = __aenter__  # type: ignore[attr-defined]
+        cls.__aexit__ = __aexit__  # type: ignore[attr-defined]
+
+
+class _InstanceStacks:
+    """Contexts entered for each live instance of a decorated class.
+
+    Keyed by ``id(instance)`` so that classes with ``__slots__`` or without hashing
+    work; an entry is dropped as soon as its instance's stack is empty.
+    """
+
+    def __init__(self) -> None:
+        self._stacks: dict[int, list[ScopedContext]] = {}
+        self._lock = threading.Lock()
+
+    def push(self, instance: object, ctx: ScopedContext) -> None:
+        with self._lock:
+            self._stacks.setdefault(id(instance), []).append(ctx)
+
+    def pop(self, instance: object) -> ScopedContext:
+        with self._lock:
+            stack = self._stacks.get(id(instance))
+            if not stack:
+                raise RuntimeError(
+                    f"{type(instance).__qualname__}.__exit__ ran without a matching __enter__"
+                )
+            ctx = stack.pop()
+            if not stack:
+                del self._stacks[id(instance)]
+            return ctx

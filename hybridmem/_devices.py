@@ -1,0 +1,91 @@
+"""Resolve a user's ``device`` argument to CUDA device indices, never creating a context."""
+
+from __future__ import annotations
+
+from typing import Literal, TypeAlias
+
+import torch
+
+from hybridmem import _torch
+
+__all__ = ["DeviceArg", "resolve_devices"]
+
+#: What ``device=`` accepts: None (the current device), an index, ``"cuda"``,
+#: ``"cuda:N"``, a ``torch.device`` of type cuda, or ``"all"`` where allowed.
+DeviceArg: TypeAlias = int | str | torch.device | None
+
+_ALLOWED = "None (the current device), an int index, 'cuda', 'cuda:N' or torch.device('cuda', N)"
+
+
+def _index_of(device: int | str | torch.device, *, allow_all: bool) -> int | Literal["all"] | None:
+    """Return the index named by ``device`` (None = current device) or ``"all"``."""
+    if isinstance(device, bool):
+        raise TypeError(f"device must be {_ALLOWED}; got the bool {device!r}")
+    if isinstance(device, int):
+        index: int | None = device
+    elif isinstance(device, str):
+        if device == "all":
+            if not allow_all:
+                raise ValueError(
+                    f"device='all' is not accepted here; pass {_ALLOWED}, or call once per device"
+                )
+            return "all"
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            extra = ", or 'all'" if allow_all else ""
+            raise ValueError(f"device {device!r} is not a device; pass {_ALLOWED}{extra}") from None
+        return _index_of(parsed, allow_all=allow_all)
+    elif isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(
+                f"device {device} is not a CUDA device; hybridmem manages CUDA memory. "
+                f"Pass {_ALLOWED}."
+            )
+        index = device.index
+    else:
+        raise TypeError(f"device must be {_ALLOWED}; got {device!r} ({type(device).__name__})")
+    if index is not None:
+        if index < 0:
+            raise ValueError(f"device index must be >= 0, got {index}")
+        count = _torch.device_count()
+        if count and index >= count:
+            raise ValueError(
+                f"device index {index} is out of range: {count} CUDA device(s) are visible "
+                "(check CUDA_VISIBLE_DEVICES)"
+            )
+    return index
+
+
+def resolve_devices(device: DeviceArg, *, allow_all: bool = False) -> list[int]:
+    """Return the initialised CUDA devices that ``device`` names.
+
+    Validates ``device`` on every machine (bad types and negative indices raise
+    everywhere), then keeps only devices that already have a CUDA context in this
+    process, so that nothing here ever creates one (a context costs hundreds of
+    MiB on the device it lands on, and device 0 is the usual victim).
+
+    Args:
+        device: None for the current device, an index, ``"cuda[:N]"``, a
+            ``torch.device``, or ``"all"`` (every initialised device) when
+            ``allow_all`` is true.
+
+    Returns:
+        Sorted device indices with a context; empty when CUDA is not initialised.
+
+    Raises:
+        TypeError: ``device`` has the wrong type.
+        ValueError: ``device`` is negative, out of range, not CUDA, or ``"all"``
+            where not allowed.
+    """
+    index = None if device is None else _index_of(device, allow_all=allow_all)
+    if not _torch.cuda_initialized():
+        return []
+    if index == "all":
+        return _torch.initialized_devices()
+    if index is None:
+        current = _torch.current_device()
+        if current is None:
+            return []
+        index = current
+    return [index] if _torch.has_context(index) else []

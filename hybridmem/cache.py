@@ -1,0 +1,381 @@
+"""Hand cached device memory back to the driver: ``release_cache`` and its scoped form.
+
+Memory that torch's caching allocator holds but no tensor uses is invisible to a
+rollout engine in another process (verl #5384: vLLM failed its start-up free
+memory check because of the trainer's cache). :func:`release_cache` returns it, in
+the order that frees the most: synchronise, collect garbage, collect CUDA IPC
+leftovers, empty the cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar, overload
+
+from hybridmem import _torch
+from hybridmem._decorate import ScopedContext
+from hybridmem._devices import DeviceArg, resolve_devices
+from hybridmem._env import disabled
+from hybridmem._format import fmt_bytes
+from hybridmem._log import logger
+
+__all__ = [
+    "CacheRelease",
+    "DeviceRelease",
+    "ReleaseReport",
+    "aggressive_cache_release",
+    "release_cache",
+]
+
+#: A garbage-collection pass is repeated only while the previous one freed device
+#: memory, and never more than this (verl's helper ran 3 full passes every time).
+MAX_GC_ROUNDS = 3
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class DeviceRelease:
+    """Memory of one device before and after a release.
+
+    Attributes:
+        device: the CUDA device index.
+        allocated_before, allocated_after: bytes held by live tensors.
+        reserved_before, reserved_after: bytes torch's caching allocator holds.
+        free_before, free_after: device-wide free bytes (all processes).
+        total: device memory in bytes.
+    """
+
+    device: int
+    allocated_before: int
+    allocated_after: int
+    reserved_before: int
+    reserved_after: int
+    free_before: int
+    free_after: int
+    total: int
+
+    @property
+    def returned(self) -> int:
+        """Bytes of reserved memory handed back to the driver."""
+        return self.reserved_before - self.reserved_after
+
+
+@dataclass(frozen=True)
+class ReleaseReport:
+    """What :func:`release_cache` did and what it achieved.
+
+    Attributes:
+        devices: one :class:`DeviceRelease` per device acted on (empty when no
+            device was initialised, or with ``HYBRIDMEM_DISABLE=1``).
+        synchronized: whether the devices were synchronised first.
+        gc_rounds: garbage-collection passes run.
+        gc_collected: unreachable objects those passes found.
+        ipc_collected: whether CUDA IPC leftovers were collected.
+        duration_s: wall-clock seconds the release took.
+    """
+
+    devices: tuple[DeviceRelease, ...]
+    synchronized: bool
+    gc_rounds: int
+    gc_collected: int
+    ipc_collected: bool
+    duration_s: float
+
+    @property
+    def bytes_returned(self) -> int:
+        """Reserved bytes handed back to the driver, summed over devices."""
+        return sum(d.returned for d in self.devices)
+
+    @property
+    def reserved_before(self) -> int:
+        """Reserved bytes before, summed over devices."""
+        return sum(d.reserved_before for d in self.devices)
+
+    @property
+    def reserved_after(self) -> int:
+        """Reserved bytes after, summed over devices."""
+        return sum(d.reserved_after for d in self.devices)
+
+    @property
+    def allocated_before(self) -> int:
+        """Allocated bytes before, summed over devices."""
+        return sum(d.allocated_before for d in self.devices)
+
+    @property
+    def allocated_after(self) -> int:
+        """Allocated bytes after, summed over devices."""
+        return sum(d.allocated_after for d in self.devices)
+
+    @property
+    def free_before(self) -> int:
+        """Device-wide free bytes before, summed over devices."""
+        return sum(d.free_before for d in self.devices)
+
+    @property
+    def free_after(self) -> int:
+        """Device-wide free bytes after, summed over devices."""
+        return sum(d.free_after for d in self.devices)
+
+    def __str__(self) -> str:
+        if not self.devices:
+            return f"release_cache: no initialised CUDA device, nothing to do ({self._how()})"
+        names = ",".join(str(d.device) for d in self.devices)
+        return (
+            f"release_cache(cuda:{names}): returned {fmt_bytes(self.bytes_returned)}; "
+            f"reserved {fmt_bytes(self.reserved_before)} -> {fmt_bytes(self.reserved_after)}, "
+            f"allocated {fmt_bytes(self.allocated_before)} -> {fmt_bytes(self.allocated_after)}, "
+            f"device free {fmt_bytes(self.free_before)} -> {fmt_bytes(self.free_after)} "
+            f"({self._how()})"
+        )
+
+    def _how(self) -> str:
+        return (
+            f"sync={self.synchronized}, gc rounds={self.gc_rounds} "
+            f"(collected {self.gc_collected}), ipc_collect={self.ipc_collected}, "
+            f"{self.duration_s * 1e3:.2f} ms"
+        )
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _measure(device: int) -> tuple[int, int, int, int]:
+    stats = _torch.memory_stats(device)
+    free, total = _torch.mem_get_info(device)
+    return (
+        int(stats.get("allocated_bytes.all.current", 0)),
+        int(stats.get("reserved_bytes.all.current", 0)),
+        free,
+        total,
+    )
+
+
+def _allocated(devices: list[int]) -> int:
+    return sum(int(_torch.memory_stats(d).get("allocated_bytes.all.current", 0)) for d in devices)
+
+
+def release_cache(
+    device: DeviceArg = None,
+    *,
+    sync: bool = True,
+    collect_garbage: bool = True,
+    ipc_collect: bool = True,
+) -> ReleaseReport:
+    """Return cached-but-free device memory to the driver, and say what it freed.
+
+    Order: synchronise the devices (frees wait on pending kernels), collect
+    garbage (tensors kept alive only by reference cycles), collect CUDA IPC
+    leftovers (blocks that consumers released), then empty the cache. One
+    garbage-collection pass; another only while the previous one freed device
+    memory (at most :data:`MAX_GC_ROUNDS`).
+
+    Scope: acts only on devices that already have a CUDA context in this process
+    and never creates one. ``torch.cuda.empty_cache`` empties the cache of every
+    initialised device, whichever ``device`` names; ``device`` selects what is
+    synchronised and measured. Thread-safe as far as torch's calls are.
+
+    Cost: a full ``gc.collect()`` dominates when ``collect_garbage`` is true
+    (tens of ms in a process that imported torch; see docs/concepts.md); the rest
+    is well under a millisecond when there is nothing to free.
+
+    Args:
+        device: None for the current device, an index, ``"cuda:N"``, a
+            ``torch.device``, or ``"all"`` for every initialised device.
+        sync: synchronise the devices first.
+        collect_garbage: run Python's garbage collector.
+        ipc_collect: call ``torch.cuda.ipc_collect()``.
+
+    Returns:
+        A :class:`ReleaseReport`; it is also logged at INFO on ``hybridmem``.
+
+    Example:
+        >>> report = hm.release_cache()          # doctest: +SKIP
+        >>> print(report.bytes_returned)         # doctest: +SKIP
+    """
+    for name, value in (("sync", sync), ("collect_garbage", collect_garbage)):
+        _check_flag(name, value)
+    _check_flag("ipc_collect", ipc_collect)
+    return _release(
+        resolve_devices(device, allow_all=True),
+        sync=sync,
+        collect_garbage=collect_garbage,
+        ipc_collect=ipc_collect,
+        level=logging.INFO,
+    )
+
+
+def drop_cached_blocks(devices: list[int]) -> None:
+    """Synchronise ``devices`` and empty the cache, without measuring (hot path).
+
+    What an allocator mode switch needs: cached free blocks of the old segment
+    kind must go, or new tensors land in them.
+    """
+    for d in devices:
+        _torch.synchronize(d)
+    _torch.empty_cache()
+
+
+def _release(
+    devices: list[int],
+    *,
+    sync: bool,
+    collect_garbage: bool,
+    ipc_collect: bool,
+    level: int,
+) -> ReleaseReport:
+    start = time.perf_counter()
+    if not devices or disabled():
+        report = ReleaseReport((), False, 0, 0, False, time.perf_counter() - start)
+        logger.debug("%s", report)
+        return report
+    before = [_measure(d) for d in devices]
+    if sync:
+        for d in devices:
+            _torch.synchronize(d)
+    rounds = collected = 0
+    if collect_garbage:
+        while rounds < MAX_GC_ROUNDS:
+            allocated = _allocated(devices)
+            found = gc.collect()
+            rounds += 1
+            collected += found
+            if found == 0 or _allocated(devices) >= allocated:
+                break
+    if ipc_collect:
+        _torch.ipc_collect()
+    _torch.empty_cache()
+    after = [_measure(d) for d in devices]
+    report = ReleaseReport(
+        devices=tuple(
+            DeviceRelease(d, b[0], a[0], b[1], a[1], b[2], a[2], a[3])
+            for d, b, a in zip(devices, before, after)
+        ),
+        synchronized=sync,
+        gc_rounds=rounds,
+        gc_collected=collected,
+        ipc_collected=ipc_collect,
+        duration_s=time.perf_counter() - start,
+    )
+    logger.log(level, "%s", report)
+    return report
+
+
+_When = Literal["enter", "exit", "both"]
+_WHEN_VALUES = ("enter", "exit", "both")
+
+
+class CacheRelease(ScopedContext):
+    """Scoped :func:`release_cache` on entry, exit or both.
+
+    See :func:`aggressive_cache_release`, which builds it.
+    """
+
+    def __init__(
+        self,
+        *,
+        on: _When = "exit",
+        device: DeviceArg = None,
+        sync: bool = True,
+        collect_garbage: bool = True,
+        ipc_collect: bool = True,
+    ) -> None:
+        super().__init__()
+        if on not in _WHEN_VALUES:
+            raise ValueError(f"on must be one of {_WHEN_VALUES}, got {on!r}")
+        _check_flag("sync", sync)
+        _check_flag("collect_garbage", collect_garbage)
+        _check_flag("ipc_collect", ipc_collect)
+        resolve_devices(device, allow_all=True)  # validate now, resolve at use
+        self.on = on
+        self.device = device
+        self._kwargs = {
+            "sync": sync,
+            "collect_garbage": collect_garbage,
+            "ipc_collect": ipc_collect,
+        }
+        self.last_report: ReleaseReport | None = None
+
+    def __repr__(self) -> str:
+        return f"aggressive_cache_release(on={self.on!r}, device={self.device!r})"
+
+    def _release_now(self) -> None:
+        self.last_report = release_cache(self.device, **self._kwargs)
+
+    def _enter(self) -> object:
+        if self.on in ("enter", "both"):
+            self._release_now()
+        return None
+
+    def _exit(self, token: object, exc: BaseException | None) -> None:
+        if self.on not in ("exit", "both"):
+            return
+        if exc is None:
+            self._release_now()
+            return
+        try:
+            self._release_now()
+        except Exception:  # never mask the exception already in flight
+            logger.exception("release_cache failed while %r was exiting on an error", self)
+
+
+@overload
+def aggressive_cache_release(func: _F, /) -> _F: ...
+
+
+@overload
+def aggressive_cache_release(
+    func: None = None,
+    /,
+    *,
+    on: _When = "exit",
+    device: DeviceArg = None,
+    sync: bool = True,
+    collect_garbage: bool = True,
+    ipc_collect: bool = True,
+) -> CacheRelease: ...
+
+
+def aggressive_cache_release(
+    func: Any = None,
+    /,
+    *,
+    on: _When = "exit",
+    device: DeviceArg = None,
+    sync: bool = True,
+    collect_garbage: bool = True,
+    ipc_collect: bool = True,
+) -> Any:
+    """Release cached device memory when a block or call starts, ends, or both.
+
+    The scoped, decorating form of :func:`release_cache`: usable as ``with``,
+    ``async with``, or as a decorator (``@aggressive_cache_release`` or
+    ``@aggressive_cache_release(on="both")``) on functions, coroutine functions,
+    generator functions and context-manager classes. A release on exit also runs
+    when the block raises; a failure of that release is logged, never raised over
+    the original exception.
+
+    Args:
+        on: ``"enter"``, ``"exit"`` (default) or ``"both"``.
+        device: as for :func:`release_cache` (``"all"`` allowed).
+        sync, collect_garbage, ipc_collect: as for :func:`release_cache`.
+
+    Returns:
+        A :class:`CacheRelease`; its ``last_report`` holds the latest report.
+
+    Example:
+        >>> @hm.aggressive_cache_release(on="exit")   # doctest: +SKIP
+        ... def offload_trainer(model): ...
+    """
+    ctx = CacheRelease(
+        on=on, device=device, sync=sync, collect_garbage=collect_garbage, ipc_collect=ipc_collect
+    )
+    if func is not None:
+        return ctx(func)
+    return ctx

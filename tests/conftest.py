@@ -1,0 +1,186 @@
+"""Shared fixtures: a clean hybridmem state per test and a fake torch seam."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from hybridmem import _log, _torch
+from hybridmem._settings import parse_settings
+from hybridmem.allocator import _reset_state_for_tests
+
+_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "HYBRIDMEM_DISABLE")
+
+
+_REAL_SETTER = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+
+
+def _reset_real_torch_settings() -> None:
+    setter = _REAL_SETTER  # bound at import: tests may swap torch._C
+    if callable(setter):
+        # The CPU build keeps the parsed settings too: put its state back to
+        # torch's defaults, then leave "" as the last string (what a fresh
+        # process without env variables reports).
+        setter("expandable_segments:False,pinned_use_background_threads:False")
+        setter("")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip GPU tests where no CUDA device is visible (CI), with the reason shown."""
+    has_gpu = _torch.cuda_available()
+    count = _torch.device_count() if has_gpu else 0
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run on the H200)"))
+        elif "multi_gpu" in item.keywords and count < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test starts with no allocator env, no kill switch, no hybridmem state."""
+    for name in _ENV:
+        monkeypatch.delenv(name, raising=False)
+    if not _torch.cuda_initialized():
+        _reset_real_torch_settings()
+    _reset_state_for_tests()
+    _log.reset_once()
+    yield
+    _reset_state_for_tests()
+    if not _torch.cuda_initialized():
+        _reset_real_torch_settings()
+
+
+@dataclass
+class FakeDevice:
+    allocated: int = 0
+    reserved: int = 0
+    total: int = 80 << 30
+    other: int = 1 << 30  # context and other processes
+
+    @property
+    def free(self) -> int:
+        return self.total - self.reserved - self.other
+
+
+@dataclass
+class FakeTorch:
+    """A stand-in for the seam: records calls in order and fakes memory."""
+
+    events: list[str] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)
+    last: str | None = None  # None: what torch reports before any change (the env string)
+    initialized: bool = False
+    current: int = 0
+    devices: dict[int, FakeDevice] = field(default_factory=dict)
+    backend: str = "native"
+    has_setter: bool = True
+    reject: set[str] = field(default_factory=set)
+    gc_results: list[int] = field(default_factory=list)
+    gc_frees: list[int] = field(default_factory=list)
+    torch_state: dict[str, str] = field(default_factory=dict)  # simulated torch config
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        patches: dict[str, Any] = {
+            "set_allocator_settings": self.set_allocator_settings,
+            "last_allocator_settings": self.last_allocator_settings,
+            "settings_setter_name": lambda: "fake.setter" if self.has_setter else None,
+            "runtime_allocator_backend": lambda: self.backend,
+            "cuda_initialized": lambda: self.initialized,
+            "cuda_built": lambda: True,
+            "cuda_available": lambda: True,
+            "device_count": lambda: max(len(self.devices), 1),
+            "current_device": lambda: self.current if self.initialized else None,
+            "has_context": lambda i: self.initialized and i in self.devices,
+            "initialized_devices": lambda: sorted(self.devices) if self.initialized else [],
+            "synchronize": lambda i: self.events.append(f"sync:{i}"),
+            "empty_cache": self.empty_cache,
+            "ipc_collect": lambda: self.events.append("ipc_collect"),
+            "memory_stats": self.memory_stats,
+            "mem_get_info": self.mem_get_info,
+        }
+        for name, value in patches.items():
+            monkeypatch.setattr(_torch, name, value)
+        monkeypatch.setattr(gc, "collect", self.gc_collect)
+
+    def set_allocator_settings(self, text: str) -> bool:
+        if not self.has_setter:
+            return False
+        if text in self.reject:
+            from hybridmem import AllocatorSettingsError
+
+            raise AllocatorSettingsError(f"torch rejected the allocator settings {text!r}: fake")
+        self.events.append(f"set:{text}")
+        self.applied.append(text)
+        self.last = text
+        # What torch does with it: three keys reset to their defaults on every
+        # call, every other key keeps its value unless the string names it.
+        for key in (
+            "max_split_size_mb",
+            "garbage_collection_threshold",
+            "roundup_power2_divisions",
+        ):
+            self.torch_state.pop(key, None)
+        self.torch_state.update(parse_settings(text))
+        return True
+
+    def last_allocator_settings(self) -> str:
+        if self.last is not None:
+            return self.last
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+            if name in os.environ:
+                return os.environ[name]
+        return ""
+
+    def empty_cache(self) -> None:
+        self.events.append("empty_cache")
+        for dev in self.devices.values():
+            dev.reserved = dev.allocated
+
+    def gc_collect(self, generation: int = 2) -> int:
+        self.events.append("gc")
+        found = self.gc_results.pop(0) if self.gc_results else 0
+        freed = self.gc_frees.pop(0) if self.gc_frees else 0
+        for dev in self.devices.values():
+            dev.allocated -= min(freed, dev.allocated)
+        return found
+
+    def memory_stats(self, index: int) -> dict[str, Any]:
+        dev = self.devices[index]
+        return {
+            "allocated_bytes.all.current": dev.allocated,
+            "reserved_bytes.all.current": dev.reserved,
+            "active_bytes.all.current": dev.allocated,
+            "inactive_split_bytes.all.current": (dev.reserved - dev.allocated) // 4,
+            "allocated_bytes.all.peak": dev.allocated * 2,
+            "reserved_bytes.all.peak": dev.reserved * 2,
+        }
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        dev = self.devices[index]
+        return dev.free, dev.total
+
+    def set_strings(self) -> list[str]:
+        return [e[4:] for e in self.events if e.startswith("set:")]
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
+    """A fake torch seam with no CUDA initialised (set ``fake.initialized``)."""
+    fake_torch = FakeTorch()
+    fake_torch.install(monkeypatch)
+    return fake_torch
+
+
+@pytest.fixture
+def fake_gpu(fake: FakeTorch) -> FakeTorch:
+    """The fake seam with CUDA initialised on device 0."""
+    fake.initialized = True
+    fake.devices[0] = FakeDevice(allocated=2 << 30, reserved=10 << 30)
+    return fake

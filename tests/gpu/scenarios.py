@@ -1,0 +1,215 @@
+"""GPU scenarios, each run in a fresh interpreter (allocator state is process-global).
+
+Usage: ``python -m tests.gpu.scenarios NAME`` with the environment the scenario
+needs; the last line printed is a JSON object of facts the GPU tests assert on.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import hybridmem as hm
+from hybridmem import _torch
+
+MiB = 1 << 20
+
+
+def _segment_is_expandable(tensor: torch.Tensor) -> bool | None:
+    """Whether the segment holding ``tensor`` is expandable, from torch's snapshot."""
+    ptr = tensor.untyped_storage().data_ptr()
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return bool(seg.get("is_expandable", False))
+    return None
+
+
+def _alloc(mib: int) -> torch.Tensor:
+    return torch.empty(mib * MiB, dtype=torch.uint8, device="cuda")
+
+
+def segments() -> dict[str, Any]:
+    """(a) Tensors land in expandable segments inside True, classic ones inside False."""
+    _alloc(1)
+    out: dict[str, Any] = {}
+    with hm.expandable_segments(True):
+        a = _alloc(64)
+        out["on"] = _segment_is_expandable(a)
+        with hm.expandable_segments(False):
+            b = _alloc(64)
+            out["nested_off"] = _segment_is_expandable(b)
+        c = _alloc(64)
+        out["back_on"] = _segment_is_expandable(c)
+    d = _alloc(64)
+    out["off"] = _segment_is_expandable(d)
+    del a, b, c, d
+
+    # The pitfall the release guards against: a cached classic block is reused
+    # by a tensor allocated after switching expandable segments on.
+    x = _alloc(256)
+    del x
+    with hm.expandable_segments(True, release_cache=False):
+        y = _alloc(128)
+        out["without_release"] = _segment_is_expandable(y)
+        del y
+    x = _alloc(256)
+    del x
+    with hm.expandable_segments(True):
+        z = _alloc(128)
+        out["with_release"] = _segment_is_expandable(z)
+        del z
+
+    @hm.expandable_segments(True)
+    def decorated() -> bool | None:
+        return _segment_is_expandable(_alloc(32))
+
+    out["decorated"] = decorated()
+    out["after_decorated"] = _segment_is_expandable(_alloc(32))
+    return out
+
+
+def settings() -> dict[str, Any]:
+    """(b) The user's settings survive a toggle and its exit (snapshot's view)."""
+    _alloc(1)
+    out: dict[str, Any] = {"start": _torch.snapshot_allocator_settings()}
+    with hm.expandable_segments(True):
+        out["inside_true"] = _torch.snapshot_allocator_settings()
+        with hm.expandable_segments(False):
+            out["inside_false"] = _torch.snapshot_allocator_settings()
+    out["after"] = _torch.snapshot_allocator_settings()
+    # Negative control: what every hand-written toggle does.
+    _torch.set_allocator_settings("expandable_segments:False")
+    out["raw_setter"] = _torch.snapshot_allocator_settings()
+    out["torch"] = torch.__version__
+    return out
+
+
+def _scattered(rng: random.Random) -> list[torch.Tensor]:
+    """Pathological: ~24 GiB of random sizes freed out of order, every 16th kept."""
+    live: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []
+    for step in range(3000):
+        size = rng.choice([rng.randint(1, 64) * 1024, rng.randint(1, 96) * MiB // 4])
+        live.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        if sum(t.numel() for t in live) > (24 << 30):
+            rng.shuffle(live)
+            del live[: len(live) * 3 // 4]
+        if step % 97 == 0:
+            kept.append(torch.empty(rng.randint(1, 32) * MiB, dtype=torch.uint8, device="cuda"))
+    kept.extend(live[::16])
+    return kept
+
+
+def _training_like(rng: random.Random) -> list[torch.Tensor]:
+    """A training phase: live params and Adam state, activations of varying length.
+
+    Parameters (~6 GiB in tensors of 1-64 MiB) stay live; Adam's two states are
+    created during the first step, between that step's activations (as torch.optim
+    does lazily); 40 steps of activations sized by a random sequence length are
+    freed each step; gradients live from backward to zero_grad; a small loss
+    tensor per step is kept.
+    """
+    params = [
+        torch.empty(rng.randint(1, 64) * MiB, dtype=torch.uint8, device="cuda") for _ in range(190)
+    ]
+    states: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []
+    for step in range(40):
+        seq = rng.randint(256, 8192)
+        acts = [
+            torch.empty(seq * rng.randint(1, 16) * 4096, dtype=torch.uint8, device="cuda")
+            for _ in range(24)
+        ]
+        grads = []
+        for p in params:
+            grads.append(torch.empty_like(p))
+            if step == 0:
+                states.append(torch.empty_like(p))
+                states.append(torch.empty_like(p))
+            if len(grads) % 24 == 0 and acts:
+                acts.pop()  # backward frees activations as it goes
+        del acts
+        losses.append(torch.empty(4, device="cuda"))
+        del grads  # zero_grad(set_to_none=True)
+    return params + states + losses
+
+
+def release(workload: str, mode: str) -> dict[str, Any]:
+    """(c) After a fragmenting workload, free >= 99% of total - live - context."""
+    gc.disable()  # the cycle below must wait for release_cache's own pass
+    _alloc(1)
+    torch.cuda.synchronize()
+    free0, total = torch.cuda.mem_get_info()
+    context = total - free0 - torch.cuda.memory_reserved()  # CUDA context + other processes
+    out: dict[str, Any] = {"workload": workload, "mode": mode, "total": total, "context": context}
+    rng = random.Random(7)
+    with hm.expandable_segments(mode == "expandable"):
+        kept = _training_like(rng) if workload == "training" else _scattered(rng)
+
+        class Cycle:
+            pass
+
+        node = Cycle()
+        node.self = node  # type: ignore[attr-defined]
+        node.tensor = _alloc(1024)  # type: ignore[attr-defined]
+        del node
+        torch.cuda.synchronize()
+        out["before"] = hm.memory_info().as_dict()
+        torch.cuda.empty_cache()  # what a plain empty_cache leaves behind
+        plain_free = torch.cuda.mem_get_info()[0]
+        report = hm.release_cache()
+        live = torch.cuda.memory_allocated()
+        free = torch.cuda.mem_get_info()[0]
+        out["after"] = hm.memory_info().as_dict()
+    out.update(
+        live=live,
+        free=free,
+        kept=len(kept),
+        ratio=free / (total - live - context),
+        plain_ratio=plain_free / (total - live - context),
+        report=str(report),
+        gc_rounds=report.gc_rounds,
+        returned=report.bytes_returned,
+    )
+    return out
+
+
+def devices() -> dict[str, Any]:
+    """(d) On device 1, releasing never creates a context on device 0."""
+    torch.cuda.set_device(1)
+    t = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    del t
+    out: dict[str, Any] = {"count": torch.cuda.device_count()}
+    has = torch._C._cuda_hasPrimaryContext  # type: ignore[attr-defined]
+    out["ctx0_before"] = bool(has(0))
+    out["ctx1_before"] = bool(has(1))
+    report = hm.release_cache()
+    out["released_devices"] = [d.device for d in report.devices]
+    out["returned"] = report.bytes_returned
+    out["info_device"] = hm.memory_info().device
+    all_report = hm.release_cache("all")
+    out["all_devices"] = [d.device for d in all_report.devices]
+    with hm.expandable_segments(True):
+        torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    out["ctx0_after"] = bool(has(0))
+    return out
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "segments": segments,
+    "settings": settings,
+    "release_training_expandable": lambda: release("training", "expandable"),
+    "release_training_classic": lambda: release("training", "classic"),
+    "release_scattered_expandable": lambda: release("scattered", "expandable"),
+    "devices": devices,
+}
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    print(json.dumps(SCENARIOS[name](), default=str))

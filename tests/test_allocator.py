@@ -1,0 +1,611 @@
+"""Allocator control: merged settings, toggles, env respect, non-LIFO, all forms."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hybridmem as hm
+from hybridmem import _torch
+from hybridmem._settings import parse_settings
+from tests.conftest import FakeTorch
+
+USER_ENV = "max_split_size_mb:256,garbage_collection_threshold:0.6,roundup_power2_divisions:4"
+USER_KEYS = {
+    "max_split_size_mb": "256",
+    "garbage_collection_threshold": "0.6",
+    "roundup_power2_divisions": "4",
+}
+
+
+def last_applied(fake: FakeTorch) -> dict[str, str]:
+    return parse_settings(fake.applied[-1])
+
+
+# --------------------------------------------------------------------------- #
+# The evidence rows of DESIGN.md, against the fake seam
+# --------------------------------------------------------------------------- #
+
+
+def test_toggle_keeps_the_users_settings_and_restores_explicitly(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
+    with hm.expandable_segments(True):
+        assert last_applied(fake) == {"expandable_segments": "True", **USER_KEYS}
+    # Restoring writes expandable_segments:False explicitly: re-applying the user's
+    # string alone would leave expandable segments on (torch keeps omitted keys).
+    assert last_applied(fake) == {"expandable_segments": "False", **USER_KEYS}
+    assert len(fake.applied) == 2
+
+
+def test_restores_on_error(fake: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
+    with pytest.raises(KeyboardInterrupt), hm.expandable_segments(True):
+        raise KeyboardInterrupt
+    assert last_applied(fake)["expandable_segments"] == "False"
+    assert not hm.allocator_config().expandable_segments
+
+
+def test_nests(fake: FakeTorch) -> None:
+    with hm.expandable_segments(True):
+        with hm.expandable_segments(False):
+            assert not hm.allocator_config().expandable_segments
+            with hm.expandable_segments(True):
+                assert hm.allocator_config().expandable_segments
+            assert not hm.allocator_config().expandable_segments
+        assert hm.allocator_config().expandable_segments
+    assert not hm.allocator_config().expandable_segments
+    assert [parse_settings(s)["expandable_segments"] for s in fake.applied] == [
+        "True",
+        "False",
+        "True",
+        "False",
+        "True",
+        "False",
+    ]
+
+
+def test_no_change_calls_no_setter(fake: FakeTorch) -> None:
+    with hm.expandable_segments(False), hm.allocator_settings(expandable_segments=False):
+        pass
+    assert fake.applied == []
+    with hm.expandable_segments(True), hm.expandable_segments(True):
+        pass
+    assert len(fake.applied) == 2  # on once, off once
+
+
+def test_allocator_settings_merge_and_restore(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
+    with hm.expandable_segments(True):
+        with hm.allocator_settings(max_split_size_mb=512, pinned_use_background_threads=True):
+            assert last_applied(fake) == {
+                **USER_KEYS,
+                "expandable_segments": "True",
+                "max_split_size_mb": "512",
+                "pinned_use_background_threads": "True",
+            }
+            cfg = hm.allocator_config()
+            assert cfg.source("max_split_size_mb") == "runtime"
+            assert cfg.get("max_split_size_mb").origin.startswith("allocator_settings(")
+            assert cfg.source("garbage_collection_threshold") == "env"
+        # a key that torch keeps when omitted is written back to its default
+        assert last_applied(fake)["pinned_use_background_threads"] == "False"
+        assert last_applied(fake)["max_split_size_mb"] == "256"
+    assert last_applied(fake) == {
+        **USER_KEYS,
+        "expandable_segments": "False",
+        "pinned_use_background_threads": "False",
+    }
+
+
+# --------------------------------------------------------------------------- #
+# Respecting the user
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("var", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_explicit_env_false_is_never_overridden_by_an_enable(
+    fake: FakeTorch,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    var: str,
+) -> None:
+    monkeypatch.setenv(var, "expandable_segments:False")
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    for _ in range(2):
+        with hm.expandable_segments(True):
+            assert not hm.allocator_config().expandable_segments
+        with hm.allocator_settings(expandable_segments=True):
+            assert not hm.allocator_config().expandable_segments
+    assert fake.applied == []
+    messages = [r.getMessage() for r in caplog.records if "explicitly" in r.getMessage()]
+    assert len(messages) == 1  # logged once
+    assert var in messages[0]
+    assert "force=True" in messages[0]
+
+
+def test_force_overrides_and_disabling_is_always_allowed(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with hm.expandable_segments(False):
+        assert last_applied(fake)["expandable_segments"] == "False"
+    assert last_applied(fake)["expandable_segments"] == "True"
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    from hybridmem.allocator import _reset_state_for_tests
+
+    _reset_state_for_tests()
+    fake.last = None
+    with hm.expandable_segments(True, force=True):
+        assert hm.allocator_config().expandable_segments
+    assert last_applied(fake)["expandable_segments"] == "False"
+
+
+def test_env_precedence_on_torch_2_10_and_later(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_torch, "reads_generic_alloc_conf", lambda: True)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
+    monkeypatch.setenv(
+        "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,release_lock_on_cudamalloc:True"
+    )
+    cfg = hm.allocator_config()
+    # generic keys come only from PYTORCH_ALLOC_CONF once it is set (torch ignores
+    # the CUDA variable's expandable_segments then); CUDA keys from the CUDA one.
+    assert cfg["max_split_size_mb"] == "128"
+    assert cfg.get("max_split_size_mb").origin == "PYTORCH_ALLOC_CONF"
+    assert not cfg.expandable_segments
+    assert cfg["release_lock_on_cudamalloc"] == "True"
+    assert cfg.get("release_lock_on_cudamalloc").origin == "PYTORCH_CUDA_ALLOC_CONF"
+    assert dict(cfg.env) == {
+        "PYTORCH_ALLOC_CONF": "max_split_size_mb:128",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,release_lock_on_cudamalloc:True",
+    }
+
+
+def test_env_on_older_torch_reads_only_the_cuda_variable(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_torch, "reads_generic_alloc_conf", lambda: False)
+    monkeypatch.setattr(_torch, "last_allocator_settings", lambda: None)  # no getter before 2.12
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:False")
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    cfg = hm.allocator_config()
+    assert "max_split_size_mb" not in cfg
+    assert any("ignores PYTORCH_ALLOC_CONF" in r.getMessage() for r in caplog.records)
+    with hm.expandable_segments(True):  # the explicit False is still respected
+        assert not hm.allocator_config().expandable_segments
+
+
+def test_malformed_env_is_a_clear_error(fake: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:ten")
+    with pytest.raises(hm.AllocatorSettingsError, match=r"PYTORCH_CUDA_ALLOC_CONF.*Fix or unset"):
+        hm.allocator_config()
+    with pytest.raises(hm.AllocatorSettingsError), hm.expandable_segments(True):
+        pass
+    assert fake.applied == []
+
+
+# --------------------------------------------------------------------------- #
+# configure_allocator
+# --------------------------------------------------------------------------- #
+
+
+def test_configure_allocator_sets_defaults_under_scopes(fake: FakeTorch) -> None:
+    cfg = hm.configure_allocator(expandable_segments=True, max_split_size_mb=512)
+    assert cfg.expandable_segments
+    assert cfg.get("max_split_size_mb").origin == "configure_allocator"
+    assert last_applied(fake) == {"expandable_segments": "True", "max_split_size_mb": "512"}
+    with hm.expandable_segments(False):
+        assert last_applied(fake) == {"expandable_segments": "False", "max_split_size_mb": "512"}
+    assert hm.allocator_config().expandable_segments
+
+
+def test_configure_allocator_respects_explicit_env_keys(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256,expandable_segments:False")
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    cfg = hm.configure_allocator(
+        expandable_segments=True, max_split_size_mb=512, roundup_power2_divisions=8
+    )
+    assert cfg["max_split_size_mb"] == "256"
+    assert not cfg.expandable_segments
+    assert cfg["roundup_power2_divisions"] == "8"
+    assert sum("configure_allocator: kept" in r.getMessage() for r in caplog.records) == 2
+    cfg = hm.configure_allocator(force=True, expandable_segments=True, max_split_size_mb=512)
+    assert cfg.expandable_segments
+    assert cfg["max_split_size_mb"] == "512"
+
+
+def test_configure_allocator_after_cuda_init_releases_on_mode_change(
+    fake_gpu: FakeTorch,
+) -> None:
+    hm.configure_allocator(expandable_segments=True)
+    assert fake_gpu.events[:2] == ["sync:0", "empty_cache"]
+    assert fake_gpu.events[2].startswith("set:expandable_segments:True")
+    assert fake_gpu.devices[0].reserved == fake_gpu.devices[0].allocated
+
+
+# --------------------------------------------------------------------------- #
+# Cache release around mode changes
+# --------------------------------------------------------------------------- #
+
+
+def test_mode_change_releases_cached_blocks_first(fake_gpu: FakeTorch) -> None:
+    with hm.expandable_segments(True):
+        assert fake_gpu.events == [
+            "sync:0",
+            "empty_cache",
+            "set:expandable_segments:True",
+        ]
+        with hm.expandable_segments(True):  # no change, no release
+            pass
+        assert len(fake_gpu.events) == 3
+    assert fake_gpu.events[3:] == ["sync:0", "empty_cache", "set:expandable_segments:False"]
+
+
+def test_release_cache_false_skips_the_release(fake_gpu: FakeTorch) -> None:
+    with hm.expandable_segments(True, release_cache=False):
+        pass
+    assert [e for e in fake_gpu.events if not e.startswith("set:")] == []
+
+
+def test_no_release_before_cuda_is_initialised(fake: FakeTorch) -> None:
+    with hm.expandable_segments(True):
+        pass
+    assert fake.events == ["set:expandable_segments:True", "set:expandable_segments:False"]
+
+
+def test_other_settings_do_not_release(fake_gpu: FakeTorch) -> None:
+    with hm.allocator_settings(max_split_size_mb=64):
+        pass
+    assert [e for e in fake_gpu.events if not e.startswith("set:")] == []
+
+
+# --------------------------------------------------------------------------- #
+# Non-LIFO, threads, failures
+# --------------------------------------------------------------------------- #
+
+
+def test_non_lifo_exit_warns_once_naming_both_and_ends_correct(fake: FakeTorch) -> None:
+    outer = hm.expandable_segments(True)
+    inner = hm.allocator_settings(max_split_size_mb=64)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.warns(hm.HybridMemWarning) as record:
+        outer.__exit__(None, None, None)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "expandable_segments(True)" in message
+    assert "allocator_settings(max_split_size_mb=64)" in message
+    # the outer change is gone, the inner one is still in force
+    assert last_applied(fake) == {"expandable_segments": "False", "max_split_size_mb": "64"}
+    inner.__exit__(None, None, None)
+    assert last_applied(fake) == {"expandable_segments": "False"}
+    assert hm.allocator_config().scopes == ()
+
+
+def test_two_threads_interleaving_end_in_the_right_state(fake: FakeTorch) -> None:
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    caught: list[str] = []
+
+    def thread_a() -> None:
+        with pytest.warns(hm.HybridMemWarning) as record, hm.expandable_segments(True):  # noqa: PT031
+            a_in.set()
+            b_in.wait()
+        caught.extend(str(w.message) for w in record)
+        a_out.set()
+
+    def thread_b() -> None:
+        a_in.wait()
+        with hm.expandable_segments(False):
+            b_in.set()
+            a_out.wait()
+            assert not hm.allocator_config().expandable_segments
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(caught) == 1
+    assert "expandable_segments(True)" in caught[0]
+    assert "expandable_segments(False)" in caught[0]
+    assert not hm.allocator_config().expandable_segments
+    assert hm.allocator_config().scopes == ()
+
+
+def test_setter_failure_restores_and_raises(fake: FakeTorch) -> None:
+    with hm.allocator_settings(max_split_size_mb=64):
+        fake.reject.add("expandable_segments:True,max_split_size_mb:64")
+        with pytest.raises(hm.AllocatorSettingsError, match="fake"), hm.expandable_segments(True):
+            pass
+        # the previous string was put back and the failed scope is not on the stack
+        assert fake.applied[-1] == "expandable_segments:False,max_split_size_mb:64"
+        assert hm.allocator_config().scopes == ("allocator_settings(max_split_size_mb=64)",)
+    assert last_applied(fake) == {"expandable_segments": "False"}
+
+
+def test_settings_changed_outside_hybridmem_are_adopted(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
+    fake.last = USER_ENV
+    hm.allocator_config()
+    # a framework calls torch's setter itself, dropping the user's settings
+    fake.last = "expandable_segments:True"
+    with hm.expandable_segments(False):
+        # hybridmem notices, keeps the user's settings, and applies the merge
+        assert last_applied(fake) == {**USER_KEYS, "expandable_segments": "False"}
+    assert last_applied(fake) == {**USER_KEYS, "expandable_segments": "True"}
+    assert any("changed outside hybridmem" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------------- #
+# Degraded builds and the kill switch
+# --------------------------------------------------------------------------- #
+
+
+def test_cuda_malloc_async_backend_is_a_noop_with_one_warning(fake: FakeTorch) -> None:
+    fake.backend = "cudaMallocAsync"
+    with pytest.warns(hm.HybridMemWarning, match="cudaMallocAsync") as record:  # noqa: PT031
+        for _ in range(3):
+            with hm.expandable_segments(True):
+                assert hm.allocator_config().expandable_segments  # intended state is reported
+    assert len(record) == 1
+    assert fake.applied == []
+
+
+def test_no_setter_is_a_noop_with_one_warning(fake: FakeTorch) -> None:
+    fake.has_setter = False
+    with pytest.warns(hm.HybridMemWarning, match="no allocator-settings setter") as record:  # noqa: PT031
+        for _ in range(2):
+            with hm.expandable_segments(True):
+                pass
+    assert len(record) == 1
+    assert fake.applied == []
+
+
+def test_kill_switch(fake: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDMEM_DISABLE", "1")
+
+    @hm.expandable_segments(True)
+    def work() -> str:
+        return "ran"
+
+    assert work() == "ran"
+    with hm.allocator_settings(max_split_size_mb=64):
+        pass
+    assert hm.configure_allocator(expandable_segments=True).expandable_segments is False
+    assert fake.applied == []
+
+
+# --------------------------------------------------------------------------- #
+# Every form of the base, for the real toggles
+# --------------------------------------------------------------------------- #
+
+
+def test_every_decorator_form(fake: FakeTorch) -> None:
+    on = hm.expandable_segments(True)
+
+    def state() -> bool:
+        return hm.allocator_config().expandable_segments
+
+    @on
+    def fn() -> bool:
+        return state()
+
+    @on
+    async def coro() -> bool:
+        await asyncio.sleep(0)
+        return state()
+
+    @on
+    def gen() -> Iterator[bool]:
+        yield state()
+        yield state()
+
+    @on
+    async def agen() -> AsyncIterator[bool]:
+        yield state()
+
+    @on
+    class Manager:
+        def __enter__(self) -> bool:
+            return state()
+
+        def __exit__(self, *exc: object) -> None:
+            assert state()
+
+    @on
+    class AsyncManager:
+        async def __aenter__(self) -> bool:
+            return state()
+
+        async def __aexit__(self, *exc: object) -> None:
+            assert state()
+
+    async def run_async() -> list[bool]:
+        results = [await coro()]
+        results += [value async for value in agen()]
+        async with AsyncManager() as inside_async:
+            results.append(inside_async and state())
+        async with on:
+            results.append(state())
+        return results
+
+    assert fn()
+    for value in gen():
+        assert value
+        assert not state()  # restored at each yield
+    with Manager() as inside:
+        assert inside
+        assert state()
+    assert asyncio.run(run_async()) == [True, True, True, True]
+    assert not state()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: hm.expandable_segments("True"), TypeError, "enabled must be True or False"),  # type: ignore[arg-type]
+        (lambda: hm.expandable_segments(1), TypeError, "enabled must be"),  # type: ignore[arg-type]
+        (lambda: hm.expandable_segments(True, release_cache=None), TypeError, "release_cache"),  # type: ignore[arg-type]
+        (lambda: hm.expandable_segments(True, force="yes"), TypeError, "force"),  # type: ignore[arg-type]
+        (lambda: hm.allocator_settings(max_split=1), ValueError, "known settings"),
+        (
+            lambda: hm.allocator_settings(backend="native"),
+            ValueError,
+            "cannot change after start-up",
+        ),
+        (lambda: hm.allocator_settings(max_split_size_mb=4), ValueError, ">= 20"),
+        (lambda: hm.allocator_settings(expandable_segments="on"), ValueError, "True or False"),
+        (lambda: hm.configure_allocator(force=1), TypeError, "force"),  # type: ignore[arg-type]
+        (lambda: hm.configure_allocator(garbage_collection_threshold=3), ValueError, "between"),
+    ],
+)
+def test_bad_input(call: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        call()  # type: ignore[operator]
+
+
+def test_allocator_config_reports_sources_and_renders(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
+    with hm.expandable_segments(True):
+        cfg = hm.allocator_config()
+    assert cfg.source("expandable_segments") == "runtime"
+    assert cfg.source("max_split_size_mb") == "env"
+    assert cfg.source("pinned_use_background_threads") == "default"
+    assert cfg.scopes == ("expandable_segments(True)",)
+    assert cfg.setter == "fake.setter"
+    assert cfg.applied == fake.applied[0]
+    assert "max_split_size_mb" in cfg
+    assert "backend" not in cfg
+    assert list(cfg) == [
+        "max_split_size_mb",
+        "garbage_collection_threshold",
+        "roundup_power2_divisions",
+        "expandable_segments",
+    ]
+    data = cfg.as_dict()
+    assert data["settings"]["max_split_size_mb"] == {
+        "value": "256",
+        "source": "env",
+        "origin": "PYTORCH_CUDA_ALLOC_CONF",
+    }
+    assert data["settings"]["backend"]["source"] == "default"
+    text = str(cfg)
+    assert "[env: PYTORCH_CUDA_ALLOC_CONF]" in text
+    assert "active scopes: expandable_segments(True)" in text
+    with pytest.raises(KeyError):
+        cfg.get("no_such_key")
+
+
+# --------------------------------------------------------------------------- #
+# The real CPU build of torch: its setter and getter exist and parse
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.skipif(
+    not callable(getattr(torch._C, "_accelerator_getAllocatorSettings", None)),
+    reason="torch < 2.12 has no settings getter",
+)
+def test_real_torch_setter_receives_the_merged_string(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", USER_ENV)
+    getter = torch._C._accelerator_getAllocatorSettings
+    with hm.expandable_segments(True):
+        assert parse_settings(getter()) == {**USER_KEYS, "expandable_segments": "True"}
+    assert parse_settings(getter()) == {**USER_KEYS, "expandable_segments": "False"}
+
+
+def test_real_torch_rejection_maps_to_one_error() -> None:
+    with pytest.raises(hm.AllocatorSettingsError, match="torch rejected"):
+        _torch.set_allocator_settings("max_split_size_mb:10")
+
+
+# --------------------------------------------------------------------------- #
+# Property: random nesting with exceptions always restores exactly
+# --------------------------------------------------------------------------- #
+
+_SCOPES = st.one_of(
+    st.booleans().map(lambda b: ("expandable_segments", str(b))),
+    st.sampled_from(["64", "128", "512"]).map(lambda v: ("max_split_size_mb", v)),
+)
+_TREES: st.SearchStrategy[list[Any]] = st.recursive(
+    st.just([]),
+    lambda children: st.lists(st.tuples(_SCOPES, st.booleans(), children), max_size=3),
+    max_leaves=12,
+)
+
+
+class Boom(Exception):
+    pass
+
+
+def _meaning(settings: dict[str, str]) -> dict[str, str]:
+    from hybridmem._settings import KEYS
+
+    return {k: v for k, v in settings.items() if KEYS[k].default != v}
+
+
+@given(tree=_TREES, env_split=st.sampled_from([None, "256"]))
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_random_nesting_with_exceptions_restores(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, tree: list[object], env_split: str | None
+) -> None:
+    from hybridmem.allocator import _reset_state_for_tests
+
+    _reset_state_for_tests()
+    fake.applied.clear()
+    fake.last = None
+    if env_split is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        base: dict[str, str] = {}
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", f"max_split_size_mb:{env_split}")
+        base = {"max_split_size_mb": env_split}
+
+    fake.torch_state = dict(base)  # what torch parsed from the env at start-up
+
+    def torch_state() -> dict[str, str]:
+        return _meaning(fake.torch_state)
+
+    def run(nodes: list[Any], expected: dict[str, str]) -> None:
+        for node in nodes:
+            (key, value), fail, children = node
+            scope = (
+                hm.expandable_segments(value == "True")
+                if key == "expandable_segments"
+                else hm.allocator_settings(max_split_size_mb=int(value))
+            )
+            inner = {**expected, key: value}
+            try:
+                with scope:
+                    assert torch_state() == _meaning(inner)
+                    run(children, inner)
+                    if fail:
+                        raise Boom
+            except Boom:
+                pass
+            assert torch_state() == _meaning(expected)
+
+    run(tree, base)
+    assert torch_state() == _meaning(base)
+    assert hm.allocator_config().scopes == ()

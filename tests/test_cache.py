@@ -1,0 +1,220 @@
+"""Cache release: order, garbage-collection rounds, devices, report, scoped form."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Literal
+
+import pytest
+import torch
+
+import hybridmem as hm
+from hybridmem.cache import MAX_GC_ROUNDS
+from tests.conftest import FakeDevice, FakeTorch
+
+GiB = 1 << 30
+
+
+def test_order_is_sync_gc_ipc_empty(fake_gpu: FakeTorch) -> None:
+    hm.release_cache()
+    assert fake_gpu.events == ["sync:0", "gc", "ipc_collect", "empty_cache"]
+
+
+def test_report_figures(fake_gpu: FakeTorch) -> None:
+    report = hm.release_cache()
+    (dev,) = report.devices
+    assert dev.device == 0
+    assert (dev.allocated_before, dev.allocated_after) == (2 * GiB, 2 * GiB)
+    assert (dev.reserved_before, dev.reserved_after) == (10 * GiB, 2 * GiB)
+    assert dev.returned == report.bytes_returned == 8 * GiB
+    assert report.free_after - report.free_before == 8 * GiB
+    assert dev.total == 80 * GiB
+    assert report.synchronized
+    assert report.ipc_collected
+    assert report.gc_rounds == 1
+    assert report.duration_s >= 0
+    assert report.reserved_before == 10 * GiB
+    assert report.reserved_after == 2 * GiB
+    assert report.allocated_before == report.allocated_after == 2 * GiB
+    assert "returned 8.00 GiB" in str(report)
+
+
+def test_one_info_line(fake_gpu: FakeTorch, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    hm.release_cache()
+    lines = [r for r in caplog.records if r.name == "hybridmem"]
+    assert len(lines) == 1
+    assert lines[0].levelno == logging.INFO
+    assert lines[0].getMessage().startswith("release_cache(cuda:0): returned 8.00 GiB")
+
+
+def test_gc_repeats_only_while_it_frees_device_memory(fake_gpu: FakeTorch) -> None:
+    fake_gpu.gc_results = [10, 5, 0]
+    fake_gpu.gc_frees = [GiB, GiB, 0]
+    report = hm.release_cache()
+    assert report.gc_rounds == 3
+    assert report.gc_collected == 15
+    assert fake_gpu.events == ["sync:0", "gc", "gc", "gc", "ipc_collect", "empty_cache"]
+
+
+def test_gc_found_garbage_but_freed_no_device_memory(fake_gpu: FakeTorch) -> None:
+    fake_gpu.gc_results = [100, 100]
+    assert hm.release_cache().gc_rounds == 1
+
+
+def test_gc_rounds_are_capped(fake_gpu: FakeTorch) -> None:
+    fake_gpu.devices[0].allocated = 100 * GiB
+    fake_gpu.gc_results = [1] * 10
+    fake_gpu.gc_frees = [GiB] * 10
+    assert hm.release_cache().gc_rounds == MAX_GC_ROUNDS
+
+
+def test_switches_turn_steps_off(fake_gpu: FakeTorch) -> None:
+    report = hm.release_cache(sync=False, collect_garbage=False, ipc_collect=False)
+    assert fake_gpu.events == ["empty_cache"]
+    assert not report.synchronized
+    assert report.gc_rounds == 0
+    assert not report.ipc_collected
+
+
+def test_uninitialised_cuda_is_a_noop(fake: FakeTorch) -> None:
+    report = hm.release_cache()
+    assert report.devices == ()
+    assert fake.events == []
+    assert "nothing to do" in str(report)
+
+
+def test_current_device_not_device_zero(fake_gpu: FakeTorch) -> None:
+    fake_gpu.devices[1] = FakeDevice(allocated=GiB, reserved=3 * GiB)
+    fake_gpu.current = 1
+    report = hm.release_cache()
+    assert [d.device for d in report.devices] == [1]
+    assert fake_gpu.events[0] == "sync:1"
+
+
+def test_device_all_and_explicit(fake_gpu: FakeTorch) -> None:
+    fake_gpu.devices[1] = FakeDevice(allocated=GiB, reserved=3 * GiB)
+    report = hm.release_cache("all")
+    assert [d.device for d in report.devices] == [0, 1]
+    assert fake_gpu.events[:2] == ["sync:0", "sync:1"]
+    assert report.bytes_returned == 8 * GiB + 2 * GiB
+    assert [d.device for d in hm.release_cache(torch.device("cuda", 1)).devices] == [1]
+    assert [d.device for d in hm.release_cache("cuda:1").devices] == [1]
+    assert [d.device for d in hm.release_cache("cuda").devices] == [0]
+
+
+def test_device_without_context_is_skipped(fake_gpu: FakeTorch) -> None:
+    fake_gpu.devices[2] = FakeDevice()  # two devices have contexts; index 1 has none
+    report = hm.release_cache(device=1)
+    assert report.devices == ()
+    assert "sync:1" not in fake_gpu.events
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "message"),
+    [
+        (True, TypeError, "bool"),
+        (-1, ValueError, ">= 0"),
+        (7, ValueError, "out of range"),
+        ("cpu", ValueError, "not a CUDA device"),
+        ("gpu0", ValueError, "is not a device"),
+        (torch.device("cpu"), ValueError, "not a CUDA device"),
+        (1.5, TypeError, "device must be"),
+    ],
+)
+def test_bad_device(
+    fake_gpu: FakeTorch, device: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        hm.release_cache(device)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag", ["sync", "collect_garbage", "ipc_collect"])
+def test_bad_flags(fake_gpu: FakeTorch, flag: str) -> None:
+    with pytest.raises(TypeError, match=flag):
+        hm.release_cache(**{flag: 1})  # type: ignore[arg-type]
+
+
+def test_kill_switch(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDMEM_DISABLE", "true")
+    assert hm.release_cache().devices == ()
+    assert fake_gpu.events == []
+
+
+# --------------------------------------------------------------------------- #
+# aggressive_cache_release
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("on", "expected"),
+    [
+        ("enter", ["empty_cache", "body"]),
+        ("exit", ["body", "empty_cache"]),
+        ("both", ["empty_cache", "body", "empty_cache"]),
+    ],
+)
+def test_scoped_release_when(
+    fake_gpu: FakeTorch, on: Literal["enter", "exit", "both"], expected: list[str]
+) -> None:
+    with hm.aggressive_cache_release(
+        on=on, collect_garbage=False, sync=False, ipc_collect=False
+    ) as ctx:
+        fake_gpu.events.append("body")
+    assert fake_gpu.events == expected
+    assert ctx.last_report is not None
+
+
+def test_bare_and_called_decorator_forms(fake_gpu: FakeTorch) -> None:
+    @hm.aggressive_cache_release
+    def bare() -> str:
+        fake_gpu.events.append("body")
+        return "ok"
+
+    @hm.aggressive_cache_release(on="enter", collect_garbage=False)
+    async def called() -> str:
+        fake_gpu.events.append("body")
+        return "ok"
+
+    assert bare() == "ok"
+    assert fake_gpu.events[0] == "body"
+    assert fake_gpu.events[-1] == "empty_cache"
+    fake_gpu.events.clear()
+    assert asyncio.run(called()) == "ok"
+    assert fake_gpu.events[-1] == "body"
+    assert "empty_cache" in fake_gpu.events
+    assert bare.__name__ == "bare"
+
+
+def test_release_on_error_never_masks_the_error(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("CUDA error: device lost")
+
+    monkeypatch.setattr("hybridmem._torch.empty_cache", broken)
+    with pytest.raises(KeyError), hm.aggressive_cache_release():
+        raise KeyError("original")
+    assert any("release_cache failed" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="device lost"), hm.aggressive_cache_release():
+        pass  # without an error in flight, the release error is raised
+
+
+def test_scoped_release_runs_on_exception(fake_gpu: FakeTorch) -> None:
+    with pytest.raises(ValueError, match="x"), hm.aggressive_cache_release(collect_garbage=False):
+        raise ValueError("x")
+    assert fake_gpu.events[-1] == "empty_cache"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"on": "start"}, ValueError, "on must be one of"),
+        ({"sync": "yes"}, TypeError, "sync"),
+        ({"device": -2}, ValueError, ">= 0"),
+    ],
+)
+def test_scoped_bad_input(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        hm.aggressive_cache_release(**kwargs)  # type: ignore[call-overload]

@@ -1,0 +1,54 @@
+"""``import hybridmem`` initialises no CUDA and imports no inference engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CHECK = r"""
+import json, sys
+import hybridmem as hm
+import torch
+with hm.expandable_segments(True):
+    pass
+hm.allocator_config()
+hm.memory_info()
+hm.release_cache()
+print(json.dumps({
+    "cuda_initialized": torch.cuda.is_initialized(),
+    "engines": sorted(m for m in ("vllm", "sglang", "torch_memory_saver") if m in sys.modules),
+    "all_sorted": hm.__all__ == sorted(hm.__all__),
+    "all_exists": all(hasattr(hm, name) for name in hm.__all__),
+}))
+"""
+
+
+def test_import_and_use_touch_neither_cuda_nor_engines(tmp_path: Path) -> None:
+    # Poisoned engines on the path: importing one would fail loudly.
+    for name in ("vllm", "sglang", "torch_memory_saver"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('hybridmem imported me')\n")
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+        env={"PYTHONPATH": f"{tmp_path}:{repo}", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert facts == {
+        "cuda_initialized": False,
+        "engines": [],
+        "all_sorted": True,
+        "all_exists": True,
+    }
+
+
+def test_py_typed_is_shipped() -> None:
+    import hybridmem
+
+    assert (Path(hybridmem.__file__).parent / "py.typed").exists()

@@ -1,0 +1,109 @@
+"""The torch seam: version guards, setter selection, error mapping."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+
+from hybridmem import AllocatorSettingsError, _torch
+
+
+def test_version_parsing() -> None:
+    assert _torch._parse_version("2.11.0+cu130") == (2, 11)
+    assert _torch._parse_version("2.4.1") == (2, 4)
+    assert _torch._parse_version("2.13.0a0+git123") == (2, 13)
+    assert _torch.torch_version() >= (2, 4)
+    assert _torch.torch_version_string() == torch.__version__
+
+
+def _fake_c(monkeypatch: pytest.MonkeyPatch, **attrs: object) -> types.SimpleNamespace:
+    fake_c = types.SimpleNamespace(**attrs)
+    monkeypatch.setattr(torch, "_C", fake_c)
+    return fake_c
+
+
+def test_new_setter_is_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    _fake_c(monkeypatch, _accelerator_setAllocatorSettings=calls.append)
+    assert _torch.settings_setter_name() == "torch._C._accelerator_setAllocatorSettings"
+    assert _torch.set_allocator_settings("expandable_segments:True") is True
+    assert calls == ["expandable_segments:True"]
+
+
+@pytest.mark.parametrize("torch_error", [ValueError, RuntimeError])
+def test_both_torch_errors_map_to_one(
+    monkeypatch: pytest.MonkeyPatch, torch_error: type[Exception]
+) -> None:
+    def reject(text: str) -> None:
+        raise torch_error("Expected 'True' or 'False'\nmore torch text")
+
+    _fake_c(monkeypatch, _accelerator_setAllocatorSettings=reject)
+    with pytest.raises(AllocatorSettingsError, match=r"expandable_segments:maybe.*Expected 'True'"):
+        _torch.set_allocator_settings("expandable_segments:maybe")
+
+
+def test_old_setter_without_leaking_its_future_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def old(text: str) -> None:
+        warnings.warn("deprecated", FutureWarning, stacklevel=2)
+        calls.append(text)
+
+    _fake_c(monkeypatch, _cuda_cudaCachingAllocator_set_allocator_settings=old)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", old)
+    assert _torch.settings_setter_name() == "torch.cuda.memory._set_allocator_settings"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _torch.set_allocator_settings("expandable_segments:False") is True
+    assert calls == ["expandable_segments:False"]
+
+
+def test_old_cpu_build_without_binding_has_no_setter(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_c(monkeypatch)
+    monkeypatch.setattr(_torch, "_TORCH_VERSION", (2, 6))
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda text: None)
+    assert _torch.settings_setter_name() is None
+    assert _torch.set_allocator_settings("expandable_segments:False") is False
+
+
+def test_getter_only_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_torch, "_GETTER_FN", None)
+    assert _torch.last_allocator_settings() is None
+    monkeypatch.setattr(_torch, "_GETTER_FN", lambda: "expandable_segments:True")
+    assert _torch.last_allocator_settings() == "expandable_segments:True"
+
+
+def test_generic_env_variable_from_2_10(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_torch, "_TORCH_VERSION", (2, 9))
+    assert not _torch.reads_generic_alloc_conf()
+    monkeypatch.setattr(_torch, "_TORCH_VERSION", (2, 10))
+    assert _torch.reads_generic_alloc_conf()
+
+
+def test_cpu_build_state_never_touches_cuda() -> None:
+    if _torch.cuda_available():
+        pytest.skip("CPU-only check")
+    assert not _torch.cuda_initialized()
+    assert _torch.initialized_devices() == []
+    assert _torch.current_device() is None
+    assert not _torch.has_context(0)
+    assert _torch.memory_stats(0) == {}
+    assert _torch.snapshot() is None
+    assert _torch.snapshot_allocator_settings() is None
+    _torch.empty_cache()
+    _torch.ipc_collect()
+    assert not _torch.cuda_initialized()
+
+
+def test_api_report_lists_every_guarded_api() -> None:
+    report = _torch.api_report()
+    assert set(report) >= {
+        "torch._C._accelerator_setAllocatorSettings",
+        "torch.cuda.memory._set_allocator_settings",
+        "torch._C._accelerator_getAllocatorSettings",
+        "torch._C._cuda_hasPrimaryContext",
+    }
+    assert all(isinstance(v, bool) for v in report.values())
