@@ -210,6 +210,8 @@ def _same(base: _Effective, key: str, value: str) -> bool:
 
 
 _MAX_CHILDREN = 64
+#: Keys torch resets to their defaults on every setter call that omits them.
+_RESET_BY_TORCH = frozenset(k for k, spec in KEYS.items() if spec.default is None and spec.runtime)
 
 
 def _overlay(base: _Effective, changes: Mapping[str, str], origin: str) -> _Effective:
@@ -395,8 +397,13 @@ class _AllocatorState:
         )
         self._defaults = _overlay(self._base(), external, "set outside hybridmem")
         self._applied = last
+        # Model what torch now has: its three reset keys went back to their defaults,
+        # the string's keys are set, every other key kept its value.
         current = self._current if self._current is not None else self._env_effective
-        self._current = _overlay(current, external, "set outside hybridmem")
+        model = _Effective({k: v for k, v in current.items() if k not in _RESET_BY_TORCH})
+        for key, value in external.items():
+            model[key] = Setting(key, value, "runtime", "set outside hybridmem")
+        self._current = model
         self._recompute()
 
     def _settings_string(self, effective: _Effective) -> str:

@@ -354,6 +354,22 @@ def test_settings_changed_outside_hybridmem_are_adopted(
     assert any("changed outside hybridmem" in r.getMessage() for r in caplog.records)
 
 
+def test_external_change_inside_a_scope_is_repaired_at_the_next_entry(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
+    fake.torch_state = dict(USER_KEYS)
+    with hm.expandable_segments(True):
+        # an engine toggles with torch's own setter: the user's three keys are reset
+        fake.set_allocator_settings("expandable_segments:True")
+        assert fake.torch_state == {"expandable_segments": "True"}
+        with hm.expandable_segments(True):  # no change in hybridmem's view...
+            # ...but torch lost the user's settings: they are written back
+            assert fake.torch_state == {**USER_KEYS, "expandable_segments": "True"}
+    assert fake.torch_state == {**USER_KEYS, "expandable_segments": "True"}
+    assert any("changed outside hybridmem" in r.getMessage() for r in caplog.records)
+
+
 # --------------------------------------------------------------------------- #
 # Degraded builds and the kill switch
 # --------------------------------------------------------------------------- #

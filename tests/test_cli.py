@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from hybridmem.cli import main
+from tests.helpers import run_python
 
 
 def test_doctor_human(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,14 +63,6 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_installed_entry_point_runs_in_a_fresh_process() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "HYBRIDMEM_"))}
-    result = subprocess.run(
-        [sys.executable, "-m", "hybridmem.cli", "doctor", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=120,
-    )
+    result = run_python("-m", "hybridmem.cli", "doctor", "--json", timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["ok"] is True

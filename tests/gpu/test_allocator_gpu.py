@@ -8,33 +8,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers import run_python
+
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parents[2]
 USER_ENV = "max_split_size_mb:256,garbage_collection_threshold:0.6,roundup_power2_divisions:4"
 MiB = 1 << 20
 
 
 def run_scenario(name: str, **env: str) -> dict[str, Any]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "HYBRIDMEM_"))}
-    clean.update(env)
-    clean["PYTHONPATH"] = str(REPO)
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.gpu.scenarios", name],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=clean,
-        timeout=300,
-        check=False,
-    )
+    result = run_python("-m", "tests.gpu.scenarios", name, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     facts: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     out_dir = os.environ.get("OUT")

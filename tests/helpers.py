@@ -1,0 +1,32 @@
+"""Helpers for tests that run Python in a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` from the repository root without the caller's allocator env.
+
+    ``PYTORCH_*`` and ``HYBRIDMEM_*`` variables are dropped (each test states its
+    own), the repository is put on ``PYTHONPATH``, and ``env`` is added on top.
+    """
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "HYBRIDMEM_"))}
+    clean["PYTHONPATH"] = str(REPO)
+    clean.update(env or {})
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=clean,
+        timeout=timeout,
+        check=False,
+    )
