@@ -36,6 +36,7 @@ from hybridmem.cache import (
     aggressive_cache_release,
     release_cache,
 )
+from hybridmem.offload import Offloaded, Offloader, OffloadReport, offloaded
 from hybridmem.telemetry import MemoryInfo, memory_info
 
 __version__ = "0.1.0"
@@ -49,6 +50,9 @@ __all__ = [
     "ExpandableSegments",
     "HybridMemWarning",
     "MemoryInfo",
+    "OffloadReport",
+    "Offloaded",
+    "Offloader",
     "ReleaseReport",
     "ScopedContext",
     "Setting",
@@ -59,5 +63,6 @@ __all__ = [
     "configure_allocator",
     "expandable_segments",
     "memory_info",
+    "offloaded",
     "release_cache",
 ]

@@ -11,6 +11,7 @@ only called by hybridmem once :func:`cuda_initialized` is true.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from collections.abc import Callable
@@ -27,23 +28,32 @@ __all__ = [
     "cuda_initialized",
     "cuda_version",
     "current_device",
+    "current_stream",
     "device_count",
     "empty_cache",
     "has_context",
     "initialized_devices",
     "ipc_collect",
+    "is_device_tensor",
     "last_allocator_settings",
+    "local_tensor",
     "mem_get_info",
     "memory_stats",
+    "new_stream",
+    "pin_host_tensor",
     "reads_generic_alloc_conf",
     "runtime_allocator_backend",
     "set_allocator_settings",
     "settings_setter_name",
     "snapshot",
     "snapshot_allocator_settings",
+    "stream_scope",
     "synchronize",
+    "synchronize_stream",
     "torch_version",
     "torch_version_string",
+    "unpin_host_tensor",
+    "wait_stream",
 ]
 
 
@@ -225,6 +235,8 @@ def runtime_allocator_backend() -> str | None:
 _CUDA_BUILT = torch.version.cuda is not None and hasattr(torch._C, "_cuda_getDeviceCount")
 # torch ships these two without annotations; typed aliases keep mypy --strict honest.
 _IS_INITIALIZED = cast(Callable[[], bool], torch.cuda.is_initialized)
+_CUDART: Callable[[], Any] = torch.cuda.cudart
+_CUDA_STREAM = cast(Callable[..., Any], torch.cuda.Stream)
 
 
 def cuda_built() -> bool:
@@ -308,6 +320,79 @@ def mem_get_info(index: int) -> tuple[int, int]:
     """Return device-wide ``(free, total)`` bytes for a device that has a context."""
     free, total = torch.cuda.mem_get_info(index)
     return int(free), int(total)
+
+
+# --------------------------------------------------------------------------- #
+# Offload: streams, pinned host memory, sharded tensors
+# --------------------------------------------------------------------------- #
+
+
+def is_device_tensor(tensor: torch.Tensor) -> bool:
+    """Return whether ``tensor`` lives in CUDA device memory (what offload moves)."""
+    return bool(tensor.is_cuda)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Return the local shard of a DTensor (FSDP2, tensor parallel), else ``tensor``.
+
+    ``DTensor.to_local()`` (torch 2.4+, public) shares the shard's storage, which is
+    what offload frees and restores.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is None or not callable(to_local):
+        return tensor
+    with torch.no_grad():
+        local = to_local()
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def new_stream(device: torch.device) -> Any:
+    """Return a new CUDA stream on ``device`` (None for non-CUDA devices)."""
+    return _CUDA_STREAM(device=device) if device.type == "cuda" else None
+
+
+def current_stream(device: torch.device) -> Any:
+    """Return the current stream of ``device`` (None for non-CUDA devices)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def stream_scope(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Make ``stream`` current inside the block (a no-op for None)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def wait_stream(waiter: Any, waitee: Any) -> None:
+    """Order ``waiter``'s later work after ``waitee``'s work queued so far."""
+    if waiter is not None and waitee is not None:
+        waiter.wait_stream(waitee)
+
+
+def synchronize_stream(stream: Any) -> None:
+    """Block the host until ``stream``'s queued work is done."""
+    if stream is not None:
+        stream.synchronize()
+
+
+def pin_host_tensor(tensor: torch.Tensor) -> bool:
+    """Page-lock a CPU tensor's memory in place with ``cudaHostRegister``.
+
+    Unlike ``pin_memory=True`` (torch's caching host allocator rounds every
+    allocation up to a power of two: 24 GiB would pin 32 GiB), registering an
+    exact-size allocation pins exactly what is asked. Returns False when CUDA is
+    absent or registration failed (the tensor stays pageable).
+    """
+    if not cuda_available():
+        return False
+    cudart = _CUDART()
+    # flag 1 = cudaHostRegisterPortable: pinned for every CUDA context in the process
+    status = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1))
+    return status == 0
+
+
+def unpin_host_tensor(data_ptr: int) -> None:
+    """Undo :func:`pin_host_tensor` (errors ignored: the process may be exiting)."""
+    with contextlib.suppress(Exception):  # CUDA may already be torn down at exit
+        _CUDART().cudaHostUnregister(data_ptr)
 
 
 def api_report() -> dict[str, bool]:

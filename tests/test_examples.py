@@ -11,3 +11,9 @@ def test_quickstart_runs() -> None:
     assert "step 2: loss" in result.stdout
     assert "garbage_collection_threshold" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_offload_example_runs() -> None:
+    result = run_python(str(REPO / "examples" / "offload_rollout.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2: loss" in result.stdout

@@ -201,6 +201,135 @@ def devices() -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- #
+# Offload
+# --------------------------------------------------------------------------- #
+
+
+def _mlp(width: int = 2048, depth: int = 12) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers).cuda()
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.detach() for p in model.parameters()]
+    out += list(model.buffers())
+    out += [p.grad for p in model.parameters() if p.grad is not None]
+    out += [v for st in opt.state.values() for v in st.values() if v.is_cuda]
+    return out
+
+
+def offload_cycles() -> dict[str, Any]:
+    """Bitwise state after 10 cycles, identity, memory after offload, non-blocking reload."""
+    torch.manual_seed(0)
+    elsewhere = torch.randn(16 * MiB // 4, device="cuda")  # live memory not offloaded
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 2048, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    model(x).square().mean().backward()  # gradients present at offload
+    reference = [t.detach().cpu().clone() for t in _state(model, opt)]
+    ids = [id(p) for p in model.parameters()]
+    torch.cuda.synchronize()
+    state_bytes = sum(t.untyped_storage().nbytes() for t in _state(model, opt))
+    live_elsewhere = torch.cuda.memory_allocated() - state_bytes
+    off = hm.Offloader(model, opt)
+    after_offload = []
+    reports = []
+    for _ in range(10):
+        reports.append(off.offload())
+        after_offload.append(
+            {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+        )
+        reports.append(off.reload())
+    equal = all(torch.equal(a, b.detach().cpu()) for a, b in zip(reference, _state(model, opt)))
+    # a reload that does not block: the current stream is ordered after its copies
+    with torch.no_grad():
+        expected = model(x)
+    off.offload()
+    off.reload("parameters", non_blocking=True)
+    off.reload("buffers", non_blocking=True)
+    with torch.no_grad():
+        got = model(x)
+    non_blocking_equal = torch.equal(expected, got)
+    off.reload()
+    del elsewhere
+    return {
+        "state_bytes": state_bytes,
+        "live_elsewhere": live_elsewhere,
+        "after_offload": after_offload,
+        "bitwise_equal": equal,
+        "same_parameters": ids == [id(p) for p in model.parameters()],
+        "pool_pinned": bool(off._pool is not None and off._pool.is_pinned()),
+        "host_bytes": off.host_bytes,
+        "offload_gbps": [r.gbps for r in reports[2::2]],
+        "reload_gbps": [r.gbps for r in reports[3::2]],
+        "non_blocking_equal": non_blocking_equal,
+        "device": str(off.device),
+    }
+
+
+def _train(offload: bool) -> list[float]:
+    torch.manual_seed(1)
+    model = _mlp(width=512, depth=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    off = hm.Offloader(model, opt) if offload else None
+    data = torch.randn(20, 32, 512, device="cuda")
+    losses = []
+    for step in range(20):
+        loss = model(data[step]).square().mean()
+        loss.backward()
+        opt.step()
+        if off is not None:
+            off.offload()  # parameters, gradients and Adam state leave the GPU
+            off.reload()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def offload_training() -> dict[str, Any]:
+    """A small model trained 20 steps with and without offload between steps."""
+    torch.use_deterministic_algorithms(True)
+    return {"plain": _train(False), "offloaded": _train(True)}
+
+
+def offload_fsdp2() -> dict[str, Any]:
+    """FSDP2 (world size 1): DTensor parameters offload their local shard."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _mlp(width=1024, depth=4)
+        fully_shard(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        x = torch.randn(16, 1024, device="cuda")
+        model(x).sum().backward()
+        opt.step()
+        params: list[Any] = list(model.parameters())  # DTensors
+        kinds = sorted({type(p).__name__ for p in params})
+        reference = [p.to_local().detach().cpu().clone() for p in params]
+        off = hm.Offloader(model, opt)
+        report = off.offload()
+        freed = all(p.to_local().untyped_storage().nbytes() == 0 for p in params)
+        off.reload()
+        equal = all(torch.equal(a, p.to_local().detach().cpu()) for a, p in zip(reference, params))
+        model(x).sum().backward()  # FSDP2 all-gathers from the reloaded shards
+        opt.step()
+        return {"kinds": kinds, "freed": freed, "equal": equal, "bytes": report.nbytes}
+    finally:
+        dist.destroy_process_group()
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "segments": segments,
     "settings": settings,
@@ -208,6 +337,9 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "release_training_classic": lambda: release("training", "classic"),
     "release_scattered_expandable": lambda: release("scattered", "expandable"),
     "devices": devices,
+    "offload_cycles": offload_cycles,
+    "offload_training": offload_training,
+    "offload_fsdp2": offload_fsdp2,
 }
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""Offload on a real GPU (run on the H200: ``pytest -m gpu tests/gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu.test_allocator_gpu import run_scenario
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+
+
+def test_cycles_are_bitwise_exact_and_free_the_device() -> None:
+    facts = run_scenario("offload_cycles")
+    print(
+        f"\\noffload_cycles: state {facts['state_bytes'] / MiB:.0f} MiB, pool "
+        f"{facts['host_bytes'] / MiB:.0f} MiB, after offload {facts['after_offload'][-1]}, "
+        f"live elsewhere {facts['live_elsewhere'] / MiB:.1f} MiB, offload GB/s "
+        f"{max(facts['offload_gbps']):.1f}, reload GB/s {max(facts['reload_gbps']):.1f}"
+    )
+    assert facts["bitwise_equal"]
+    assert facts["same_parameters"]
+    assert facts["pool_pinned"]
+    assert facts["device"] == "cuda:0"
+    assert facts["host_bytes"] <= 1.05 * facts["state_bytes"]
+    for memory in facts["after_offload"]:
+        # within 64 MiB of what stays live elsewhere, allocated and reserved alike
+        assert memory["allocated"] - facts["live_elsewhere"] <= 64 * MiB
+        assert memory["reserved"] - facts["live_elsewhere"] <= 64 * MiB
+    assert facts["non_blocking_equal"]
+
+
+def test_training_with_offload_between_steps_matches() -> None:
+    facts = run_scenario("offload_training")
+    print(f"\\nlosses plain {facts['plain'][-1]!r} offloaded {facts['offloaded'][-1]!r}")
+    assert facts["offloaded"] == facts["plain"]  # every step's loss, bit for bit
+
+
+def test_fsdp2_local_shards() -> None:
+    facts = run_scenario("offload_fsdp2")
+    assert facts["kinds"] == ["DTensor"]
+    assert facts["freed"]
+    assert facts["equal"]
+    assert facts["bytes"] > 0

@@ -1,0 +1,286 @@
+"""Offloader logic on the CPU: CPU tensors stand in for device tensors.
+
+The seam decides what counts as a device tensor; here CPU tensors do, so the whole
+data path (collection, planning, in-place free and restore, groups, errors) runs for
+real. Streams are None on the CPU. The GPU tests check the same on an H200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+import hybridmem as hm
+from hybridmem import _torch
+
+
+@pytest.fixture
+def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Treat CPU tensors as device tensors; record pinning instead of calling CUDA."""
+    pinned: list[int] = []
+    monkeypatch.setattr(_torch, "is_device_tensor", lambda t: t.device.type in ("cpu", "meta"))
+
+    def pin(tensor: torch.Tensor) -> bool:
+        pinned.append(tensor.numel())
+        return True
+
+    monkeypatch.setattr(_torch, "pin_host_tensor", pin)
+    monkeypatch.setattr(_torch, "unpin_host_tensor", lambda ptr: None)
+    return pinned
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4)
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(8, 16)).sum().backward()
+    optimizer.step()
+    model(torch.randn(8, 16)).sum().backward()  # leave gradients in place
+    return model, optimizer
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in model.parameters()]
+    tensors += [b.clone() for b in model.buffers()]
+    tensors += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    tensors += [v.clone() for s in optimizer.state.values() for v in s.values()]
+    return tensors
+
+
+def assert_bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_cycles_keep_identity_and_bits(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    params = list(model.parameters())
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    for _ in range(10):
+        report = off.offload()
+        assert report.nbytes > 0
+        assert all(p.untyped_storage().nbytes() == 0 for p in params)  # device storage freed
+        assert all(p.grad is not None and p.grad.untyped_storage().nbytes() == 0 for p in params)
+        off.reload()
+    assert list(model.parameters()) == params  # the very same Parameter objects
+    assert all(a is b for a, b in zip(optimizer.param_groups[0]["params"], params))
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    assert len(cpu_as_device) == 1  # one pinned pool, allocated once, reused
+
+
+def test_pool_is_sized_to_the_state(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    assert off.host_bytes == 0
+    report = off.offload()
+    assert report.host_pool_bytes == off.host_bytes
+    assert report.nbytes <= off.host_bytes <= 1.05 * report.nbytes + 512 * report.tensors
+    assert report.groups == ("parameters", "buffers", "gradients", "optimizer")
+    assert off.offloaded_groups == {"parameters", "buffers", "gradients", "optimizer"}
+    off.reload()
+    assert off.offloaded_groups == frozenset()
+
+
+def test_reload_split_by_group(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    first = off.reload("parameters")
+    assert first.groups == ("parameters",)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+    assert all(v.untyped_storage().nbytes() == 0 for v in state)
+    off.reload(["optimizer", "buffers"])
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_partial_offload_and_repeat_is_harmless(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    assert off.offload("optimizer").groups == ("optimizer",)
+    assert off.offload("optimizer").nbytes == 0  # already offloaded
+    assert off.offload().groups == ("parameters", "buffers", "gradients")
+    assert off.reload().nbytes > 0
+    assert off.reload().nbytes == 0  # nothing offloaded
+
+
+def test_shared_storage_is_moved_once_and_stays_shared(cpu_as_device: list[int]) -> None:
+    base = torch.arange(32, dtype=torch.float32)
+    view = base[8:16]
+    tied = torch.nn.Linear(4, 4)
+    off = hm.Offloader({"base": base, "view": view}, [tied, tied.weight])
+    report = off.offload()
+    assert report.tensors == 3  # base+view share one; tied.weight is the module's
+    off.reload()
+    view.add_(1000)
+    assert base[8] == 1008  # still a view of the same storage
+
+
+def test_grads_drop(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer, grads="drop")
+    report = off.offload()
+    assert report.dropped_grad_bytes > 0
+    assert "gradients" not in report.groups
+    assert all(p.grad is None for p in model.parameters())
+    off.reload()
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def test_host_limit_fails_before_pinning(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer, max_host_bytes=1024)
+    with pytest.raises(ValueError, match="over max_host_bytes=1024"):
+        off.offload()
+    assert cpu_as_device == []
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+
+
+def test_targets_that_change_shape_are_replanned(
+    cpu_as_device: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    layer = torch.nn.Linear(8, 8)
+    off = hm.Offloader(layer)
+    off.offload()
+    off.reload()
+    with torch.no_grad():
+        layer.weight.data = torch.randn(64, 64)  # now bigger
+    expected = layer.weight.detach().clone()
+    off.offload()
+    off.reload()
+    assert torch.equal(layer.weight, expected)
+    assert len(cpu_as_device) == 2  # the pool grew once
+    assert any("re-planned" in r.getMessage() for r in caplog.records)
+
+
+def test_reallocated_while_offloaded_is_refused(cpu_as_device: list[int]) -> None:
+    layer = torch.nn.Linear(8, 8)
+    off = hm.Offloader(layer)
+    off.offload()
+    layer.weight.untyped_storage().resize_(256)  # someone touched it
+    with pytest.raises(RuntimeError, match=r"reallocated while offloaded.*refusing"):
+        off.reload()
+
+
+def test_close(cpu_as_device: list[int]) -> None:
+    layer = torch.nn.Linear(8, 8)
+    off = hm.Offloader(layer)
+    off.offload()
+    with pytest.raises(RuntimeError, match="reload"):
+        off.close()
+    off.reload()
+    off.close()
+    assert off.host_bytes == 0
+
+
+def test_mixed_devices_are_an_error(cpu_as_device: list[int]) -> None:
+    off = hm.Offloader(torch.zeros(4), torch.zeros(4, device="meta"))
+    with pytest.raises(ValueError, match=r"several devices.*Use one Offloader per device"):
+        off.offload()
+
+
+def test_offloaded_context_and_decorator(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    weight = next(model.parameters())
+
+    with hm.offloaded(model, optimizer) as ctx:
+        assert weight.untyped_storage().nbytes() == 0
+        with ctx:  # nested: stays offloaded until the outermost exit
+            pass
+        assert weight.untyped_storage().nbytes() == 0
+    assert weight.untyped_storage().nbytes() > 0
+
+    with pytest.raises(KeyError), hm.offloaded(model):
+        raise KeyError("rollout failed")
+    assert weight.untyped_storage().nbytes() > 0  # reloaded on the error too
+
+    scope = hm.offloaded(model, optimizer, groups="optimizer")
+
+    @scope
+    def rollout() -> bool:
+        state = next(iter(optimizer.state.values()))["exp_avg"]
+        return state.untyped_storage().nbytes() == 0 and weight.untyped_storage().nbytes() > 0
+
+    @scope
+    async def arollout() -> bool:
+        await asyncio.sleep(0)
+        return weight.untyped_storage().nbytes() > 0
+
+    assert rollout()
+    assert rollout()
+    assert asyncio.run(arollout())
+    assert scope.offloader.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    # the decorated calls shared one Offloader: each `hm.offloaded` above pinned once
+    assert len(cpu_as_device) == 3
+
+
+def test_existing_offloader_can_be_scoped(cpu_as_device: list[int]) -> None:
+    off = hm.Offloader(torch.nn.Linear(4, 4))
+    with hm.offloaded(off) as ctx:
+        assert ctx.offloader is off
+        assert off.offloaded_groups == {"parameters"}
+
+
+def test_cpu_only_is_a_clear_noop(caplog: pytest.LogCaptureFixture) -> None:
+    if _torch.cuda_available():
+        pytest.skip("CPU-only behaviour")
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    report = off.offload()
+    assert report.nbytes == 0
+    assert report.device == "none"
+    assert off.host_bytes == 0
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert any("no target tensor is on a GPU" in r.getMessage() for r in caplog.records)
+    assert off.reload().nbytes == 0
+
+
+def test_kill_switch(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDMEM_DISABLE", "1")
+    layer = torch.nn.Linear(4, 4)
+    assert hm.Offloader(layer).offload().nbytes == 0
+    assert layer.weight.untyped_storage().nbytes() > 0
+
+
+def test_report_text(cpu_as_device: list[int]) -> None:
+    report = hm.Offloader(torch.zeros(1 << 20)).offload()
+    text = str(report)
+    assert text.startswith("offload tensors on cpu: 4.00 MiB in 1 storages")
+    assert report.gbps > 0
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: hm.Offloader(), ValueError, "at least one target"),
+        (lambda: hm.Offloader([torch.zeros(1), "x"]), TypeError, r"targets\[0\]\[1\] is a str"),
+        (lambda: hm.Offloader({"a": 3}), TypeError, r"targets\[0\]\['a'\] is a int"),
+        (lambda: hm.Offloader(torch.zeros(1), grads="keep_some"), ValueError, "'keep' or 'drop'"),  # type: ignore[arg-type]
+        (lambda: hm.Offloader(torch.zeros(1), max_host_bytes=0), ValueError, "positive int"),
+        (lambda: hm.Offloader(torch.zeros(1), max_host_bytes=True), ValueError, "positive int"),
+        (lambda: hm.Offloader(torch.zeros(1), pin_memory=1), TypeError, "pin_memory"),  # type: ignore[arg-type]
+        (lambda: hm.Offloader(torch.zeros(1), device="cpu"), ValueError, "one CUDA device"),
+        (lambda: hm.Offloader(torch.zeros(1), device="cuda"), ValueError, "one CUDA device"),
+        (lambda: hm.Offloader(torch.zeros(1), device=True), TypeError, "CUDA device"),
+        (lambda: hm.Offloader(torch.zeros(1)).offload("weights"), ValueError, "unknown group"),
+        (lambda: hm.Offloader(torch.zeros(1)).offload(release_cache=1), TypeError, "release"),  # type: ignore[arg-type]
+        (lambda: hm.Offloader(torch.zeros(1)).reload(non_blocking=None), TypeError, "non_blocking"),  # type: ignore[arg-type]
+        (lambda: hm.offloaded(torch.zeros(1), groups=["parameters", "kv"]), ValueError, "unknown"),
+    ],
+)
+def test_bad_input(make: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        make()  # type: ignore[operator]
