@@ -123,6 +123,10 @@ def _flatten(target: Target, path: str) -> Iterator[tuple[str, Any]]:
         )
 
 
+def _unpin(pool: torch.Tensor) -> None:
+    _torch.unpin_host_tensor(pool.data_ptr())
+
+
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
@@ -299,7 +303,7 @@ class Offloader:
         self._ensure_pool(offset)
 
     def _ensure_pool(self, nbytes: int) -> None:
-        if self._pool is not None and self._pool.numel() >= nbytes:
+        if nbytes == 0 or (self._pool is not None and self._pool.numel() >= nbytes):
             return
         if self.max_host_bytes is not None and nbytes > self.max_host_bytes:
             raise ValueError(
@@ -309,7 +313,7 @@ class Offloader:
             )
         self.close()
         start = time.perf_counter()
-        pool = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        pool = torch.empty(nbytes, dtype=torch.uint8)
         pinned = self.pin_memory and _torch.pin_host_tensor(pool)
         if self.pin_memory and not pinned:
             info_once(
@@ -319,7 +323,9 @@ class Offloader:
         self._pool = pool
         self._pool_pinned = pinned
         if pinned:
-            self._finalizer = weakref.finalize(pool, _torch.unpin_host_tensor, pool.data_ptr())
+            # The finalizer holds the pool, so the memory is unpinned before it is
+            # freed, whether close() runs or the Offloader is garbage-collected.
+            self._finalizer = weakref.finalize(self, _unpin, pool)
         logger.info(
             "Offloader: %s host pool of %s allocated in %.2f s",
             "pinned" if pinned else "pageable",
@@ -384,15 +390,7 @@ class Offloader:
                     f"{slot.name} changed size ({slot.nbytes} -> {slot.storage.nbytes()} bytes) "
                     "while other groups were offloaded; reload everything before changing targets"
                 )
-        assert self._pool is not None
-        assert self._device is not None
-        side = self._side_stream(self._device)
-        # The side stream waits for the work that produced the data.
-        _torch.wait_stream(side, _torch.current_stream(self._device))
-        with _torch.stream_scope(side):
-            for slot in todo:
-                source = torch.empty(0, dtype=torch.uint8, device=self._device).set_(slot.storage)
-                self._pool[slot.offset : slot.offset + slot.nbytes].copy_(source, non_blocking=True)
+        side, _ = self._copy(todo, to_host=True)
         _torch.synchronize_stream(side)  # no host read, no free, before the copies land
         for slot in todo:
             slot.storage.resize_(0)
@@ -432,22 +430,39 @@ class Offloader:
                     f"{slot.name} was reallocated while offloaded ({slot.storage.nbytes()} bytes); "
                     "refusing to overwrite it. Do not touch offloaded tensors before reload()."
                 )
-        assert self._pool is not None
-        assert self._device is not None
-        current = _torch.current_stream(self._device)
         for slot in todo:  # allocated on the current stream, where the tensors are used
             slot.storage.resize_(slot.nbytes)
-        side = self._side_stream(self._device)
-        _torch.wait_stream(side, current)
-        with _torch.stream_scope(side):
-            for slot in todo:
-                target = torch.empty(0, dtype=torch.uint8, device=self._device).set_(slot.storage)
-                target.copy_(self._pool[slot.offset : slot.offset + slot.nbytes], non_blocking=True)
-        _torch.wait_stream(current, side)  # device use waits for the reload
+        side, current = self._copy(todo, to_host=False)
+        _torch.wait_stream(current, side)  # device use waits for the data
         if not non_blocking:
             _torch.synchronize_stream(side)
         self._offloaded.difference_update(s.group for s in todo)
         return self._report("reload", wanted, todo, start)
+
+    def _copy(self, slots: Sequence[_Slot], *, to_host: bool) -> tuple[Any, Any]:
+        """Queue the copies between device storage and pool on the side stream.
+
+        The side stream first waits for the work queued on the current stream, which
+        produced the data (offload) or last used the memory (reload).
+
+        Returns:
+            ``(side stream, current stream)``.
+        """
+        assert self._pool is not None, "planned before copying"
+        assert self._device is not None, "planned before copying"
+        side = self._side_stream(self._device)
+        current = _torch.current_stream(self._device)
+        _torch.wait_stream(side, current)
+        with _torch.stream_scope(side):
+            for slot in slots:
+                device_bytes = torch.empty(0, dtype=torch.uint8, device=self._device)
+                device_bytes.set_(slot.storage)
+                host_bytes = self._pool[slot.offset : slot.offset + slot.nbytes]
+                if to_host:
+                    host_bytes.copy_(device_bytes, non_blocking=True)
+                else:
+                    device_bytes.copy_(host_bytes, non_blocking=True)
+        return side, current
 
     def _drop_grads(self) -> int:
         dropped = 0
@@ -455,8 +470,9 @@ class Offloader:
             if isinstance(target, torch.nn.Module):
                 for param in target.parameters():
                     if param.grad is not None:
-                        if _torch.is_device_tensor(_torch.local_tensor(param.grad)):
-                            dropped += param.grad.untyped_storage().nbytes()
+                        local = _torch.local_tensor(param.grad)
+                        if _torch.is_device_tensor(local):
+                            dropped += local.untyped_storage().nbytes()
                         param.grad = None
         return dropped
 
