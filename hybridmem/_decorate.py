@@ -40,7 +40,7 @@ _fallback_lock = threading.Lock()
 
 # The token stacks are keyed by (thread, asyncio task) so that each thread and
 # task pairs its own entries and exits; bound once, they are on the hot path.
-# (id(None) keys a thread's code that runs outside any task.)
+# Code outside any task uses 0 (no running loop) or id(None) as the task part.
 _get_running_loop = asyncio.events._get_running_loop
 _current_task = asyncio.current_task
 _get_ident = threading.get_ident
@@ -57,7 +57,8 @@ class ScopedContext(abc.ABC):
     ``asyncio.CancelledError`` included). With ``HYBRIDMEM_DISABLE=1`` entries
     change nothing.
 
-    Thread-safety: the token stacks are guarded by a lock per instance; the state a
+    Thread-safety: the token stacks need no lock (each thread or task only touches
+    its own stack, and single dict and list operations are atomic); the state a
     subclass changes is guarded by that subclass (allocator settings by one
     process-wide lock).
     """

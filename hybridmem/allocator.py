@@ -31,6 +31,7 @@ from hybridmem._env import disabled
 from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
 from hybridmem._log import info_once, logger, warn_once
 from hybridmem._settings import KEYS, format_settings, normalize_value, parse_settings
+from hybridmem._validate import check_bool
 from hybridmem.cache import drop_cached_blocks
 
 __all__ = [
@@ -568,12 +569,6 @@ def allocator_config() -> AllocatorConfig:
     return _STATE.config()
 
 
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return value
-
-
 def _respect_env(changes: dict[str, str], *, force: bool, who: str) -> dict[str, str]:
     """Drop an enable of expandable segments that the user's env forbids explicitly."""
     if changes.get("expandable_segments") != "True":
@@ -621,9 +616,9 @@ class ExpandableSegments(_AllocatorScope):
 
     def __init__(self, enabled: bool, *, release_cache: bool = True, force: bool = False) -> None:
         super().__init__()
-        self.enabled = _check_bool("enabled", enabled)
-        self._release_cache = _check_bool("release_cache", release_cache)
-        self._force = _check_bool("force", force)
+        self.enabled = check_bool("enabled", enabled)
+        self._release_cache = check_bool("release_cache", release_cache)
+        self._force = check_bool("force", force)
         self._changes = {"expandable_segments": str(enabled)}
         extra = ", force=True" if force else ""
         extra += "" if release_cache else ", release_cache=False"
@@ -748,7 +743,7 @@ def configure_allocator(*, force: bool = False, **settings: object) -> Allocator
     Example:
         >>> hm.configure_allocator(expandable_segments=True)   # doctest: +SKIP
     """
-    _check_bool("force", force)
+    check_bool("force", force)
     changes = _normalize(settings, who="configure_allocator")
     if disabled():
         return allocator_config()

@@ -10,7 +10,6 @@ leftovers, empty the cache.
 from __future__ import annotations
 
 import gc
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from hybridmem._devices import DeviceArg, resolve_devices
 from hybridmem._env import disabled
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
+from hybridmem._validate import check_bool
 
 __all__ = [
     "CacheRelease",
@@ -141,9 +141,10 @@ class ReleaseReport:
         )
 
 
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+def _check_flags(sync: object, collect_garbage: object, ipc_collect: object) -> None:
+    check_bool("sync", sync)
+    check_bool("collect_garbage", collect_garbage)
+    check_bool("ipc_collect", ipc_collect)
 
 
 def _measure(device: int) -> tuple[int, int, int, int]:
@@ -199,15 +200,12 @@ def release_cache(
         >>> report = hm.release_cache()          # doctest: +SKIP
         >>> print(report.bytes_returned)         # doctest: +SKIP
     """
-    for name, value in (("sync", sync), ("collect_garbage", collect_garbage)):
-        _check_flag(name, value)
-    _check_flag("ipc_collect", ipc_collect)
+    _check_flags(sync, collect_garbage, ipc_collect)
     return _release(
         resolve_devices(device, allow_all=True),
         sync=sync,
         collect_garbage=collect_garbage,
         ipc_collect=ipc_collect,
-        level=logging.INFO,
     )
 
 
@@ -228,7 +226,6 @@ def _release(
     sync: bool,
     collect_garbage: bool,
     ipc_collect: bool,
-    level: int,
 ) -> ReleaseReport:
     start = time.perf_counter()
     if not devices or disabled():
@@ -263,7 +260,7 @@ def _release(
         ipc_collected=ipc_collect,
         duration_s=time.perf_counter() - start,
     )
-    logger.log(level, "%s", report)
+    logger.info("%s", report)
     return report
 
 
@@ -289,9 +286,7 @@ class CacheRelease(ScopedContext):
         super().__init__()
         if on not in _WHEN_VALUES:
             raise ValueError(f"on must be one of {_WHEN_VALUES}, got {on!r}")
-        _check_flag("sync", sync)
-        _check_flag("collect_garbage", collect_garbage)
-        _check_flag("ipc_collect", ipc_collect)
+        _check_flags(sync, collect_garbage, ipc_collect)
         resolve_devices(device, allow_all=True)  # validate now, resolve at use
         self.on = on
         self.device = device

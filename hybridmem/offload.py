@@ -38,6 +38,7 @@ from hybridmem._decorate import ScopedContext
 from hybridmem._env import disabled
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
+from hybridmem._validate import check_bool
 
 __all__ = ["GROUPS", "OffloadReport", "Offloaded", "Offloader", "offloaded"]
 
@@ -127,11 +128,6 @@ def _unpin(pool: torch.Tensor) -> None:
     _torch.unpin_host_tensor(pool.data_ptr())
 
 
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-
-
 class Offloader:
     """Offload trainer state to a persistent pinned host pool and reload it in place.
 
@@ -177,7 +173,7 @@ class Offloader:
         self._targets = [
             item for i, t in enumerate(targets) for item in _flatten(t, f"targets[{i}]")
         ]
-        _check_bool("pin_memory", pin_memory)
+        check_bool("pin_memory", pin_memory)
         if grads not in ("keep", "drop"):
             raise ValueError(f"grads must be 'keep' or 'drop', got {grads!r}")
         if max_host_bytes is not None and (
@@ -370,7 +366,7 @@ class Offloader:
             An :class:`OffloadReport` (also logged at INFO).
         """
         wanted = self._groups(groups)
-        _check_bool("release_cache", release_cache)
+        check_bool("release_cache", release_cache)
         start = time.perf_counter()
         if disabled():
             return self._report("offload", [], [], start)
@@ -419,7 +415,7 @@ class Offloader:
                 (reloading would overwrite it).
         """
         wanted = self._groups(groups)
-        _check_bool("non_blocking", non_blocking)
+        check_bool("non_blocking", non_blocking)
         start = time.perf_counter()
         todo = [s for s in self._slots if s.group in wanted and s.group in self._offloaded]
         if not todo:
