@@ -170,9 +170,10 @@ class Offloader:
     ) -> None:
         if not targets:
             raise ValueError("Offloader needs at least one target (a module, optimizer or tensor)")
-        self._targets = [
-            item for i, t in enumerate(targets) for item in _flatten(t, f"targets[{i}]")
-        ]
+        # Containers are walked again at every offload, so entries replaced in a
+        # dict or list are followed; walking them now validates the types.
+        self._targets = targets
+        list(self._walk())
         check_bool("pin_memory", pin_memory)
         if grads not in ("keep", "drop"):
             raise ValueError(f"grads must be 'keep' or 'drop', got {grads!r}")
@@ -234,8 +235,12 @@ class Offloader:
     # ------------------------------------------------------------------ #
     # Collection and planning
     # ------------------------------------------------------------------ #
+    def _walk(self) -> Iterator[tuple[str, Any]]:
+        for index, target in enumerate(self._targets):
+            yield from _flatten(target, f"targets[{index}]")
+
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor, Group]]:
-        for path, target in self._targets:
+        for path, target in self._walk():
             if isinstance(target, torch.nn.Module):
                 for name, param in target.named_parameters():
                     yield f"{path}.{name}", param, "parameters"
@@ -462,7 +467,7 @@ class Offloader:
 
     def _drop_grads(self) -> int:
         dropped = 0
-        for _, target in self._targets:
+        for _, target in self._walk():
             if isinstance(target, torch.nn.Module):
                 for param in target.parameters():
                     if param.grad is not None:

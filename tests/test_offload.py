@@ -199,6 +199,16 @@ def test_mixed_devices_are_an_error(cpu_as_device: list[int]) -> None:
         off.offload()
 
 
+def test_targets_that_moved_device_are_an_error(cpu_as_device: list[int]) -> None:
+    holder = {"w": torch.zeros(4)}
+    off = hm.Offloader(holder)
+    off.offload()
+    off.reload()
+    holder["w"] = torch.zeros(4, device="meta")  # the dict is the target: it now holds another
+    with pytest.raises(ValueError, match=r"made for cpu, but targets\[0\]\['w'\] is on meta"):
+        off.offload()
+
+
 def test_offloaded_context_and_decorator(cpu_as_device: list[int]) -> None:
     model, optimizer = make_model()
     before = snapshot(model, optimizer)
