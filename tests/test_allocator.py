@@ -518,6 +518,7 @@ def test_allocator_config_reports_sources_and_renders(
         "roundup_power2_divisions",
         "expandable_segments",
     ]
+    assert parse_settings(cfg.to_settings_string()) == {**USER_KEYS, "expandable_segments": "True"}
     data = cfg.as_dict()
     assert data["settings"]["max_split_size_mb"] == {
         "value": "256",
