@@ -192,7 +192,6 @@ class Offloader:
         self._slots: list[_Slot] = []
         self._offloaded: set[Group] = set()
         self._pool: torch.Tensor | None = None
-        self._pool_pinned = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._stream: Any = None
         self._stream_device: torch.device | None = None
@@ -291,17 +290,15 @@ class Offloader:
         slots = self._collect()
         layout = [(s.key, s.nbytes, s.group) for s in slots]
         if layout == [(s.key, s.nbytes, s.group) for s in self._slots]:
-            for old, new in zip(self._slots, slots):
-                old.storage = new.storage
-            return
+            return  # same storages, same sizes: the pool and offsets still fit
         offset = 0
         for slot in slots:
             slot.offset = offset
             offset += -(-slot.nbytes // _ALIGN) * _ALIGN
+        self._ensure_pool(offset)  # may refuse (max_host_bytes): keep the old plan then
         if self._slots:
             logger.info("Offloader: targets changed since the last offload; re-planned the pool")
         self._slots = slots
-        self._ensure_pool(offset)
 
     def _ensure_pool(self, nbytes: int) -> None:
         if nbytes == 0 or (self._pool is not None and self._pool.numel() >= nbytes):
@@ -322,7 +319,6 @@ class Offloader:
                 "Offloader: could not pin host memory; using a pageable pool (slower copies)",
             )
         self._pool = pool
-        self._pool_pinned = pinned
         if pinned:
             # The finalizer holds the pool, so the memory is unpinned before it is
             # freed, whether close() runs or the Offloader is garbage-collected.
@@ -509,7 +505,6 @@ class Offloader:
             self._finalizer()
             self._finalizer = None
         self._pool = None
-        self._pool_pinned = False
 
 
 class Offloaded(ScopedContext):

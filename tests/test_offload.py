@@ -140,8 +140,9 @@ def test_grads_drop(cpu_as_device: list[int]) -> None:
 def test_host_limit_fails_before_pinning(cpu_as_device: list[int]) -> None:
     model, optimizer = make_model()
     off = hm.Offloader(model, optimizer, max_host_bytes=1024)
-    with pytest.raises(ValueError, match="over max_host_bytes=1024"):
-        off.offload()
+    for _ in range(2):  # refused again, not half-planned, on a retry
+        with pytest.raises(ValueError, match="over max_host_bytes=1024"):
+            off.offload()
     assert cpu_as_device == []
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
 
