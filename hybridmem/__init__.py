@@ -18,7 +18,7 @@ Importing hybridmem never initialises CUDA and never imports an inference engine
 from __future__ import annotations
 
 from hybridmem._decorate import ScopedContext
-from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
+from hybridmem._errors import AllocatorSettingsError, HybridMemWarning, IpcUnavailableError
 from hybridmem.allocator import (
     AllocatorConfig,
     AllocatorSettings,
@@ -29,6 +29,7 @@ from hybridmem.allocator import (
     configure_allocator,
     expandable_segments,
 )
+from hybridmem.bucket import BucketHandle, BucketReceiver, Channel, SyncReport, WeightBucket
 from hybridmem.cache import (
     CacheRelease,
     DeviceRelease,
@@ -36,6 +37,8 @@ from hybridmem.cache import (
     aggressive_cache_release,
     release_cache,
 )
+from hybridmem.capabilities import IpcCapabilities, ipc_capabilities
+from hybridmem.ipc import IpcSafe, allow_ptrace_from_any, ipc_safe, ipc_shareable
 from hybridmem.offload import Offloaded, Offloader, OffloadReport, offloaded
 from hybridmem.telemetry import MemoryInfo, memory_info
 
@@ -45,10 +48,16 @@ __all__ = [
     "AllocatorConfig",
     "AllocatorSettings",
     "AllocatorSettingsError",
+    "BucketHandle",
+    "BucketReceiver",
     "CacheRelease",
+    "Channel",
     "DeviceRelease",
     "ExpandableSegments",
     "HybridMemWarning",
+    "IpcCapabilities",
+    "IpcSafe",
+    "IpcUnavailableError",
     "MemoryInfo",
     "OffloadReport",
     "Offloaded",
@@ -56,12 +65,18 @@ __all__ = [
     "ReleaseReport",
     "ScopedContext",
     "Setting",
+    "SyncReport",
+    "WeightBucket",
     "__version__",
     "aggressive_cache_release",
     "allocator_config",
     "allocator_settings",
+    "allow_ptrace_from_any",
     "configure_allocator",
     "expandable_segments",
+    "ipc_capabilities",
+    "ipc_safe",
+    "ipc_shareable",
     "memory_info",
     "offloaded",
     "release_cache",

@@ -8,7 +8,7 @@ import torch
 
 from hybridmem import _torch
 
-__all__ = ["DeviceArg", "resolve_devices"]
+__all__ = ["DeviceArg", "device_index", "resolve_devices"]
 
 #: What ``device=`` accepts: None (the current device), an index, ``"cuda"``,
 #: ``"cuda:N"``, a ``torch.device`` of type cuda, or ``"all"`` where allowed.
@@ -89,3 +89,20 @@ def resolve_devices(device: DeviceArg, *, allow_all: bool = False) -> list[int]:
             return []
         index = current
     return [index] if _torch.has_context(index) else []
+
+
+def device_index(device: DeviceArg) -> int:
+    """Return the one CUDA device index that ``device`` names, without creating a context.
+
+    None means the current device: torch's current device once CUDA is initialised,
+    else 0 (the device a fresh process starts on). ``"all"`` is not accepted.
+
+    Raises:
+        TypeError: ``device`` has the wrong type.
+        ValueError: ``device`` is negative, out of range or not CUDA.
+    """
+    index = None if device is None else _index_of(device, allow_all=False)
+    if isinstance(index, int):
+        return index
+    current = _torch.current_device()
+    return 0 if current is None else current

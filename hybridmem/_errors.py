@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AllocatorSettingsError", "HybridMemWarning"]
+__all__ = ["AllocatorSettingsError", "HybridMemWarning", "IpcUnavailableError"]
 
 
 class HybridMemWarning(UserWarning):
@@ -21,4 +21,12 @@ class AllocatorSettingsError(ValueError):
     It subclasses :class:`ValueError`, so ``except ValueError`` catches it on
     every torch version (torch itself raises ``ValueError`` on 2.10+ and
     ``RuntimeError`` before).
+    """
+
+
+class IpcUnavailableError(RuntimeError):
+    """CUDA IPC cannot carry a tensor here, and no fallback was allowed.
+
+    The message says why (allocator backend, probe result, pidfd denial) and what
+    to do (usually ``fallback="host"`` or :func:`hybridmem.ipc_safe`).
     """

@@ -12,6 +12,8 @@ only called by hybridmem once :func:`cuda_initialized` is true.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import re
 import warnings
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from hybridmem._errors import AllocatorSettingsError
 
 __all__ = [
     "api_report",
+    "copy_many",
     "cuda_available",
     "cuda_built",
     "cuda_initialized",
@@ -30,11 +33,16 @@ __all__ = [
     "current_device",
     "current_stream",
     "device_count",
+    "device_index_by_uuid",
+    "device_uuid",
     "empty_cache",
+    "export_cuda_tensor",
     "has_context",
+    "import_cuda_tensor",
     "initialized_devices",
     "ipc_collect",
     "is_device_tensor",
+    "is_legacy_ipc_capable",
     "last_allocator_settings",
     "local_tensor",
     "mem_get_info",
@@ -395,6 +403,151 @@ def unpin_host_tensor(data_ptr: int) -> None:
         _CUDART().cudaHostUnregister(data_ptr)
 
 
+# --------------------------------------------------------------------------- #
+# CUDA IPC: segment kind, device identity, export and import
+# --------------------------------------------------------------------------- #
+
+# CUpointer_attribute values (cuda.h, CUDA 10.1+ for both).
+_CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> Any:
+    """Return the CUDA driver library torch already loaded, or None."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = getattr(lib, "cuPointerGetAttribute", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    return lib
+
+
+def is_legacy_ipc_capable(tensor: torch.Tensor) -> bool | None:
+    """Return whether a device tensor's memory can go through ``cudaIpcGetMemHandle``.
+
+    True for classic segments (``cudaMalloc``), False for expandable segments
+    (``cuMemCreate``/``cuMemMap``, exported as a POSIX fd that the consumer must
+    fetch with ``pidfd_getfd``) and for ``cudaMallocAsync`` pools. One driver call
+    (``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)``,
+    about 1 us), no allocator snapshot. None when the driver cannot be asked (no
+    libcuda, an empty tensor, or an error).
+    """
+    if not is_device_tensor(tensor) or tensor.untyped_storage().nbytes() == 0:
+        return None
+    lib = _libcuda()
+    if lib is None:
+        return None
+    value = ctypes.c_int(0)
+    status = lib.cuPointerGetAttribute(
+        ctypes.byref(value),
+        _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+        tensor.untyped_storage().data_ptr(),
+    )
+    if status != 0:
+        return None
+    return bool(value.value)
+
+
+def device_uuid(index: int) -> str | None:
+    """Return the UUID of visible device ``index`` (``"GPU-..."``), as ``nvidia-smi -L`` does.
+
+    A UUID names the same GPU in every process, whatever ``CUDA_VISIBLE_DEVICES``
+    each one has. ``torch.cuda.get_device_properties(i).uuid`` exists from torch
+    2.1; it initialises CUDA but creates no context on the device.
+    """
+    if not cuda_available():
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid is None:
+        return None
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def device_index_by_uuid(uuid: str) -> int | None:
+    """Return the index under which this process sees the GPU ``uuid`` (None if not visible)."""
+    for index in range(device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    return None
+
+
+# torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments (torch 1.x to
+# 2.13): position 6 is the device index the consumer opens the storage on.
+_REBUILD_DEVICE_ARG = 6
+_REBUILD_ARG_COUNT = 15
+
+
+def export_cuda_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """Export a device tensor for another process, as ``torch.multiprocessing`` does.
+
+    Returns ``(rebuild, args)``, picklable. torch keeps the memory alive until
+    every consumer released it and ``torch.cuda.ipc_collect()`` ran.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    reduce = cast(Callable[[torch.Tensor], tuple[Any, tuple[Any, ...]]], reduce_tensor)
+    rebuild, args = reduce(tensor)
+    return rebuild, tuple(args)
+
+
+def import_cuda_tensor(rebuild: Any, args: tuple[Any, ...], device: int) -> torch.Tensor:
+    """Open a tensor exported by :func:`export_cuda_tensor` on local device ``device``.
+
+    torch's own rebuild opens the storage under the *producer's* device index,
+    which names another GPU when the two processes have different
+    ``CUDA_VISIBLE_DEVICES``; the index is replaced with ``device``.
+    """
+    name = getattr(rebuild, "__name__", "")
+    if name != "rebuild_cuda_tensor" or len(args) != _REBUILD_ARG_COUNT:
+        raise ValueError(
+            f"unexpected CUDA tensor export ({name}, {len(args)} arguments): the producer "
+            f"and the consumer must run the same torch version (this one is "
+            f"{torch_version_string()})"
+        )
+    fixed = list(args)
+    fixed[_REBUILD_DEVICE_ARG] = device
+    with torch.cuda.device(device):
+        result = rebuild(*fixed)
+    if not isinstance(result, torch.Tensor):  # pragma: no cover - torch always returns one
+        raise TypeError(f"rebuilding a CUDA tensor returned {type(result).__name__}")
+    return result
+
+
+# Pieces at least this big are copied one by one (a contiguous same-dtype
+# ``copy_`` is a cudaMemcpyAsync at full bandwidth); smaller ones are batched into
+# multi-tensor kernels, where one launch per piece would cost more than the copy.
+FOREACH_MAX_BYTES = 1 << 20
+
+
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy ``srcs[i]`` into ``dsts[i]`` (flat, same dtype) for every i, quickly.
+
+    Large pieces go through ``copy_`` (a memcpy each); small same-device pieces of
+    one dtype are batched with ``torch._foreach_copy_`` (torch 2.1+). Copies are
+    asynchronous on the current stream.
+    """
+    small: dict[tuple[torch.dtype, torch.device], tuple[list[Any], list[Any]]] = {}
+    for dst, src in zip(dsts, srcs, strict=True):
+        if dst.nbytes >= FOREACH_MAX_BYTES or dst.device != src.device:
+            dst.copy_(src, non_blocking=True)
+        else:
+            group = small.setdefault((dst.dtype, dst.device), ([], []))
+            group[0].append(dst)
+            group[1].append(src)
+    foreach = getattr(torch, "_foreach_copy_", None)
+    for group_dsts, group_srcs in small.values():
+        if foreach is not None and len(group_dsts) > 1:
+            foreach(group_dsts, group_srcs)
+        else:
+            for dst, src in zip(group_dsts, group_srcs, strict=True):
+                dst.copy_(src, non_blocking=True)
+
+
 def api_report() -> dict[str, bool]:
     """Return which version-dependent torch APIs this build offers (for ``doctor``)."""
     return {
@@ -410,4 +563,12 @@ def api_report() -> dict[str, bool]:
         "torch._C._cuda_getAllocatorBackend": callable(
             getattr(torch._C, "_cuda_getAllocatorBackend", None)
         ),
+        "torch._foreach_copy_": callable(getattr(torch, "_foreach_copy_", None)),
+        "torch.multiprocessing.reductions.rebuild_cuda_tensor": _has_rebuild(),
     }
+
+
+def _has_rebuild() -> bool:
+    from torch.multiprocessing import reductions
+
+    return callable(getattr(reductions, "rebuild_cuda_tensor", None))

@@ -359,6 +359,23 @@ class _AllocatorState:
             setting = self._base().get("backend")
         return setting.value if setting is not None else "native"
 
+    def classic_blocker(self) -> str | None:
+        """Why new allocations cannot be made in classic segments here (None: they can)."""
+        if self.backend() == "cudaMallocAsync":
+            return (
+                "the CUDA allocator backend is cudaMallocAsync, whose pools cannot be "
+                "exported with cudaIpcGetMemHandle"
+            )
+        with self.lock:
+            expandable_now = _expandable(self._top())
+        if expandable_now and _torch.settings_setter_name() is None:
+            return (
+                f"expandable segments are on and torch "
+                f"{'.'.join(map(str, _torch.torch_version()))} has no allocator-settings "
+                "setter to switch them off"
+            )
+        return None
+
     def config(self) -> AllocatorConfig:
         with self.lock:
             self._adopt_external()

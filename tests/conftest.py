@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridmem import _log, _torch
+from hybridmem import _log, _torch, capabilities, ipc
 from hybridmem._settings import parse_settings
 from hybridmem.allocator import _reset_state_for_tests
 
@@ -51,6 +51,8 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         _reset_real_torch_settings()
     _reset_state_for_tests()
     _log.reset_once()
+    capabilities._reset_for_tests()
+    ipc._reset_for_tests()
     yield
     _reset_state_for_tests()
     if not _torch.cuda_initialized():
@@ -184,3 +186,25 @@ def fake_gpu(fake: FakeTorch) -> FakeTorch:
     fake.initialized = True
     fake.devices[0] = FakeDevice(allocated=2 << 30, reserved=10 << 30)
     return fake
+
+
+def treat_cpu_as_device() -> list[int]:
+    """Make the seam treat CPU tensors as device tensors and record pinning (any process)."""
+    pinned: list[int] = []
+    _torch.is_device_tensor = lambda t: t.device.type in ("cpu", "meta")  # type: ignore[assignment]
+
+    def pin(tensor: torch.Tensor) -> bool:
+        pinned.append(tensor.numel())
+        return True
+
+    _torch.pin_host_tensor = pin
+    _torch.unpin_host_tensor = lambda ptr: pinned.append(-1)  # type: ignore[assignment]
+    return pinned
+
+
+@pytest.fixture
+def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Treat CPU tensors as device tensors; record pinning instead of calling CUDA."""
+    for name in ("is_device_tensor", "pin_host_tensor", "unpin_host_tensor"):
+        monkeypatch.setattr(_torch, name, getattr(_torch, name))  # restored after the test
+    return treat_cpu_as_device()

@@ -17,3 +17,9 @@ def test_offload_example_runs() -> None:
     result = run_python(str(REPO / "examples" / "offload_rollout.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 2: loss" in result.stdout
+
+
+def test_weight_sync_example_explains_itself_without_a_gpu() -> None:
+    result = run_python(str(REPO / "examples" / "trainer_to_rollout.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "needs a CUDA GPU" in result.stdout

@@ -18,21 +18,6 @@ import hybridmem as hm
 from hybridmem import _torch
 
 
-@pytest.fixture
-def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Treat CPU tensors as device tensors; record pinning instead of calling CUDA."""
-    pinned: list[int] = []
-    monkeypatch.setattr(_torch, "is_device_tensor", lambda t: t.device.type in ("cpu", "meta"))
-
-    def pin(tensor: torch.Tensor) -> bool:
-        pinned.append(tensor.numel())
-        return True
-
-    monkeypatch.setattr(_torch, "pin_host_tensor", pin)
-    monkeypatch.setattr(_torch, "unpin_host_tensor", lambda ptr: pinned.append(-1))
-    return pinned  # sizes pinned, and -1 for each unpin
-
-
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -21,8 +21,8 @@ USER_ENV = "max_split_size_mb:256,garbage_collection_threshold:0.6,roundup_power
 MiB = 1 << 20
 
 
-def run_scenario(name: str, **env: str) -> dict[str, Any]:
-    result = run_python("-m", "tests.gpu.scenarios", name, env=env)
+def run_scenario(name: str, module: str = "tests.gpu.scenarios", **env: str) -> dict[str, Any]:
+    result = run_python("-m", module, name, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     facts: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     out_dir = os.environ.get("OUT")

@@ -1,0 +1,180 @@
+"""The child program behind :func:`hybridmem.ipc_capabilities` (run by path, not imported).
+
+``python _ipc_probe.py produce --device N [--cuda]`` starts a consumer child
+(``consume``) at once, so both import torch in parallel, then plays the producer:
+with ``--cuda`` it allocates one tensor in a classic segment and one in an
+expandable segment and exports both the way ``torch.multiprocessing`` does. The
+consumer checks the two syscalls an expandable-segment import needs
+(``pidfd_open`` + ``pidfd_getfd``, on itself and on the producer), then opens
+both tensors and checks their bytes. The producer prints one JSON object.
+
+Everything that can fail is caught and reported as text: the parent turns the
+facts into :class:`hybridmem.IpcCapabilities`. Run by path (``sys.path[0]`` is
+the package folder), so the syscall-only probe never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridmem import _linux
+else:  # run by path: the package folder is sys.path[0]; imported: the package module
+    _linux = importlib.import_module("hybridmem._linux" if __package__ else "_linux")
+
+CLASSIC_VALUE = 7
+EXPANDABLE_VALUE = 9
+# Large enough for the large pool (> 1 MiB); expandable pages are 20 MiB there.
+_NBYTES = 4 << 20
+# CUpointer_attribute 14: CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES (CUDA 11.1+).
+_ATTR_HANDLE_TYPES = 14
+_HANDLE_NAMES = {1: "posix_fd", 8: "fabric"}
+
+
+def _send(stream: IO[bytes], obj: object) -> None:
+    data = pickle.dumps(obj)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    header = stream.read(8)
+    if len(header) < 8:
+        raise EOFError("the producer closed the pipe")
+    (size,) = struct.unpack("<Q", header)
+    return pickle.loads(stream.read(size))  # our own parent process wrote it
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def _handle_type(ptr: int) -> str | None:
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    value = ctypes.c_int(0)
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    if lib.cuPointerGetAttribute(ctypes.byref(value), _ATTR_HANDLE_TYPES, ptr) != 0:
+        return None
+    flags = value.value
+    names = [name for bit, name in _HANDLE_NAMES.items() if flags & bit]
+    return "+".join(names) if names else "none"
+
+
+def _export(device: int, facts: dict[str, Any]) -> dict[str, Any]:
+    """Allocate one tensor of each segment kind on ``device``; export both."""
+    exports: dict[str, Any] = {}
+    try:
+        import torch
+
+        from hybridmem import _torch
+
+        if not _torch.cuda_available():
+            facts["cuda_error"] = "no CUDA device is visible to the probe"
+            return exports
+        torch.cuda.set_device(device)
+        tensors = {}
+        # Expandable first, in a fresh cache: a classic segment made first would have
+        # a free remainder that the second tensor reuses, whatever the setting says.
+        for kind, value in (("expandable", EXPANDABLE_VALUE), ("classic", CLASSIC_VALUE)):
+            _torch.set_allocator_settings(f"expandable_segments:{kind == 'expandable'}")
+            _torch.empty_cache()
+            tensors[kind] = torch.full((_NBYTES,), value, dtype=torch.uint8, device=device)
+            facts[f"{kind}_legacy_ipc"] = _torch.is_legacy_ipc_capable(tensors[kind])
+        torch.cuda.synchronize(device)
+        if facts["expandable_legacy_ipc"] is not False:
+            facts["expandable_export_error"] = (
+                "the probe could not allocate in an expandable segment (is the backend "
+                "cudaMallocAsync, or this torch without expandable segments?)"
+            )
+        facts["expandable_handle"] = _handle_type(tensors["expandable"].data_ptr())
+        for kind, tensor in tensors.items():
+            if f"{kind}_export_error" in facts:
+                continue
+            try:
+                exports[kind] = _torch.export_cuda_tensor(tensor)
+            except Exception as exc:  # torch refuses (too old, IPC handles off)
+                facts[f"{kind}_export_error"] = _error(exc)
+        facts["keep"] = tensors  # alive until the consumer answered; dropped before printing
+    except Exception as exc:
+        facts["cuda_error"] = _error(exc)
+    return exports
+
+
+def produce(device: int, cuda: bool) -> dict[str, Any]:
+    """Run the producer side; return the facts of both sides."""
+    args = [sys.executable, os.path.abspath(__file__), "consume", "--device", str(device)]
+    if cuda:
+        args.append("--cuda")
+    consumer = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    if consumer.stdin is None or consumer.stdout is None:  # pragma: no cover - PIPE given
+        raise RuntimeError("no pipe to the consumer")
+    facts: dict[str, Any] = {"producer_pid": os.getpid()}
+    exports = _export(device, facts) if cuda else {}
+    try:
+        _send(consumer.stdin, {"pid": os.getpid(), "fd": consumer.stdin.fileno(), **exports})
+        answer = json.loads(consumer.stdout.read().decode() or "{}")
+    except (OSError, EOFError, ValueError) as exc:
+        answer = {"consumer_error": _error(exc)}
+    consumer.wait()
+    facts.pop("keep", None)
+    facts.update(answer)
+    return facts
+
+
+def consume(device: int, cuda: bool) -> dict[str, Any]:
+    """Run the consumer side; return its facts."""
+    facts: dict[str, Any] = {
+        "seccomp": _linux.seccomp_mode(),
+        "self_fetch_errno": _linux.errno_name(_linux.fetch_fd(os.getpid(), 0)),
+    }
+    if cuda:
+        try:  # start importing while the producer allocates
+            import torch  # noqa: F401
+
+            from hybridmem import _torch
+        except Exception as exc:
+            facts["cuda_error"] = _error(exc)
+            cuda = False
+    request = _receive(sys.stdin.buffer)
+    facts["producer_fetch_errno"] = _linux.errno_name(
+        _linux.fetch_fd(int(request["pid"]), int(request["fd"]))
+    )
+    if cuda:
+        for kind, value in (("classic", CLASSIC_VALUE), ("expandable", EXPANDABLE_VALUE)):
+            if kind not in request:
+                continue
+            rebuild, args = request[kind]
+            try:
+                tensor = _torch.import_cuda_tensor(rebuild, args, device)
+                facts[f"{kind}_ok"] = bool((tensor == value).all().item())
+                del tensor
+            except Exception as exc:
+                facts[f"{kind}_ok"] = False
+                facts[f"{kind}_import_error"] = _error(exc)
+    return facts
+
+
+def main(argv: list[str]) -> int:
+    role = argv[0]
+    device = int(argv[argv.index("--device") + 1]) if "--device" in argv else 0
+    cuda = "--cuda" in argv
+    facts = produce(device, cuda) if role == "produce" else consume(device, cuda)
+    sys.stdout.write(json.dumps(facts))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

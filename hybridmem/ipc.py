@@ -1,0 +1,295 @@
+"""CUDA IPC that works in locked-down containers: ipc_safe, ipc_shareable, ptrace opt-in.
+
+A tensor in an expandable segment is exported as a POSIX file descriptor that the
+consumer must fetch with ``pidfd_getfd``; containers without ptrace rights deny it
+(``RuntimeError: pidfd_getfd: Operation not permitted``; verl #2846, pytorch
+#165685, ROLL #417). A tensor in a classic segment goes through
+``cudaIpcGetMemHandle`` and needs no pidfd. So: allocate what will be shared in
+classic segments (:func:`ipc_safe`), or copy it there (:func:`ipc_shareable`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Literal, get_args
+
+import torch
+
+from hybridmem import _linux, _torch
+from hybridmem._env import disabled
+from hybridmem._errors import IpcUnavailableError
+from hybridmem._log import info_once, logger, warn_once
+from hybridmem.allocator import _STATE, _AllocatorScope
+from hybridmem.cache import drop_cached_blocks
+from hybridmem.capabilities import cached_capabilities
+
+__all__ = [
+    "Fallback",
+    "IpcSafe",
+    "Transport",
+    "allow_ptrace_from_any",
+    "check_fallback",
+    "choose_transport",
+    "ipc_safe",
+    "ipc_shareable",
+]
+
+#: What to do when CUDA IPC cannot be used: ``"auto"`` falls back to host memory
+#: with one warning, ``"host"`` always uses host memory, ``"raise"`` raises
+#: :class:`~hybridmem.IpcUnavailableError`.
+Fallback = Literal["auto", "host", "raise"]
+#: How tensors cross the process boundary: CUDA IPC or host shared memory.
+Transport = Literal["cuda", "host"]
+
+_FALLBACKS: tuple[str, ...] = get_args(Fallback)
+_ptracer_lock = threading.Lock()
+_ptracer_set = False
+
+
+def check_fallback(fallback: object) -> Fallback:
+    """Return ``fallback`` if valid, else raise naming the allowed values."""
+    if not isinstance(fallback, str):
+        raise TypeError(
+            f"fallback must be one of {', '.join(map(repr, _FALLBACKS))}; got {fallback!r} "
+            f"({type(fallback).__name__})"
+        )
+    if fallback not in _FALLBACKS:
+        raise ValueError(
+            f"fallback must be one of {', '.join(map(repr, _FALLBACKS))}; got {fallback!r}"
+        )
+    return fallback  # type: ignore[return-value]
+
+
+def choose_transport(fallback: Fallback, device: int, *, probed: bool | None) -> Transport:
+    """Decide between CUDA IPC and host memory for ``device``.
+
+    CUDA IPC needs allocations in classic segments (not possible under the
+    ``cudaMallocAsync`` backend, say) and a machine where classic IPC works (a
+    probe result, when one exists: ``probed`` is its ``classic_ipc``; None when
+    not probed, which is taken as "works").
+
+    Raises:
+        IpcUnavailableError: CUDA IPC cannot be used and ``fallback="raise"``.
+    """
+    if fallback == "host":
+        return "host"
+    blocker = _STATE.classic_blocker()
+    if blocker is None and probed is False:
+        caps = cached_capabilities(device)
+        blocker = f"the IPC probe found CUDA IPC broken here ({caps.reason if caps else '?'})"
+    if blocker is None:
+        return "cuda"
+    if fallback == "raise":
+        raise IpcUnavailableError(
+            f"CUDA IPC cannot be used on device {device}: {blocker}. Pass fallback='host' "
+            "(or 'auto') to ship tensors through host shared memory instead."
+        )
+    warn_once(
+        f"ipc-host:{blocker}",
+        f"CUDA IPC cannot be used on device {device} ({blocker}); falling back to host "
+        "shared memory, which costs a device-to-host and a host-to-device copy",
+    )
+    return "host"
+
+
+class IpcSafe(_AllocatorScope):
+    """Scope in which new allocations can be shared without pidfd (see :func:`ipc_safe`)."""
+
+    def __init__(self, *, fallback: Fallback = "auto") -> None:
+        super().__init__()
+        self.fallback = check_fallback(fallback)
+        self._changes = {"expandable_segments": "False"}
+        self._release_cache = True
+        self._force = False
+        self._label = f"ipc_safe(fallback={fallback!r})"
+        self.transport: Transport = "cuda"
+
+    def _enter(self) -> object:
+        device = _torch.current_device()
+        index = 0 if device is None else device
+        caps = cached_capabilities(index)
+        # Decided before the switch: "raise" must leave the allocator untouched.
+        self.transport = choose_transport(
+            self.fallback, index, probed=None if caps is None else caps.classic_ipc
+        )
+        return super()._enter()
+
+
+def ipc_safe(*, fallback: Fallback = "auto") -> IpcSafe:
+    """Make new allocations in a block or call shareable over CUDA IPC without pidfd.
+
+    Inside, expandable segments are off (every other allocator setting kept) and,
+    when that changes the mode, cached blocks are released first so no new tensor
+    lands in an old expandable block. Tensors allocated inside can be sent to
+    another process with ``torch.multiprocessing`` (or :func:`ipc_shareable`,
+    :class:`WeightBucket`) even when the consumer may not call ``pidfd_getfd``.
+    On exit the previous settings come back.
+
+    ``fallback`` says what happens when classic-segment IPC is impossible here
+    (``cudaMallocAsync`` backend, no allocator setter while expandable segments
+    are on, or a cached :func:`ipc_capabilities` probe that found CUDA IPC
+    broken): ``"auto"`` warns once and sets ``transport`` to ``"host"``,
+    ``"host"`` always sets it to ``"host"``, ``"raise"`` raises
+    :class:`IpcUnavailableError` before changing anything. Read
+    ``scope.transport`` (``"cuda"`` or ``"host"``) to decide how to ship.
+
+    Scope: process-global allocator settings (like :func:`expandable_segments`);
+    re-entrant, nests, restores on any exception; context manager and decorator in
+    every form.
+
+    Args:
+        fallback: ``"auto"`` (default), ``"host"`` or ``"raise"``.
+
+    Returns:
+        An :class:`IpcSafe` context/decorator.
+
+    Raises:
+        TypeError, ValueError: ``fallback`` is not one of the three.
+
+    Example:
+        >>> with hm.ipc_safe():                       # doctest: +SKIP
+        ...     staging = torch.empty(n, device="cuda")
+        ...     queue.put(staging)                    # no pidfd needed by the consumer
+    """
+    return IpcSafe(fallback=fallback)
+
+
+def _safe_copy(tensor: torch.Tensor) -> torch.Tensor:
+    out = tensor.detach().clone(memory_format=torch.preserve_format)
+    if tensor.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def ipc_shareable(tensor: torch.Tensor) -> torch.Tensor:
+    """Return ``tensor`` if CUDA IPC can share it without pidfd, else a copy that can.
+
+    The check is one driver query (``cuPointerGetAttribute``, ~1 us; no allocator
+    snapshot). A tensor in an expandable segment is copied into a classic segment:
+    a device-to-device copy of the tensor (bandwidth-bound; the copy's memory is
+    extra until the original is dropped) plus two allocator toggles (~10 us each).
+    The cache is released only if the copy landed in a cached expandable block,
+    or if the driver could not be asked. CPU tensors are returned as they are
+    (torch shares them through host shared memory, no pidfd involved).
+
+    The copy is detached, contiguous in the tensor's memory format, and keeps
+    ``requires_grad`` (a ``Parameter`` comes back as a plain tensor).
+
+    Args:
+        tensor: the tensor to share.
+
+    Returns:
+        ``tensor`` itself, or a copy in a classic segment on the same device.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``.
+        IpcUnavailableError: no classic segment can be had here (``cudaMallocAsync``).
+
+    Scope: current thread; toggles the process-global allocator settings for the
+    duration of the copy, like :func:`ipc_safe`.
+
+    Example:
+        >>> queue.put(hm.ipc_shareable(model.weight))   # doctest: +SKIP
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"ipc_shareable() takes a torch.Tensor, got {type(tensor).__name__}; "
+            "call it once per tensor"
+        )
+    if disabled() or not _torch.is_device_tensor(tensor):
+        return tensor
+    capable = _torch.is_legacy_ipc_capable(tensor)
+    if capable:
+        return tensor
+    if tensor.untyped_storage().nbytes() == 0:
+        return tensor  # nothing to export
+    blocker = _STATE.classic_blocker()
+    if blocker is not None:
+        raise IpcUnavailableError(
+            f"cannot make a copy of this tensor shareable without pidfd: {blocker}. "
+            "Ship it through host memory (WeightBucket(fallback='host')) instead."
+        )
+    unknown = capable is None
+    if unknown:
+        info_once(
+            "ipc-no-driver-query",
+            "ipc_shareable: the CUDA driver cannot tell segment kinds here; copying "
+            "with a cache release to be sure",
+        )
+    with IpcSafe(fallback="raise") if unknown else _no_release_scope():
+        out = _safe_copy(tensor)
+        if _torch.is_legacy_ipc_capable(out) is False:
+            # The copy reused a cached free block of an expandable segment.
+            del out
+            drop_cached_blocks([max(tensor.get_device(), 0)])
+            out = _safe_copy(tensor)
+            if _torch.is_legacy_ipc_capable(out) is False:
+                raise IpcUnavailableError(
+                    "a copy made with expandable segments off still is not in a classic "
+                    "segment; ship this tensor through host memory instead"
+                )
+    logger.debug("ipc_shareable: copied %d bytes into a classic segment", out.nbytes)
+    return out
+
+
+def _no_release_scope() -> IpcSafe:
+    scope = IpcSafe(fallback="raise")
+    scope._release_cache = False  # checked after the copy instead (cheaper)
+    return scope
+
+
+def allow_ptrace_from_any() -> bool:
+    """Let any process of this user fetch this process's file descriptors (opt-in).
+
+    Calls ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` in the *producer*. Under
+    Yama ``ptrace_scope=1`` (Ubuntu's default) a consumer may ``pidfd_getfd`` only
+    from its own descendants, so a rollout engine started by the trainer cannot
+    import the trainer's expandable segments; this lifts that rule for this
+    process.
+
+    Security: any process running as the same user can then ptrace this process:
+    read and write its memory (model weights, credentials, tokens in memory), and
+    inject code. Yama's protection against a compromised same-user process is off
+    for it until it exits. It does not help against a seccomp filter (the denial is
+    then in the consumer) or ``ptrace_scope`` 2 or 3. Prefer :func:`ipc_safe` /
+    :func:`ipc_shareable`, which need no ptrace at all; use this only where every
+    process of the user is trusted. Never called by hybridmem itself.
+
+    Returns:
+        True when applied; False on non-Linux systems, without Yama (nothing to
+        lift), or when the kernel refused (the reason is logged).
+
+    Scope: this process, for the rest of its life (not undone). Thread-safe; a
+    second call does nothing.
+
+    Example:
+        >>> hm.allow_ptrace_from_any()   # doctest: +SKIP
+        True
+    """
+    global _ptracer_set
+    with _ptracer_lock:
+        if _ptracer_set:
+            return True
+        if not _linux.is_linux() or _linux.yama_ptrace_scope() is None:
+            logger.info("allow_ptrace_from_any: no Yama here, nothing to allow")
+            return False
+        error = _linux.set_ptracer_any()
+        if error is not None:
+            logger.warning(
+                "allow_ptrace_from_any: prctl(PR_SET_PTRACER) failed with %s",
+                _linux.errno_name(error),
+            )
+            return False
+        _ptracer_set = True
+        logger.warning(
+            "allow_ptrace_from_any: any process of this user may now ptrace process "
+            "%d (needed for pidfd_getfd under Yama ptrace_scope=1)",
+            os.getpid(),
+        )
+        return True
+
+
+def _reset_for_tests() -> None:
+    global _ptracer_set
+    _ptracer_set = False

@@ -1,0 +1,379 @@
+"""WeightBucket and BucketReceiver on the CPU: host transport end to end, protocol, errors.
+
+CPU tensors stand in for device tensors (the seam says so); the bucket then uses
+POSIX shared memory, the fallback transport, so the whole protocol (packing,
+double buffering, acks, split tensors, copies versus views, aborts) runs for real,
+in threads and across processes. The CUDA transport is checked on the H200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+import hybridmem as hm
+from hybridmem import _torch
+
+KiB = 1024
+
+
+def model_tensors() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "embed": torch.randn(300, 17),  # 20400 bytes: split across 4 KiB buckets
+        "norm": torch.randn(17).to(torch.bfloat16),
+        "mask": torch.rand(33) > 0.5,
+        "step": torch.tensor(7, dtype=torch.int64),  # 0-dim
+        "empty": torch.empty(0, 5),
+        "head": torch.randn(5, 3).to(torch.float16),
+    }
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[Connection, Connection]]:
+    a, b = mp.Pipe()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def run_receiver(
+    handle: hm.BucketHandle, conn: Connection, body: Callable[[hm.BucketReceiver], Any]
+) -> tuple[threading.Thread, dict[str, Any]]:
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            with hm.BucketReceiver(handle) as receiver:
+                result["value"] = body(receiver)
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, result
+
+
+def collect(conn: Connection, **kw: Any) -> Callable[[hm.BucketReceiver], dict[str, torch.Tensor]]:
+    def body(receiver: hm.BucketReceiver) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in receiver.receive(conn, **kw)}
+
+    return body
+
+
+def test_round_trip_with_split_tensors_and_every_dtype(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    tensors = model_tensors()
+    with hm.WeightBucket(4 * KiB) as bucket:
+        assert bucket.transport == "host"  # no CUDA here
+        thread, result = run_receiver(bucket.handle, pipe[1], collect(pipe[1]))
+        report = bucket.send(tensors, pipe[0])
+        thread.join()
+    got = result["value"]
+    assert list(got) == list(tensors)
+    for name, tensor in tensors.items():
+        assert got[name].dtype == tensor.dtype
+        assert got[name].shape == tensor.shape
+        assert torch.equal(got[name], tensor), name
+    assert report.tensors == len(tensors)
+    assert report.nbytes == sum(t.nbytes for t in tensors.values())
+    assert report.batches >= 6  # 20400 bytes in 4 KiB buckets, plus the rest
+    assert "synced 6 tensors" in str(report)
+
+
+def test_many_syncs_reuse_the_same_buffers(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    weights = {"w": torch.zeros(1000)}
+    bucket = hm.WeightBucket(1 * KiB, buffers=2)
+    exports = bucket.handle.exports
+
+    def body(receiver: hm.BucketReceiver) -> list[float]:
+        return [float(t.sum()) for _ in range(20) for _, t in receiver.receive(pipe[1])]
+
+    thread, result = run_receiver(bucket.handle, pipe[1], body)
+    for step in range(20):
+        weights["w"].fill_(step)
+        bucket.send(weights, pipe[0])
+    thread.join()
+    assert result["value"] == [1000.0 * step for step in range(20)]
+    assert bucket.handle.exports == exports  # exported once
+    bucket.close()
+    bucket.close()  # idempotent
+
+
+def test_receive_into_existing_tensors(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    tensors = model_tensors()
+    out = {name: torch.zeros_like(t) for name, t in tensors.items()}
+    with hm.WeightBucket(4 * KiB) as bucket:
+
+        def body(receiver: hm.BucketReceiver) -> list[bool]:
+            return [t is out[name] for name, t in receiver.receive(pipe[1], out=out)]
+
+        thread, result = run_receiver(bucket.handle, pipe[1], body)
+        bucket.send(tensors, pipe[0])
+        thread.join()
+    assert all(result["value"])
+    assert all(torch.equal(out[n], t) for n, t in tensors.items())
+
+
+def test_dtype_mismatch_on_receive_aborts_both_sides(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    out = {"w": torch.zeros(4, dtype=torch.float64)}
+    with hm.WeightBucket(4 * KiB) as bucket:
+        thread, result = run_receiver(
+            bucket.handle, pipe[1], lambda r: list(r.receive(pipe[1], out=out))
+        )
+        with pytest.raises(RuntimeError, match="receiver stopped"):
+            bucket.send({"w": torch.ones(4)}, pipe[0])
+        thread.join()
+        assert isinstance(result["error"], ValueError)
+        assert "torch.float32 [4] but out['w'] is torch.float64 [4]" in str(result["error"])
+
+        # The next sync is not poisoned by the aborted one.
+        thread, result = run_receiver(bucket.handle, pipe[1], collect(pipe[1]))
+        bucket.send({"w": torch.ones(4)}, pipe[0])
+        thread.join()
+        assert torch.equal(result["value"]["w"], torch.ones(4))
+
+
+def test_receiver_that_stops_early_releases_the_producer(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    tensors = {f"t{i}": torch.full((512,), float(i)) for i in range(8)}  # 2 KiB each
+
+    def body(receiver: hm.BucketReceiver) -> str:
+        for name, _ in receiver.receive(pipe[1]):
+            return name  # closes the generator: it tells the producer
+        return ""
+
+    with hm.WeightBucket(4 * KiB) as bucket:
+        thread, result = run_receiver(bucket.handle, pipe[1], body)
+        with pytest.raises(RuntimeError, match="stopped before the end"):
+            bucket.send(tensors, pipe[0])
+        thread.join()
+    assert result["value"] == "t0"
+
+
+def test_views_are_zero_copy_and_split_tensors_are_copies(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    tensors = {"small": torch.arange(10.0), "big": torch.arange(3000.0)}  # 12000 B > 4 KiB
+    with hm.WeightBucket(4 * KiB) as bucket:
+        buffers: list[int] = []
+
+        def body(receiver: hm.BucketReceiver) -> dict[str, tuple[bool, bool]]:
+            spans = [
+                (b.data_ptr(), b.data_ptr() + b.numel())
+                for b in receiver._buffers  # the mapped bucket memory
+            ]
+            buffers.extend(s for s, _ in spans)
+            seen = {}
+            for name, t in receiver.receive(pipe[1], views=True):
+                inside = any(lo <= t.data_ptr() < hi for lo, hi in spans)
+                seen[name] = (inside, torch.equal(t, tensors[name]))
+            return seen
+
+        thread, result = run_receiver(bucket.handle, pipe[1], body)
+        bucket.send(tensors, pipe[0])
+        thread.join()
+    assert result["value"] == {"small": (True, True), "big": (False, True)}
+
+
+def test_async_send_and_receive(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    tensors = model_tensors()
+
+    async def main() -> tuple[hm.SyncReport, dict[str, torch.Tensor]]:
+        bucket = hm.WeightBucket(4 * KiB)
+        receiver = hm.BucketReceiver(bucket.handle)
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        async def consume() -> dict[str, torch.Tensor]:
+            return {n: t.clone() async for n, t in receiver.areceive(pipe[1])}
+
+        tick = asyncio.create_task(ticker())
+        report, got = await asyncio.gather(bucket.asend(tensors, pipe[0]), consume())
+        tick.cancel()
+        receiver.close()
+        bucket.close()
+        assert ticks > 0  # the loop kept running while both sides waited
+        return report, got
+
+    report, got = asyncio.run(main())
+    assert report.tensors == len(tensors)
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
+
+
+# --------------------------------------------------------------------------- #
+# Bad input
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"nbytes": 0}, ValueError, "nbytes must be >= 1"),
+        ({"nbytes": -5}, ValueError, "nbytes must be >= 1"),
+        ({"nbytes": True}, TypeError, "nbytes must be an int"),
+        ({"nbytes": 1.5}, TypeError, "nbytes must be an int"),
+        ({"nbytes": 4096, "buffers": 0}, ValueError, "buffers must be between 1 and 8"),
+        ({"nbytes": 4096, "buffers": 9}, ValueError, "buffers must be between 1 and 8"),
+        ({"nbytes": 4096, "fallback": "cpu"}, ValueError, "fallback must be one of"),
+        ({"nbytes": 4096, "device": -1}, ValueError, "must be >= 0"),
+    ],
+)
+def test_bad_bucket_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        hm.WeightBucket(**kwargs)
+
+
+def test_raise_fallback_without_cuda() -> None:
+    with pytest.raises(hm.IpcUnavailableError, match="no CUDA device"):
+        hm.WeightBucket(4096, fallback="raise")
+
+
+def test_size_is_rounded_up_to_alignment() -> None:
+    with hm.WeightBucket(1000) as bucket:
+        assert bucket.nbytes == 1024
+        assert repr(bucket) == "WeightBucket(1.00 KiB x 2, device=cpu, host)"
+
+
+@pytest.mark.parametrize(
+    ("named", "error", "match"),
+    [
+        ({"w": torch.ones(4, 4).t()}, ValueError, "'w' is not contiguous"),
+        ({"w": [1, 2]}, TypeError, "'w' is a list, not a torch.Tensor"),
+        ([("w", torch.ones(1)), ("w", torch.ones(1))], ValueError, "appears twice"),
+        ([(1, torch.ones(1))], TypeError, "names must be str"),
+        ([torch.ones(1)], TypeError, r"expected \(name, tensor\) pairs"),
+        (torch.ones(1), TypeError, "takes named tensors"),
+        ({"w": torch.ones(2).to_sparse()}, ValueError, "only dense tensors"),
+    ],
+)
+def test_bad_tensors_are_refused_before_sending(
+    cpu_as_device: list[int], named: Any, error: type[Exception], match: str
+) -> None:
+    sent: list[Any] = []
+
+    class Recorder:
+        def send(self, obj: Any) -> None:
+            sent.append(obj)
+
+        def recv(self) -> Any:
+            raise AssertionError("nothing should be awaited")
+
+    with hm.WeightBucket(4096) as bucket, pytest.raises(error, match=match):
+        bucket.send(named, Recorder())
+    assert sent == []
+
+
+def test_cpu_tensor_is_refused() -> None:
+    # Without the seam stand-in, a CPU tensor is what it is: not a device tensor.
+    with hm.WeightBucket(4096) as bucket, pytest.raises(ValueError, match="is on cpu"):
+        bucket.send({"w": torch.ones(2)}, mp.Pipe()[0])
+
+
+def test_closed_bucket_refuses(cpu_as_device: list[int]) -> None:
+    bucket = hm.WeightBucket(4096)
+    bucket.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        bucket.send({"w": torch.ones(2)}, mp.Pipe()[0])
+
+
+def test_receiver_rejects_bad_handles() -> None:
+    with pytest.raises(TypeError, match=r"takes a WeightBucket\.handle"):
+        hm.BucketReceiver("handle")  # type: ignore[arg-type]
+    handle = hm.BucketHandle("host", 4096, 1, None, ("x",), 1, protocol=99)
+    with pytest.raises(ValueError, match="protocol 99"):
+        hm.BucketReceiver(handle)
+
+
+def test_receiver_finds_the_gpu_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    uuids = {0: "GPU-aaa", 1: "GPU-bbb"}
+    monkeypatch.setattr(_torch, "device_count", lambda: 2)
+    monkeypatch.setattr(_torch, "device_uuid", lambda i: uuids[i])
+    by_uuid = {v: i for i, v in uuids.items()}
+    monkeypatch.setattr(_torch, "device_index_by_uuid", by_uuid.get)
+    handle = hm.BucketHandle("cuda", 4096, 1, "GPU-bbb", (), 1)
+    assert hm.BucketReceiver._source_device(handle) == 1  # not the producer's index
+    missing = hm.BucketHandle("cuda", 4096, 1, "GPU-zzz", (), 1)
+    with pytest.raises(ValueError, match=r"GPU-zzz is not visible .*GPU-aaa"):
+        hm.BucketReceiver._source_device(missing)
+
+
+def test_protocol_garbage_is_an_error(cpu_as_device: list[int]) -> None:
+    class Garbage:
+        def __init__(self, messages: list[Any]) -> None:
+            self.messages = messages
+            self.sent: list[Any] = []
+
+        def send(self, obj: Any) -> None:
+            self.sent.append(obj)
+
+        def recv(self) -> Any:
+            return self.messages.pop(0)
+
+    with hm.WeightBucket(4096) as bucket:
+        channel = Garbage(["hello"])
+        with pytest.raises(RuntimeError, match="unexpected message from the receiver"):
+            bucket.send({"w": torch.ones(2)}, channel)
+        assert channel.sent[-1][0] == "abort"
+        receiver = hm.BucketReceiver(bucket.handle)
+        channel = Garbage([("begin", 5), ("bogus", 5, 1)])
+        with pytest.raises(RuntimeError, match="unexpected message from the producer"):
+            list(receiver.receive(channel))
+        assert channel.sent == [("abort", 5, "the receiver stopped before the end")]
+        receiver.close()
+
+
+# --------------------------------------------------------------------------- #
+# Across processes (spawn), through real shared memory
+# --------------------------------------------------------------------------- #
+
+
+def _child_receiver(conn: Connection) -> None:
+    from tests.conftest import treat_cpu_as_device
+
+    treat_cpu_as_device()
+    handle = conn.recv()
+    with hm.BucketReceiver(handle) as receiver:
+        for _ in range(3):
+            sums = {name: float(t.double().sum()) for name, t in receiver.receive(conn)}
+            conn.send(("sums", sums))
+
+
+def test_across_processes(cpu_as_device: list[int]) -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_child_receiver, args=(child,))
+    process.start()
+    tensors = model_tensors()
+    with hm.WeightBucket(4 * KiB) as bucket:
+        parent.send(bucket.handle)
+        for step in range(3):
+            tensors["embed"].add_(step)
+            bucket.send(tensors, parent)
+            kind, sums = parent.recv()
+            assert kind == "sums"
+            assert sums == {n: float(t.double().sum()) for n, t in tensors.items()}
+    process.join(timeout=60)
+    assert process.exitcode == 0

@@ -1,0 +1,155 @@
+"""ipc_capabilities: interpretation of the probe's facts, caching, and the real probe."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+import hybridmem as hm
+from hybridmem import _linux, capabilities
+from tests.helpers import run_python
+
+OK = {"self_fetch_errno": None, "producer_fetch_errno": None, "seccomp": 0}
+
+
+def interpret(**facts: Any) -> hm.IpcCapabilities:
+    return capabilities._interpret(0, facts, 0.5)
+
+
+def test_everything_works() -> None:
+    caps = interpret(**OK, classic_ok=True, expandable_ok=True, expandable_handle="posix_fd")
+    assert (caps.classic_ipc, caps.expandable_ipc, caps.pidfd_getfd) == (True, True, "allowed")
+    assert caps.reason is None
+    assert "nothing to do" in caps.advice
+    assert not caps.blocking
+    assert json.loads(json.dumps(caps.as_dict()))["expandable_handle"] == "posix_fd"
+
+
+def test_seccomp_denial() -> None:
+    caps = interpret(
+        self_fetch_errno="EPERM",
+        producer_fetch_errno="EPERM",
+        seccomp=2,
+        classic_ok=True,
+        expandable_ok=False,
+        expandable_import_error="RuntimeError: pidfd_getfd: Operation not permitted",
+    )
+    assert (caps.pidfd_getfd, caps.denied_by) == ("denied", "seccomp")
+    assert caps.reason is not None
+    assert "seccomp filter" in caps.reason
+    assert "ipc_safe" in caps.advice
+    assert "seccomp profile" in caps.advice
+    assert "pidfd_getfd:         denied (by seccomp)" in str(caps)
+
+
+def test_ptrace_denial(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_linux, "yama_ptrace_scope", lambda: 1)
+    caps = interpret(
+        self_fetch_errno=None,
+        producer_fetch_errno="EPERM",
+        classic_ok=True,
+        expandable_ok=False,
+    )
+    assert (caps.pidfd_getfd, caps.denied_by, caps.ptrace_scope) == ("denied", "ptrace", 1)
+    assert caps.reason is not None
+    assert "ptrace_scope=1" in caps.reason
+    assert "allow_ptrace_from_any" in caps.advice
+
+
+def test_no_kernel_support() -> None:
+    caps = interpret(self_fetch_errno="ENOSYS", classic_ok=True, expandable_ok=False)
+    assert caps.pidfd_getfd == "unsupported"
+    assert caps.reason is not None
+    assert "5.6" in caps.reason
+
+
+def test_ipc_handles_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC", "0")
+    caps = interpret(
+        **OK,
+        classic_ok=True,
+        expandable_export_error="RuntimeError: Tensors allocated with expandable_segments:True "
+        "cannot be shared between processes",
+    )
+    assert caps.expandable_ipc is False
+    assert caps.reason is not None
+    assert caps.reason.startswith("TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0")
+
+
+def test_torch_too_old() -> None:
+    caps = interpret(**OK, classic_ok=True, expandable_export_error="RuntimeError: cannot share")
+    assert caps.reason is not None
+    assert "cannot export tensors from expandable" in caps.reason
+
+
+def test_classic_ipc_broken_is_blocking() -> None:
+    caps = interpret(**OK, classic_ok=False, classic_import_error="RuntimeError: invalid handle")
+    assert caps.blocking
+    assert caps.reason == "RuntimeError: invalid handle"
+    assert "fallback='host'" in caps.advice
+
+
+def test_no_cuda() -> None:
+    caps = interpret(**OK, cuda_error="no CUDA device is visible to the probe")
+    assert not caps.cuda
+    assert caps.classic_ipc is None
+    assert caps.expandable_ipc is None
+    assert not caps.blocking
+    assert caps.pidfd_getfd == "allowed"
+    assert "not probed" in str(caps)
+
+
+def test_probe_failure_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    caps = interpret(cuda_error="the IPC probe failed (exit 1): boom")
+    assert caps.pidfd_getfd == "unknown"
+    assert caps.reason is not None
+    assert "boom" in caps.reason
+
+
+def test_probed_once_per_device_and_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, bool]] = []
+
+    def fake_probe(device: int, cuda: bool) -> dict[str, Any]:
+        calls.append((device, cuda))
+        return dict(OK)
+
+    monkeypatch.setattr(capabilities, "_run_probe", fake_probe)
+    first = hm.ipc_capabilities()
+    assert hm.ipc_capabilities(0) is first
+    assert capabilities.cached_capabilities(0) is first
+    hm.ipc_capabilities(refresh=True)
+    assert len(calls) == 2
+    with pytest.raises(TypeError, match="refresh must be True or False"):
+        hm.ipc_capabilities(refresh=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be >= 0"):
+        hm.ipc_capabilities(-1)
+
+
+PROBE = """
+import json, sys
+sys.path.insert(0, ".")
+if sys.argv[1] == "deny":
+    from tests.seccomp import deny_pidfd_getfd
+    deny_pidfd_getfd()
+import hybridmem as hm
+print(json.dumps(hm.ipc_capabilities().as_dict()))
+"""
+
+
+@pytest.mark.skipif(not _linux.is_linux(), reason="pidfd is Linux only")
+@pytest.mark.parametrize("mode", ["open", "deny"])
+def test_real_probe_in_fresh_process(mode: str) -> None:
+    done = run_python("-c", PROBE, mode, timeout=120)
+    assert done.returncode == 0, done.stderr
+    caps = json.loads(done.stdout.strip().splitlines()[-1])
+    if mode == "deny":
+        assert caps["pidfd_getfd"] == "denied"
+        assert caps["denied_by"] == "seccomp"
+        assert caps["seccomp"] == 2
+    else:
+        assert caps["pidfd_getfd"] in ("allowed", "denied")  # ptrace rules vary by host
+        assert caps["denied_by"] != "seccomp"
+    if not caps["cuda"]:
+        assert caps["classic_ipc"] is None
