@@ -41,15 +41,19 @@ __all__ = [
     "import_cuda_tensor",
     "initialized_devices",
     "ipc_collect",
+    "ipc_event_handle",
     "is_device_tensor",
     "is_legacy_ipc_capable",
     "last_allocator_settings",
     "local_tensor",
     "mem_get_info",
     "memory_stats",
+    "new_ipc_event",
     "new_stream",
+    "open_ipc_event",
     "pin_host_tensor",
     "reads_generic_alloc_conf",
+    "record_event",
     "runtime_allocator_backend",
     "set_allocator_settings",
     "settings_setter_name",
@@ -57,10 +61,12 @@ __all__ = [
     "snapshot_allocator_settings",
     "stream_scope",
     "synchronize",
+    "synchronize_event",
     "synchronize_stream",
     "torch_version",
     "torch_version_string",
     "unpin_host_tensor",
+    "wait_event",
     "wait_stream",
 ]
 
@@ -245,6 +251,7 @@ _CUDA_BUILT = torch.version.cuda is not None and hasattr(torch._C, "_cuda_getDev
 _IS_INITIALIZED = cast(Callable[[], bool], torch.cuda.is_initialized)
 _CUDART: Callable[[], Any] = torch.cuda.cudart
 _CUDA_STREAM = cast(Callable[..., Any], torch.cuda.Stream)
+_CUDA_EVENT: Any = torch.cuda.Event
 
 
 def cuda_built() -> bool:
@@ -516,6 +523,40 @@ def import_cuda_tensor(rebuild: Any, args: tuple[Any, ...], device: int) -> torc
     if not isinstance(result, torch.Tensor):  # pragma: no cover - torch always returns one
         raise TypeError(f"rebuilding a CUDA tensor returned {type(result).__name__}")
     return result
+
+
+def new_ipc_event(device: int) -> Any:
+    """Return a CUDA event another process can open (``cudaEventInterprocess``).
+
+    Interprocess events cannot time (torch disables timing for them).
+    """
+    with torch.cuda.device(device):
+        return _CUDA_EVENT(interprocess=True)
+
+
+def ipc_event_handle(event: Any) -> bytes:
+    """Return the handle another process opens with :func:`open_ipc_event`."""
+    return bytes(event.ipc_handle())
+
+
+def open_ipc_event(device: int, handle: bytes) -> Any:
+    """Open an interprocess event of another process on local device ``device``."""
+    return _CUDA_EVENT.from_ipc_handle(device, handle)
+
+
+def record_event(event: Any, stream: Any) -> None:
+    """Record ``event`` on ``stream`` (the last record is what waiters wait for)."""
+    event.record(stream)
+
+
+def wait_event(stream: Any, event: Any) -> None:
+    """Make ``stream``'s later work wait for ``event``'s last record (on the device)."""
+    stream.wait_event(event)
+
+
+def synchronize_event(event: Any) -> None:
+    """Block the host until ``event``'s last record has completed."""
+    event.synchronize()
 
 
 # Pieces at least this big are copied one by one (a contiguous same-dtype

@@ -81,6 +81,9 @@ class BucketHandle:
             with different ``CUDA_VISIBLE_DEVICES``); None without CUDA.
         exports: per buffer, a CUDA IPC export (``"cuda"``) or a shared-memory name.
         producer_pid: the producer's process id (for error messages).
+        events: per buffer, an interprocess CUDA event the producer records once the
+            buffer is filled (``"cuda"`` only): the receiver's stream waits for it on
+            the device, no host round trip.
         protocol: message-protocol version.
     """
 
@@ -90,6 +93,7 @@ class BucketHandle:
     device_uuid: str | None
     exports: tuple[Any, ...]
     producer_pid: int
+    events: tuple[bytes, ...] = ()
     protocol: int = PROTOCOL
 
 
@@ -244,6 +248,8 @@ class WeightBucket:
         self._plan: _Plan | None = None
         self._word_views: list[dict[torch.dtype, torch.Tensor]] = []
         self._pads: dict[torch.dtype, torch.Tensor] = {}
+        self._filled: list[Any] = []  # interprocess events, recorded after each fill
+        self._drained: list[Any] | None = None  # the receiver's, once it sent them
         exports = self._allocate()
         self.handle = BucketHandle(
             transport=self.transport,
@@ -252,6 +258,7 @@ class WeightBucket:
             device_uuid=_torch.device_uuid(self._index) if _torch.cuda_available() else None,
             exports=tuple(exports),
             producer_pid=os.getpid(),
+            events=tuple(_torch.ipc_event_handle(e) for e in self._filled),
         )
         logger.info(
             "WeightBucket: %d x %s over %s on device %d",
@@ -295,6 +302,7 @@ class WeightBucket:
                         )
                     self._views.append(buffer)
                     exports.append(_torch.export_cuda_tensor(buffer))
+                    self._filled.append(_torch.new_ipc_event(self._index))
             return exports
         for _ in range(self._buffers_count):
             shm = shared_memory.SharedMemory(create=True, size=self.nbytes)
@@ -362,6 +370,9 @@ class WeightBucket:
             if not (isinstance(message, tuple) and len(message) >= 3):
                 raise RuntimeError(f"unexpected message from the receiver: {message!r}")
             kind, sync = message[0], message[1]
+            if kind == "events":  # the receiver drains on the device and says so with these
+                self._drained = [_torch.open_ipc_event(self._index, h) for h in message[2]]
+                continue
             if sync != self._sync:
                 continue  # left over from an earlier, aborted sync
             if kind == "ack":
@@ -471,15 +482,23 @@ class WeightBucket:
             for number in range(len(plan.batches)):
                 buffer = number % self._buffers_count
                 self._wait_ack(channel, occupied[buffer])
+                if self._drained is not None:  # the receiver's copies out of it come first
+                    _torch.wait_event(stream, self._drained[buffer])
                 with _torch.stream_scope(stream):
                     self._fill(buffer, number, plan, flats)
-                _torch.synchronize_stream(stream)  # the data is complete before the hand-off
+                # The data is complete before the hand-off: on the device through the
+                # buffer's event (CUDA), or by waiting here (host memory).
+                if self._filled:
+                    _torch.record_event(self._filled[buffer], stream)
+                else:
+                    _torch.synchronize_stream(stream)
                 self._seq += 1
                 channel.send(("batch", sync, self._seq, buffer, plan.entries[number]))
                 occupied[buffer] = self._seq
             self._seq += 1
             channel.send(("end", sync, self._seq, len(items), total))
             self._wait_ack(channel, self._seq)
+            _torch.wait_stream(caller, stream)  # later writes to the sources come after
         except _PeerAborted:
             raise
         except BaseException as exc:
@@ -617,12 +636,19 @@ class BucketReceiver:
         self._word_views: dict[int, dict[torch.dtype, torch.Tensor]] = {}
         self._stream: Any = None
         self._closed = False
+        self._filled: list[Any] = []  # the producer's events, one per buffer
+        self._drained: list[Any] = []  # ours, recorded once a buffer is read
+        self._events_sent = False
         if handle.transport == "cuda":
             source = self._source_device(handle)
             self.device = torch.device(
                 "cuda", device_index(device) if device is not None else source
             )
             self._open_cuda(handle, source)
+            self._filled = [_torch.open_ipc_event(source, h) for h in handle.events]
+            if self._filled and self.device.index == source:
+                # Hand-offs on the device both ways: no host round trip per batch.
+                self._drained = [_torch.new_ipc_event(source) for _ in handle.exports]
         else:
             self.device = (
                 torch.device("cuda", device_index(device)) if _torch.cuda_available() else _CPU
@@ -707,6 +733,10 @@ class BucketReceiver:
         srcs: list[torch.Tensor] = []
         stream = self._side_stream()
         _torch.wait_stream(stream, caller)  # `out` tensors may be in use on the caller's stream
+        if self._drained:
+            _torch.wait_event(stream, self._filled[buffer])  # the producer's fill, on the device
+        elif self._filled:
+            _torch.synchronize_event(self._filled[buffer])
         block = None
         if out is None and not views:
             # Copies: the batch in one copy into a fresh block; whole tensors are
@@ -751,7 +781,12 @@ class BucketReceiver:
                 ready.append((name, dest))
         with _torch.stream_scope(stream):
             _torch.copy_many(dsts, srcs)
-        _torch.synchronize_stream(stream)  # done reading the buffer before the ack
+        if self._drained:
+            if not (views and out is None):  # views: recorded once the user moved on
+                _torch.record_event(self._drained[buffer], stream)
+            _torch.wait_stream(caller, stream)  # the results, on the user's stream
+        else:
+            _torch.synchronize_stream(stream)  # done reading the buffer before the ack
         return ready
 
     def receive(
@@ -787,6 +822,10 @@ class BucketReceiver:
         finished = False
         aborted_by_peer = False
         sync = self._begin(channel)
+        if self._drained and not self._events_sent:
+            handles = [_torch.ipc_event_handle(e) for e in self._drained]
+            channel.send(("events", sync, handles))
+            self._events_sent = True
         try:
             while True:
                 message = channel.recv()
@@ -813,6 +852,8 @@ class BucketReceiver:
                     yield from ready
                 else:
                     yield from ready
+                    if self._drained:  # after the user's work on the views, on the device
+                        _torch.record_event(self._drained[int(message[3])], caller)
                     channel.send(("ack", sync, seq))  # the views of this batch are done with
         finally:
             if not finished and not aborted_by_peer:

@@ -195,6 +195,7 @@ def bucket_syncs(
         ],
         "consumer_device": consumer_device,
         "consumer_exit": consumer.exitcode,
+        "device_handoff": staging._drained is not None,
     }
 
 

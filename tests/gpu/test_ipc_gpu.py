@@ -49,6 +49,7 @@ def test_c_bucket_syncs_keep_memory_flat_and_data_intact() -> None:
     )
     assert facts["syncs"] == 200
     assert facts["transport"] == "cuda"
+    assert facts["device_handoff"]  # hand-offs through interprocess events
     assert abs(facts["free_first"] - facts["free_last"]) <= 64 * MiB
     assert facts["free_first"] - facts["free_min"] <= 64 * MiB
     assert facts["bad"] == 0
