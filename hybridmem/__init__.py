@@ -17,6 +17,7 @@ Importing hybridmem never initialises CUDA and never imports an inference engine
 
 from __future__ import annotations
 
+from hybridmem._bucket_wire import BucketHandle, Channel
 from hybridmem._decorate import ScopedContext
 from hybridmem._errors import AllocatorSettingsError, HybridMemWarning, IpcUnavailableError
 from hybridmem.allocator import (
@@ -29,7 +30,18 @@ from hybridmem.allocator import (
     configure_allocator,
     expandable_segments,
 )
-from hybridmem.bucket import BucketHandle, BucketReceiver, Channel, SyncReport, WeightBucket
+from hybridmem.backends import (
+    PHASES,
+    BackendProfile,
+    EngineAdapter,
+    SGLangEngine,
+    Step,
+    VLLMEngine,
+    get_backend,
+    list_backends,
+    register_backend,
+)
+from hybridmem.bucket import SyncReport, WeightBucket
 from hybridmem.cache import (
     CacheRelease,
     DeviceRelease,
@@ -40,21 +52,29 @@ from hybridmem.cache import (
 from hybridmem.capabilities import IpcCapabilities, ipc_capabilities
 from hybridmem.ipc import IpcSafe, allow_ptrace_from_any, ipc_safe, ipc_shareable
 from hybridmem.offload import Offloaded, Offloader, OffloadReport, offloaded
+from hybridmem.phases import Phase, phase
+from hybridmem.receiver import BucketReceiver
+from hybridmem.switch import HybridSwitch, HybridSwitchError, StageReport, SwitchReport
 from hybridmem.telemetry import MemoryInfo, memory_info
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PHASES",
     "AllocatorConfig",
     "AllocatorSettings",
     "AllocatorSettingsError",
+    "BackendProfile",
     "BucketHandle",
     "BucketReceiver",
     "CacheRelease",
     "Channel",
     "DeviceRelease",
+    "EngineAdapter",
     "ExpandableSegments",
     "HybridMemWarning",
+    "HybridSwitch",
+    "HybridSwitchError",
     "IpcCapabilities",
     "IpcSafe",
     "IpcUnavailableError",
@@ -62,10 +82,16 @@ __all__ = [
     "OffloadReport",
     "Offloaded",
     "Offloader",
+    "Phase",
     "ReleaseReport",
+    "SGLangEngine",
     "ScopedContext",
     "Setting",
+    "StageReport",
+    "Step",
+    "SwitchReport",
     "SyncReport",
+    "VLLMEngine",
     "WeightBucket",
     "__version__",
     "aggressive_cache_release",
@@ -74,10 +100,14 @@ __all__ = [
     "allow_ptrace_from_any",
     "configure_allocator",
     "expandable_segments",
+    "get_backend",
     "ipc_capabilities",
     "ipc_safe",
     "ipc_shareable",
+    "list_backends",
     "memory_info",
     "offloaded",
+    "phase",
+    "register_backend",
     "release_cache",
 ]

@@ -35,6 +35,9 @@ __all__ = [
     "device_count",
     "device_index_by_uuid",
     "device_uuid",
+    "dist_barrier",
+    "dist_initialized",
+    "dist_rank",
     "empty_cache",
     "export_cuda_tensor",
     "has_context",
@@ -587,6 +590,37 @@ def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         else:
             for dst, src in zip(group_dsts, group_srcs, strict=True):
                 dst.copy_(src, non_blocking=True)
+
+
+# --------------------------------------------------------------------------- #
+# torch.distributed (many ranks)
+# --------------------------------------------------------------------------- #
+
+
+def dist_initialized() -> bool:
+    """Return whether a ``torch.distributed`` default process group exists."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def dist_rank() -> int | None:
+    """Return this process's global rank, or None outside a process group."""
+    if not dist_initialized():
+        return None
+    import torch.distributed as dist
+
+    return int(dist.get_rank())
+
+
+def dist_barrier() -> None:
+    """Barrier on the default process group (NCCL: on the current device, never device 0)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl" and cuda_initialized():
+        dist.barrier(device_ids=[int(torch.cuda.current_device())])
+    else:
+        dist.barrier()
 
 
 def api_report() -> dict[str, bool]:

@@ -8,15 +8,8 @@ bucket per step (+2.04 GiB per sync with 2 GiB buckets, OOM around sync 32; verl
 and reuses them for every sync; the :class:`BucketReceiver` opens them once, by
 GPU UUID, and hands out copies unless views are asked for.
 
-Protocol over any channel with ``send(obj)`` / ``recv()`` (a
-``multiprocessing.Pipe`` end, a wrapped ZMQ socket), every message tagged with the
-sync's number: ``("begin", sync)``; ``("batch", sync, seq, buffer, entries)``
-once a buffer is filled and its copy has finished; ``("ack", sync, seq)`` from the
-receiver once it no longer reads that buffer; ``("end", sync, seq, count,
-nbytes)``, acknowledged too; ``("abort", sync, why)`` from either side ends the
-sync with an error on the other. Messages of an earlier, aborted sync are skipped,
-so a failed sync does not poison the next one. With two buffers (the default) the
-producer fills one while the receiver drains the other.
+The wire format is in :mod:`hybridmem._bucket_wire`; the receiving side is
+:mod:`hybridmem.receiver`.
 """
 
 from __future__ import annotations
@@ -25,15 +18,26 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Generator, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from hybridmem import _torch
+from hybridmem._bucket_wire import (
+    CPU,
+    UNITS,
+    BucketHandle,
+    Channel,
+    Entry,
+    PeerAborted,
+    flat_words,
+    host_buffer,
+    word_unit,
+)
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._format import fmt_bytes
@@ -43,58 +47,11 @@ from hybridmem.cache import release_cache
 from hybridmem.capabilities import ipc_capabilities
 from hybridmem.ipc import Fallback, IpcSafe, Transport, check_fallback, choose_transport
 
-__all__ = ["BucketHandle", "BucketReceiver", "Channel", "SyncReport", "WeightBucket"]
+__all__ = ["SyncReport", "WeightBucket"]
 
-PROTOCOL = 1
 MAX_BUFFERS = 8
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-# (name, dtype, shape, start byte in the tensor, bytes, offset in the buffer, tensor bytes)
-Entry = tuple[str, str, tuple[int, ...], int, int, int, int]
-
-
-@runtime_checkable
-class Channel(Protocol):
-    """What a bucket talks through: ``send(obj)`` and ``recv()`` of picklable objects.
-
-    ``multiprocessing.connection.Connection`` (a ``Pipe()`` end) qualifies as is.
-    Messages are small tuples (names, dtypes, shapes, offsets), never tensor data.
-    """
-
-    def send(self, obj: Any) -> None:
-        """Send one message to the other side."""
-
-    def recv(self) -> Any:
-        """Block until the other side's next message arrives; return it."""
-
-
-@dataclass(frozen=True)
-class BucketHandle:
-    """Everything a receiver needs to open a bucket; picklable, sent once.
-
-    Attributes:
-        transport: ``"cuda"`` (CUDA IPC of classic segments) or ``"host"`` (POSIX
-            shared memory).
-        nbytes: bytes per buffer.
-        buffers: number of buffers (2 = double buffering).
-        device_uuid: the producer's GPU, by UUID (indices differ between processes
-            with different ``CUDA_VISIBLE_DEVICES``); None without CUDA.
-        exports: per buffer, a CUDA IPC export (``"cuda"``) or a shared-memory name.
-        producer_pid: the producer's process id (for error messages).
-        events: per buffer, an interprocess CUDA event the producer records once the
-            buffer is filled (``"cuda"`` only): the receiver's stream waits for it on
-            the device, no host round trip.
-        protocol: message-protocol version.
-    """
-
-    transport: Transport
-    nbytes: int
-    buffers: int
-    device_uuid: str | None
-    exports: tuple[Any, ...]
-    producer_pid: int
-    events: tuple[bytes, ...] = ()
-    protocol: int = PROTOCOL
 
 
 @dataclass(frozen=True)
@@ -128,33 +85,6 @@ def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = 
     return value
 
 
-# Copy units, widest first: pieces are moved as int64 words when their sizes allow
-# (offsets are 256-aligned), so that batched copies move 8 bytes per element.
-_UNITS: tuple[tuple[int, torch.dtype], ...] = (
-    (8, torch.int64),
-    (4, torch.int32),
-    (2, torch.int16),
-    (1, torch.uint8),
-)
-
-
-def _unit(nbytes: int) -> tuple[int, torch.dtype]:
-    """The widest copy unit that divides ``nbytes``."""
-    return next(u for u in _UNITS if nbytes % u[0] == 0)
-
-
-def _flat_words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D view of ``dtype`` words."""
-    with torch.no_grad():
-        flat = tensor.view(-1)
-        return flat if flat.dtype == dtype else flat.view(dtype)
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage bytes as a 1-D uint8 view."""
-    return _flat_words(tensor, torch.uint8)
-
-
 @dataclass(frozen=True)
 class _Plan:
     """How one list of (name, dtype, shape) is packed: batches and their messages."""
@@ -163,27 +93,6 @@ class _Plan:
     entries: tuple[tuple[Entry, ...], ...]
     units: tuple[tuple[int, torch.dtype], ...]  # per tensor
     batch_units: tuple[tuple[int, torch.dtype], ...]  # per batch: the narrowest of its tensors
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"received an unknown dtype {name!r}: producer and receiver differ?")
-    return dtype
-
-
-def _attach_shm(name: str) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name)
-    # Python < 3.13 registers attached segments with this process's resource
-    # tracker, which would unlink the producer's segment when we exit.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
-
-
-def _host_buffer(shm: shared_memory.SharedMemory, nbytes: int) -> tuple[torch.Tensor, bool]:
-    tensor = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
-    return tensor, _torch.pin_host_tensor(tensor)
 
 
 class WeightBucket:
@@ -287,7 +196,7 @@ class WeightBucket:
     @property
     def device(self) -> torch.device:
         """Where the tensors to send live (and, for ``"cuda"``, the buffers)."""
-        return torch.device("cuda", self._index) if _torch.cuda_available() else _CPU
+        return torch.device("cuda", self._index) if _torch.cuda_available() else CPU
 
     def _allocate(self) -> list[Any]:
         exports: list[Any] = []
@@ -307,7 +216,7 @@ class WeightBucket:
         for _ in range(self._buffers_count):
             shm = shared_memory.SharedMemory(create=True, size=self.nbytes)
             self._shms.append(shm)
-            tensor, pinned = _host_buffer(shm, self.nbytes)
+            tensor, pinned = host_buffer(shm, self.nbytes)
             if pinned:
                 self._pinned.append(tensor.data_ptr())
             self._views.append(tensor)
@@ -378,7 +287,7 @@ class WeightBucket:
             if kind == "ack":
                 self._acked = max(self._acked, int(message[2]))
             elif kind == "abort":
-                raise _PeerAborted(f"the receiver stopped the weight sync: {message[2]}")
+                raise PeerAborted(f"the receiver stopped the weight sync: {message[2]}")
             else:
                 raise RuntimeError(f"unexpected message from the receiver: {message!r}")
 
@@ -404,9 +313,9 @@ class WeightBucket:
             )
             for batch in batches
         )
-        units = tuple(_unit(n) for n in sizes)
+        units = tuple(word_unit(n) for n in sizes)
         batch_units = tuple(
-            min((units[p.index] for p in batch.pieces), default=_UNITS[-1]) for batch in batches
+            min((units[p.index] for p in batch.pieces), default=UNITS[-1]) for batch in batches
         )
         self._plan = _Plan(batches, entries, units, batch_units)
         self._plan_key = key
@@ -420,7 +329,14 @@ class WeightBucket:
             views[dtype] = self._views[buffer].view(dtype)
         return views[dtype]
 
-    def _fill(self, buffer: int, number: int, plan: _Plan, flats: list[torch.Tensor]) -> None:
+    def _fill(
+        self,
+        buffer: int,
+        number: int,
+        plan: _Plan,
+        items: list[tuple[str, torch.Tensor]],
+        flats: dict[int, torch.Tensor],
+    ) -> None:
         """Copy batch ``number`` into ``buffer`` (asynchronously, on the current stream).
 
         One ``torch.cat`` into the buffer, alignment gaps filled from a small zero
@@ -441,7 +357,11 @@ class WeightBucket:
                 continue
             if piece.offset > cursor:
                 parts.append(pad[: (piece.offset - cursor) // size])
-            flat = flats[piece.index]
+            flat = flats.get(piece.index)
+            if flat is None:  # made here, batch by batch: host work overlaps the copies
+                flat = flats[piece.index] = flat_words(
+                    items[piece.index][1], plan.units[piece.index][1]
+                )
             if flat.dtype != dtype:
                 flat = flat.view(dtype)
             if piece.start or piece.nbytes != flat.numel() * size:
@@ -470,7 +390,7 @@ class WeightBucket:
             raise RuntimeError("this WeightBucket is closed")
         started = time.perf_counter()
         plan = self._make_plan(items)
-        flats = [_flat_words(t, unit[1]) for (_, t), unit in zip(items, plan.units, strict=True)]
+        flats: dict[int, torch.Tensor] = {}
         stream = self._side_stream()
         _torch.wait_stream(stream, caller)  # the tensors are written on the caller's stream
         occupied: list[int] = [0] * self._buffers_count
@@ -485,7 +405,7 @@ class WeightBucket:
                 if self._drained is not None:  # the receiver's copies out of it come first
                     _torch.wait_event(stream, self._drained[buffer])
                 with _torch.stream_scope(stream):
-                    self._fill(buffer, number, plan, flats)
+                    self._fill(buffer, number, plan, items, flats)
                 # The data is complete before the hand-off: on the device through the
                 # buffer's event (CUDA), or by waiting here (host memory).
                 if self._filled:
@@ -499,7 +419,7 @@ class WeightBucket:
             channel.send(("end", sync, self._seq, len(items), total))
             self._wait_ack(channel, self._seq)
             _torch.wait_stream(caller, stream)  # later writes to the sources come after
-        except _PeerAborted:
+        except PeerAborted:
             raise
         except BaseException as exc:
             with contextlib.suppress(Exception):
@@ -518,9 +438,11 @@ class WeightBucket:
     def send(self, named_tensors: NamedTensors, channel: Channel) -> SyncReport:
         """Ship ``named_tensors`` to the receiver on the other end of ``channel``.
 
-        Returns when the receiver has taken every tensor (it acknowledged the end),
-        so the sources may then be changed or freed. Work queued on the current
-        stream before the call is waited for on the device.
+        Returns when the receiver has taken every tensor (it acknowledged the end;
+        with CUDA buffers its copies may still be running on its GPU, ordered by the
+        buffers' events). The sources may then be changed or freed: the current
+        stream waits for the copies out of them on the device, and work queued on it
+        before the call is waited for before they start.
 
         Args:
             named_tensors: a mapping of names to tensors (``state_dict()``) or
@@ -588,326 +510,3 @@ class WeightBucket:
             f"WeightBucket({fmt_bytes(self.nbytes)} x {self._buffers_count}, "
             f"device={self.device}, {state})"
         )
-
-
-_CPU = torch.device("cpu")
-_END = object()
-
-
-class _PeerAborted(RuntimeError):
-    """The other side sent ``abort`` (so there is no need to tell it)."""
-
-
-class BucketReceiver:
-    """The consumer's side of a :class:`WeightBucket`: opens it once, receives every sync.
-
-    Args:
-        handle: the producer's :attr:`WeightBucket.handle`.
-        device: where received tensors go (None: the producer's GPU, found by UUID
-            so that different ``CUDA_VISIBLE_DEVICES`` do not matter; for host
-            buckets, the current device).
-
-    Raises:
-        TypeError: ``handle`` is not a :class:`BucketHandle`.
-        ValueError: the producer's GPU is not visible here, or the protocol differs.
-        IpcUnavailableError: the CUDA buffers cannot be opened here.
-
-    Scope: one consumer thread at a time. Example::
-
-        receiver = hm.BucketReceiver(conn.recv())
-        for name, tensor in receiver.receive(conn):
-            model.load_weight(name, tensor)
-    """
-
-    def __init__(self, handle: BucketHandle, device: DeviceArg = None) -> None:
-        if not isinstance(handle, BucketHandle):
-            raise TypeError(
-                f"BucketReceiver takes a WeightBucket.handle, got {type(handle).__name__}"
-            )
-        if handle.protocol != PROTOCOL:
-            raise ValueError(
-                f"bucket protocol {handle.protocol} differs from this hybridmem's {PROTOCOL}: "
-                "run the same hybridmem version on both sides"
-            )
-        self.handle = handle
-        self._shms: list[shared_memory.SharedMemory] = []
-        self._pinned: list[int] = []
-        self._buffers: list[torch.Tensor] = []
-        self._word_views: dict[int, dict[torch.dtype, torch.Tensor]] = {}
-        self._stream: Any = None
-        self._closed = False
-        self._filled: list[Any] = []  # the producer's events, one per buffer
-        self._drained: list[Any] = []  # ours, recorded once a buffer is read
-        self._events_sent = False
-        if handle.transport == "cuda":
-            source = self._source_device(handle)
-            self.device = torch.device(
-                "cuda", device_index(device) if device is not None else source
-            )
-            self._open_cuda(handle, source)
-            self._filled = [_torch.open_ipc_event(source, h) for h in handle.events]
-            if self._filled and self.device.index == source:
-                # Hand-offs on the device both ways: no host round trip per batch.
-                self._drained = [_torch.new_ipc_event(source) for _ in handle.exports]
-        else:
-            self.device = (
-                torch.device("cuda", device_index(device)) if _torch.cuda_available() else _CPU
-            )
-            self._open_host(handle)
-
-    @staticmethod
-    def _source_device(handle: BucketHandle) -> int:
-        uuid = handle.device_uuid
-        index = _torch.device_index_by_uuid(uuid) if uuid is not None else None
-        if index is None:
-            visible = [_torch.device_uuid(i) for i in range(_torch.device_count())]
-            raise ValueError(
-                f"the producer's GPU {uuid} is not visible in this process (visible: "
-                f"{visible or 'none'}); give both processes a CUDA_VISIBLE_DEVICES that "
-                "includes it, or use WeightBucket(fallback='host')"
-            )
-        return index
-
-    def _open_cuda(self, handle: BucketHandle, source: int) -> None:
-        for rebuild, args in handle.exports:
-            try:
-                self._buffers.append(_torch.import_cuda_tensor(rebuild, args, source))
-            except RuntimeError as exc:
-                raise IpcUnavailableError(
-                    f"cannot open the producer's (pid {handle.producer_pid}) CUDA buffer: "
-                    f"{exc}. See hm.ipc_capabilities() here; WeightBucket(fallback='host') "
-                    "avoids CUDA IPC"
-                ) from exc
-
-    def _open_host(self, handle: BucketHandle) -> None:
-        for name in handle.exports:
-            shm = _attach_shm(str(name))
-            self._shms.append(shm)
-            tensor, pinned = _host_buffer(shm, handle.nbytes)
-            if pinned:
-                self._pinned.append(tensor.data_ptr())
-            self._buffers.append(tensor)
-
-    def _side_stream(self) -> Any:
-        if self._stream is None:
-            self._stream = _torch.new_stream(self.device)
-        return self._stream
-
-    def _words(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
-        views = self._word_views.setdefault(buffer, {})
-        if dtype not in views:
-            views[dtype] = self._buffers[buffer].view(dtype)
-        return views[dtype]
-
-    def _target(
-        self, entry: Entry, out: Mapping[str, torch.Tensor] | None, dtype: torch.dtype
-    ) -> torch.Tensor:
-        name, _, shape, *_ = entry
-        if out is None:
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        if name not in out:
-            raise ValueError(f"received {name!r}, which `out` has no entry for")
-        dest = out[name]
-        if dest.dtype != dtype or tuple(dest.shape) != tuple(shape):
-            raise ValueError(
-                f"{name!r}: received {dtype} {list(shape)} but out[{name!r}] is "
-                f"{dest.dtype} {list(dest.shape)}; the dtype and shape must match"
-            )
-        if not dest.is_contiguous():
-            raise ValueError(f"out[{name!r}] is not contiguous; it cannot be filled in place")
-        return dest
-
-    def _take(
-        self,
-        message: Any,
-        out: Mapping[str, torch.Tensor] | None,
-        views: bool,
-        partial: dict[str, tuple[torch.Tensor, int]],
-        caller: Any,
-    ) -> list[tuple[str, torch.Tensor]]:
-        """Copy (or view) one batch; return the tensors it completed."""
-        _, _, _, buffer, entries = message
-        source = self._buffers[buffer]
-        ready: list[tuple[str, torch.Tensor]] = []
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        stream = self._side_stream()
-        _torch.wait_stream(stream, caller)  # `out` tensors may be in use on the caller's stream
-        if self._drained:
-            _torch.wait_event(stream, self._filled[buffer])  # the producer's fill, on the device
-        elif self._filled:
-            _torch.synchronize_event(self._filled[buffer])
-        block = None
-        if out is None and not views:
-            # Copies: the batch in one copy into a fresh block; whole tensors are
-            # views of it (one launch, not one per tensor).
-            used = max((e[5] + e[4] for e in entries), default=0)
-            block = torch.empty(used, dtype=torch.uint8, device=self.device)
-            with _torch.stream_scope(stream):
-                block.copy_(source[:used], non_blocking=True)
-        for entry in entries:
-            name, dtype_name, shape, start, nbytes, offset, total = entry
-            dtype = _dtype(dtype_name)
-            whole = start == 0 and nbytes == total
-            if whole and block is not None:
-                ready.append((name, block[offset : offset + nbytes].view(dtype).view(shape)))
-                continue
-            if views and out is None and whole:
-                chunk = source[offset : offset + nbytes]
-                ready.append(
-                    (
-                        name,
-                        chunk.view(dtype).view(shape)
-                        if nbytes
-                        else torch.empty(shape, dtype=dtype, device=source.device),
-                    )
-                )
-                continue
-            dest, remaining = partial.pop(name, (None, total))
-            if dest is None:
-                dest = self._target(entry, out, dtype)
-            if nbytes:
-                size, unit = _unit(total)
-                words = self._words(buffer, unit)
-                flat = _flat_words(dest, unit)
-                srcs.append(words[offset // size : (offset + nbytes) // size])
-                dsts.append(
-                    flat if nbytes == total else flat[start // size : (start + nbytes) // size]
-                )
-            remaining -= nbytes
-            if remaining > 0:
-                partial[name] = (dest, remaining)
-            else:
-                ready.append((name, dest))
-        with _torch.stream_scope(stream):
-            _torch.copy_many(dsts, srcs)
-        if self._drained:
-            if not (views and out is None):  # views: recorded once the user moved on
-                _torch.record_event(self._drained[buffer], stream)
-            _torch.wait_stream(caller, stream)  # the results, on the user's stream
-        else:
-            _torch.synchronize_stream(stream)  # done reading the buffer before the ack
-        return ready
-
-    def receive(
-        self,
-        channel: Channel,
-        *,
-        out: Mapping[str, torch.Tensor] | None = None,
-        views: bool = False,
-    ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """Yield ``(name, tensor)`` for every tensor of one sync, as batches arrive.
-
-        Args:
-            channel: the consumer's end of the channel.
-            out: tensors to fill in place, by name (a model's parameters); each
-                must match the received dtype and shape. Yields them back.
-            views: yield views into the bucket instead of copies (no copy, no new
-                memory). A view is valid only until the iterator moves past its
-                batch: copy what you keep. Tensors split across batches (larger
-                than the bucket) are always assembled into copies.
-
-        Yields:
-            ``(name, tensor)`` in the producer's order (a split tensor when its last
-            piece arrived); copies on :attr:`device` unless ``views``.
-
-        Raises:
-            ValueError: a dtype/shape mismatch with ``out`` (the producer is told).
-            RuntimeError: the producer aborted, or a message broke the protocol.
-        """
-        if self._closed:
-            raise RuntimeError("this BucketReceiver is closed")
-        caller = _torch.current_stream(self.device)
-        partial: dict[str, tuple[torch.Tensor, int]] = {}
-        finished = False
-        aborted_by_peer = False
-        sync = self._begin(channel)
-        if self._drained and not self._events_sent:
-            handles = [_torch.ipc_event_handle(e) for e in self._drained]
-            channel.send(("events", sync, handles))
-            self._events_sent = True
-        try:
-            while True:
-                message = channel.recv()
-                if not (isinstance(message, tuple) and len(message) >= 3):
-                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
-                kind = message[0]
-                if message[1] != sync:
-                    continue  # left over from an earlier, aborted sync
-                if kind == "abort":
-                    aborted_by_peer = True
-                    raise RuntimeError(f"the producer stopped the weight sync: {message[2]}")
-                if kind == "end":
-                    if partial:
-                        raise RuntimeError(f"sync ended with incomplete tensors {sorted(partial)}")
-                    finished = True
-                    channel.send(("ack", sync, message[2]))
-                    return
-                if kind != "batch" or len(message) != 5:
-                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
-                seq = int(message[2])
-                ready = self._take(message, out, views, partial, caller)
-                if not views or out is not None:
-                    channel.send(("ack", sync, seq))  # copies made: the producer may refill it
-                    yield from ready
-                else:
-                    yield from ready
-                    if self._drained:  # after the user's work on the views, on the device
-                        _torch.record_event(self._drained[int(message[3])], caller)
-                    channel.send(("ack", sync, seq))  # the views of this batch are done with
-        finally:
-            if not finished and not aborted_by_peer:
-                with contextlib.suppress(Exception):
-                    channel.send(("abort", sync, "the receiver stopped before the end"))
-
-    @staticmethod
-    def _begin(channel: Channel) -> int:
-        """Wait for the next sync's ``begin``, skipping leftovers of an aborted one."""
-        while True:
-            message = channel.recv()
-            if isinstance(message, tuple) and len(message) == 2 and message[0] == "begin":
-                return int(message[1])
-
-    async def areceive(
-        self,
-        channel: Channel,
-        *,
-        out: Mapping[str, torch.Tensor] | None = None,
-        views: bool = False,
-    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Async :meth:`receive`: each blocking step runs in a worker thread."""
-        iterator = self.receive(channel, out=out, views=views)
-        try:
-            while True:
-                item = await asyncio.to_thread(next, iterator, _END)
-                if item is _END:
-                    return
-                yield item  # type: ignore[misc]
-        finally:
-            await asyncio.to_thread(iterator.close)
-
-    def close(self) -> None:
-        """Let go of the bucket's memory (the producer can then free it). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._buffers.clear()
-        self._word_views.clear()
-        for ptr in self._pinned:
-            _torch.unpin_host_tensor(ptr)
-        self._pinned.clear()
-        for shm in self._shms:
-            with contextlib.suppress(BufferError):
-                shm.close()
-        self._shms.clear()
-
-    def __enter__(self) -> BucketReceiver:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridmem import _log, _torch, capabilities, ipc
+from hybridmem import _log, _torch, backends, capabilities, ipc
 from hybridmem._settings import parse_settings
 from hybridmem.allocator import _reset_state_for_tests
 
@@ -53,6 +53,9 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _log.reset_once()
     capabilities._reset_for_tests()
     ipc._reset_for_tests()
+    backends.reset_registry()
+    monkeypatch.delenv("HYBRIDMEM_BACKEND", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
     yield
     _reset_state_for_tests()
     if not _torch.cuda_initialized():

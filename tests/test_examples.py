@@ -23,3 +23,12 @@ def test_weight_sync_example_explains_itself_without_a_gpu() -> None:
     result = run_python(str(REPO / "examples" / "trainer_to_rollout.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "needs a CUDA GPU" in result.stdout
+
+
+def test_sharding_manager_example_runs() -> None:
+    result = run_python(str(REPO / "examples" / "sharding_manager.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 1: loss" in result.stdout
+    assert "engine has the new weights: True" in result.stdout
+    assert "in rollout: expandable=False" in result.stdout
+    assert "in training: expandable=True" in result.stdout

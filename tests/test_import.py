@@ -19,7 +19,10 @@ hm.release_cache()
 print(json.dumps({
     "cuda_initialized": torch.cuda.is_initialized(),
     "engines": sorted(m for m in ("vllm", "sglang", "torch_memory_saver") if m in sys.modules),
-    "all_sorted": hm.__all__ == sorted(hm.__all__),
+    # isort-style, as ruff's RUF022 keeps it: CONSTANTS, then Classes, then functions
+    "all_sorted": hm.__all__ == sorted(
+        hm.__all__, key=lambda n: (0 if n.isupper() else 1 if n[0].isupper() else 2, n)
+    ),
     "all_exists": all(hasattr(hm, name) for name in hm.__all__),
 }))
 """

@@ -1,0 +1,145 @@
+"""Duck-typed adapters over inference engines' sleep/wake APIs (no engine is imported)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+__all__ = ["TAGS", "EngineAdapter", "SGLangEngine", "VLLMEngine", "call_sync"]
+
+#: What an engine wakes in stages: its weights first, then its KV cache.
+TAGS = ("weights", "kv_cache")
+
+
+def call_sync(result: object, what: str) -> None:
+    """Refuse a coroutine where a sync call was made (it would never run)."""
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise TypeError(
+            f"{what} returned an awaitable: this engine is async; use the async API "
+            "(`async with switch.rollout():`)"
+        )
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins, C extensions, remote proxies
+        return True
+    return name in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
+def _check_tags(tags: Sequence[str]) -> list[str]:
+    bad = [t for t in tags if t not in TAGS]
+    if bad or not tags:
+        raise ValueError(f"tags must be a non-empty subset of {TAGS}, got {list(tags)!r}")
+    return list(tags)
+
+
+class EngineAdapter:
+    """The two calls a hybrid switch needs from an engine: ``sleep()`` and ``wake_up(tags)``.
+
+    Each returns None or an awaitable (async engines). Subclass it for another engine.
+    """
+
+    name = "engine"
+
+    def __init__(self, engine: object, methods: Sequence[str]) -> None:
+        missing = [m for m in methods if not callable(getattr(engine, m, None))]
+        if missing:
+            raise TypeError(
+                f"{type(self).__name__} needs an engine with {', '.join(methods)}; "
+                f"{type(engine).__name__} lacks {', '.join(missing)}"
+            )
+        self.engine = engine
+        self._methods = tuple(methods)
+
+    @property
+    def is_async(self) -> bool:
+        """Whether the engine's methods are coroutine functions (use the async API)."""
+        return any(
+            inspect.iscoroutinefunction(getattr(self.engine, m, None)) for m in self._methods
+        )
+
+    def sleep(self) -> Awaitable[Any] | None:
+        """Give the engine's device memory back."""
+        raise NotImplementedError
+
+    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | None:
+        """Take memory back for ``tags`` (``"weights"``, ``"kv_cache"``)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.engine).__name__})"
+
+
+class VLLMEngine(EngineAdapter):
+    """vLLM: ``LLM.sleep(level)`` and ``LLM.wake_up(tags)``.
+
+    Args:
+        llm: a ``vllm.LLM`` (or ``AsyncLLMEngine``) created with ``enable_sleep_mode=True``.
+        level: 1 offloads weights to CPU and drops the KV cache; 2 drops both (weights
+            must then be synced in full after waking).
+
+    vLLM versions whose ``wake_up`` takes no ``tags`` wake everything at the first call;
+    the adapter then makes the ``kv_cache`` stage a no-op.
+    """
+
+    name = "vllm"
+
+    def __init__(self, llm: object, *, level: int = 1) -> None:
+        super().__init__(llm, ("sleep", "wake_up"))
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"vLLM sleep level must be 1 or 2, got {level!r}")
+        self.level = level
+        self._tags = _accepts(llm.wake_up, "tags")  # type: ignore[attr-defined]
+        self._awake = False
+
+    def sleep(self) -> Awaitable[Any] | None:
+        self._awake = False
+        return self.engine.sleep(level=self.level)  # type: ignore[attr-defined, no-any-return]
+
+    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | None:
+        tags = _check_tags(tags)
+        if self._tags:
+            return self.engine.wake_up(tags=tags)  # type: ignore[attr-defined, no-any-return]
+        if self._awake:
+            return None
+        self._awake = True
+        return self.engine.wake_up()  # type: ignore[attr-defined, no-any-return]
+
+
+class SGLangEngine(EngineAdapter):
+    """SGLang: ``release_memory_occupation()`` and ``resume_memory_occupation(tags)``.
+
+    Args:
+        engine: an ``sglang.Engine`` (sync or async methods) created with
+            ``enable_memory_saver=True``.
+
+    SGLang versions whose methods take no ``tags`` resume everything at once; the
+    ``kv_cache`` stage is then a no-op.
+    """
+
+    name = "sglang"
+
+    def __init__(self, engine: object) -> None:
+        super().__init__(engine, ("release_memory_occupation", "resume_memory_occupation"))
+        self._tags = _accepts(engine.resume_memory_occupation, "tags")  # type: ignore[attr-defined]
+        self._awake = False
+
+    def sleep(self) -> Awaitable[Any] | None:
+        self._awake = False
+        return self.engine.release_memory_occupation()  # type: ignore[attr-defined, no-any-return]
+
+    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | None:
+        tags = _check_tags(tags)
+        if self._tags:
+            return self.engine.resume_memory_occupation(tags=tags)  # type: ignore[attr-defined, no-any-return]
+        if self._awake:
+            return None
+        self._awake = True
+        return self.engine.resume_memory_occupation()  # type: ignore[attr-defined, no-any-return]

@@ -1,0 +1,256 @@
+"""The backend registry: which primitives each phase runs, per inference engine."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from types import MappingProxyType
+from typing import Any, Literal
+
+from hybridmem._log import logger, warn_once
+
+__all__ = [
+    "ACTIONS",
+    "ALIASES",
+    "ENTRY_POINT_GROUP",
+    "PHASES",
+    "BackendProfile",
+    "Step",
+    "canonical_phase",
+    "get_backend",
+    "list_backends",
+    "register_backend",
+]
+
+#: The canonical phases, in the order a hybrid engine goes through them.
+PHASES: tuple[str, ...] = ("train", "wake_up", "weight_sync", "rollout", "sleep")
+#: Other names accepted for the canonical phases.
+ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "training": "train",
+        "wakeup": "wake_up",
+        "resume": "wake_up",
+        "update_weights": "weight_sync",
+        "sync_weights": "weight_sync",
+        "generate": "rollout",
+        "generation": "rollout",
+        "inference": "rollout",
+        "release": "sleep",
+    }
+)
+#: What a step can do, and when each kind runs.
+ACTIONS: Mapping[str, str] = MappingProxyType(
+    {
+        "expandable_segments": "scope: expandable segments on or off (args: enabled)",
+        "ipc_safe": "scope: new allocations IPC-exportable without pidfd (args: fallback)",
+        "release_cache": "action: release cached memory (args: collect_garbage, ipc_collect)",
+        "await_free": "action: wait until device free memory stops rising (args: timeout_s)",
+        "offload": "action: offload the trainer state (args: offloader, groups)",
+        "reload": "action: reload the trainer state (args: offloader, groups)",
+    }
+)
+_SCOPES = ("expandable_segments", "ipc_safe")
+ENTRY_POINT_GROUP = "hybridmem.backends"
+_BACKEND_ENV = "HYBRIDMEM_BACKEND"
+
+When = Literal["enter", "exit", "scope"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One primitive in a phase's recipe.
+
+    Attributes:
+        name: the step's name in this recipe (what overrides refer to).
+        action: one of :data:`ACTIONS`.
+        when: ``"scope"`` (active for the whole phase; scopes are entered in recipe
+            order and left in reverse), ``"enter"`` or ``"exit"`` (run once there).
+        args: keyword arguments of the action.
+        why: the evidence for the step (issue, PR or code reference).
+        versions: the engine versions it applies to.
+    """
+
+    name: str
+    action: str
+    when: When
+    args: Mapping[str, Any] = field(default_factory=dict)
+    why: str = ""
+    versions: str = ""
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(
+                f"step {self.name!r}: unknown action {self.action!r}; known: "
+                f"{', '.join(sorted(ACTIONS))}"
+            )
+        scope = self.action in _SCOPES
+        if scope != (self.when == "scope"):
+            need = "'scope'" if scope else "'enter' or 'exit'"
+            raise ValueError(f"step {self.name!r}: action {self.action!r} needs when={need}")
+        object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
+
+
+@dataclass(frozen=True)
+class BackendProfile:
+    """What each phase does for one inference engine, and why.
+
+    Attributes:
+        name: the backend's name (``"vllm"``, ``"sglang"``, ...).
+        description: one line.
+        recipes: phase name -> steps (phases left out do nothing).
+        notes: phase name -> the versions and evidence behind its recipe.
+    """
+
+    name: str
+    description: str
+    recipes: Mapping[str, tuple[Step, ...]]
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a backend needs a non-empty str name, got {self.name!r}")
+        recipes: dict[str, tuple[Step, ...]] = {}
+        for phase, steps in self.recipes.items():
+            if phase not in PHASES:
+                raise ValueError(
+                    f"backend {self.name!r}: unknown phase {phase!r}; phases: {', '.join(PHASES)}"
+                )
+            steps = tuple(steps)
+            names = [s.name for s in steps]
+            if len(set(names)) != len(names):
+                raise ValueError(f"backend {self.name!r}, phase {phase!r}: step names repeat")
+            if not all(isinstance(s, Step) for s in steps):
+                raise TypeError(f"backend {self.name!r}, phase {phase!r}: steps must be Step")
+            recipes[phase] = steps
+        object.__setattr__(self, "recipes", MappingProxyType(recipes))
+        object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
+
+    def recipe(self, phase: str) -> tuple[Step, ...]:
+        """The steps of ``phase`` (canonical name or alias); empty if none."""
+        return self.recipes.get(canonical_phase(phase), ())
+
+
+_registry: dict[str, BackendProfile] = {}
+_lock = threading.Lock()
+_entry_points_loaded = False
+
+
+def canonical_phase(name: str) -> str:
+    """Return the canonical phase for ``name`` (an alias or a canonical name).
+
+    Raises:
+        TypeError: ``name`` is not a str.
+        ValueError: unknown phase (the message lists phases and aliases).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"a phase name must be a str, got {name!r}")
+    if name in PHASES:
+        return name
+    if name in ALIASES:
+        return ALIASES[name]
+    raise ValueError(
+        f"unknown phase {name!r}; phases: {', '.join(PHASES)}; aliases: "
+        + ", ".join(f"{a}={c}" for a, c in ALIASES.items())
+    )
+
+
+def register_backend(profile: BackendProfile, *, replace: bool = False) -> BackendProfile:
+    """Register ``profile`` under its name.
+
+    Args:
+        profile: the :class:`BackendProfile`.
+        replace: allow replacing a registered profile of the same name.
+
+    Returns:
+        ``profile``.
+
+    Raises:
+        TypeError: ``profile`` is not a BackendProfile.
+        ValueError: the name is taken and ``replace`` is false.
+
+    Scope: process-wide, thread-safe.
+
+    Example:
+        >>> hm.register_backend(hm.BackendProfile("mine", "my engine", {}))  # doctest: +SKIP
+    """
+    if not isinstance(profile, BackendProfile):
+        raise TypeError(f"register_backend takes a BackendProfile, got {type(profile).__name__}")
+    with _lock:
+        if profile.name in _registry and not replace:
+            raise ValueError(
+                f"a backend named {profile.name!r} is registered already; pass replace=True "
+                "to replace it"
+            )
+        _registry[profile.name] = profile
+    logger.debug("backend %r registered", profile.name)
+    return profile
+
+
+def _load_entry_points() -> None:
+    """Register third-party profiles from the ``hybridmem.backends`` entry points, once."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = point.load()
+            profile = (
+                loaded() if callable(loaded) and not isinstance(loaded, BackendProfile) else loaded
+            )
+            if not isinstance(profile, BackendProfile):
+                raise TypeError(f"it gave a {type(profile).__name__}, not a BackendProfile")
+            with _lock:
+                if profile.name in _registry:
+                    raise ValueError(f"the name {profile.name!r} is taken")
+                _registry[profile.name] = profile
+        except Exception as exc:
+            warn_once(
+                f"entry-point:{point.name}",
+                f"ignoring backend entry point {point.name!r} ({point.value}): {exc}",
+            )
+
+
+def list_backends() -> list[str]:
+    """Return the names of the registered backends (built-in and entry points), sorted."""
+    _load_entry_points()
+    with _lock:
+        return sorted(_registry)
+
+
+def get_backend(name: str | None = None) -> BackendProfile:
+    """Return the registered profile ``name``.
+
+    Args:
+        name: a backend name; None means ``HYBRIDMEM_BACKEND`` if set, else ``"default"``.
+
+    Raises:
+        TypeError: ``name`` is not a str or None.
+        ValueError: no such backend (the message lists the known ones).
+    """
+    if name is None:
+        name = os.environ.get(_BACKEND_ENV, "").strip() or "default"
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str or None, got {name!r}")
+    _load_entry_points()
+    with _lock:
+        profile = _registry.get(name)
+        known = sorted(_registry)
+    if profile is None:
+        raise ValueError(
+            f"unknown backend {name!r}; known: {', '.join(known)} (register others with "
+            f"hm.register_backend or the {ENTRY_POINT_GROUP!r} entry-point group)"
+        )
+    return profile
+
+
+def _reset_for_tests(builtin: list[BackendProfile]) -> None:
+    global _entry_points_loaded
+    with _lock:
+        _registry.clear()
+        for profile in builtin:
+            _registry[profile.name] = profile
+    _entry_points_loaded = False

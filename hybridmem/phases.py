@@ -1,0 +1,233 @@
+"""phase(): one decorator or block per sharding-manager method, composed from a recipe."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+
+from hybridmem import _torch
+from hybridmem._decorate import ScopedContext
+from hybridmem._log import logger
+from hybridmem.allocator import ExpandableSegments
+from hybridmem.backends.registry import BackendProfile, Step, canonical_phase, get_backend
+from hybridmem.cache import release_cache
+from hybridmem.ipc import IpcSafe
+
+__all__ = ["Phase", "await_free", "phase"]
+
+_POLL_S = 0.01
+
+
+def _settled(free: list[int], tolerance: int) -> bool:
+    return len(free) >= 3 and max(free[-3:]) - min(free[-3:]) <= tolerance
+
+
+def await_free(
+    device: int | None = None, *, timeout_s: float = 5.0, tolerance: int = 2 << 20
+) -> tuple[int, float]:
+    """Wait until device free memory stops rising (another process finishing a release).
+
+    Polls ``cudaMemGetInfo`` every 10 ms until three readings agree within
+    ``tolerance`` bytes, or ``timeout_s`` passes. Returns ``(free bytes, seconds)``.
+    Does nothing (returns ``(0, 0.0)``) when CUDA is not initialised.
+    """
+    index = device if device is not None else _torch.current_device()
+    if index is None:
+        return 0, 0.0
+    started = time.perf_counter()
+    free = [_torch.mem_get_info(index)[0]]
+    while not _settled(free, tolerance) and time.perf_counter() - started < timeout_s:
+        time.sleep(_POLL_S)
+        free.append(_torch.mem_get_info(index)[0])
+    return free[-1], time.perf_counter() - started
+
+
+async def _await_free_async(device: int | None, timeout_s: float) -> None:
+    index = device if device is not None else _torch.current_device()
+    if index is None:
+        return
+    started = time.perf_counter()
+    free = [_torch.mem_get_info(index)[0]]
+    while not _settled(free, 2 << 20) and time.perf_counter() - started < timeout_s:
+        await asyncio.sleep(_POLL_S)
+        free.append(_torch.mem_get_info(index)[0])
+
+
+def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: str) -> list[Step]:
+    """Apply overrides: False/None switches a step off, True keeps it, a mapping changes args."""
+    names = [s.name for s in recipe]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown override(s) {', '.join(map(repr, unknown))}; this recipe's steps "
+            f"are {', '.join(map(repr, names)) or 'none'} (pass False to switch one off, or a "
+            "dict of its arguments)"
+        )
+    steps: list[Step] = []
+    for step in recipe:
+        if step.name not in overrides:
+            steps.append(step)
+            continue
+        value = overrides[step.name]
+        if value is False or value is None:
+            continue
+        if value is True:
+            steps.append(step)
+        elif isinstance(value, Mapping):
+            steps.append(
+                Step(
+                    step.name,
+                    step.action,
+                    step.when,
+                    {**step.args, **value},
+                    step.why,
+                    step.versions,
+                )
+            )
+        elif step.action in ("offload", "reload"):  # an Offloader, as a shorthand
+            steps.append(
+                Step(step.name, step.action, step.when, {**step.args, "offloader": value}, step.why)
+            )
+        else:
+            raise TypeError(
+                f"{where}: override {step.name}={value!r}: pass True, False or a dict of arguments"
+            )
+    return steps
+
+
+def _scope(step: Step) -> ScopedContext:
+    args = dict(step.args)
+    if step.action == "expandable_segments":
+        return ExpandableSegments(
+            bool(args.get("enabled", False)),
+            release_cache=bool(args.get("release_cache", True)),
+            force=bool(args.get("force", False)),
+        )
+    return IpcSafe(fallback=args.get("fallback", "auto"))
+
+
+def _action(step: Step) -> Callable[[], None]:
+    args = dict(step.args)
+
+    def release() -> None:
+        release_cache(
+            args.get("device"),
+            sync=bool(args.get("sync", True)),
+            collect_garbage=bool(args.get("collect_garbage", True)),
+            ipc_collect=bool(args.get("ipc_collect", True)),
+        )
+
+    def settle() -> None:
+        await_free(args.get("device"), timeout_s=float(args.get("timeout_s", 5.0)))
+
+    def move() -> None:
+        offloader = args.get("offloader")
+        if offloader is None:
+            logger.debug("phase step %s skipped: no offloader given", step.name)
+        elif step.action == "offload":
+            offloader.offload(args.get("groups"))
+        else:
+            offloader.reload(args.get("groups"))
+
+    return {"release_cache": release, "await_free": settle}.get(step.action, move)
+
+
+class Phase(ScopedContext):
+    """A phase of a hybrid engine, composed from its backend's recipe (see :func:`phase`)."""
+
+    def __init__(
+        self, name: str, backend: str | BackendProfile | None, overrides: Mapping[str, object]
+    ) -> None:
+        super().__init__()
+        self.name = canonical_phase(name)
+        self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
+        where = f"phase({self.name!r}, backend={self.profile.name!r})"
+        self.steps = tuple(_resolve(self.profile.recipe(self.name), overrides, where))
+        self._label = where
+
+    def __repr__(self) -> str:
+        return self._label
+
+    def _enter(self) -> object:
+        entered: list[ScopedContext] = []
+        try:
+            for step in self.steps:
+                if step.when == "enter":
+                    _action(step)()
+                elif step.when == "scope":
+                    scope = _scope(step)
+                    scope.__enter__()
+                    entered.append(scope)
+        except BaseException as exc:
+            for scope in reversed(entered):
+                scope.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        logger.debug("%s entered (%d steps)", self._label, len(self.steps))
+        return entered
+
+    def _exit(self, token: object, exc: BaseException | None) -> None:
+        entered: list[ScopedContext] = token  # type: ignore[assignment]
+        errors: list[BaseException] = []
+        # Exit actions run first (in reverse recipe order), inside the phase's scopes.
+        for step in reversed(self.steps):
+            if step.when == "exit":
+                try:
+                    _action(step)()
+                except Exception as error:  # keep going: the scopes must still be restored
+                    errors.append(error)
+        for scope in reversed(entered):
+            scope.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        if errors and exc is None:
+            raise errors[0]
+
+    async def _aexit(self, token: object, exc: BaseException | None) -> None:
+        awaiting = [s for s in self.steps if s.when == "exit" and s.action == "await_free"]
+        for step in awaiting:  # poll without blocking the event loop
+            await _await_free_async(step.args.get("device"), float(step.args.get("timeout_s", 5.0)))
+        if awaiting:
+            saved = self.steps
+            self.steps = tuple(s for s in saved if s not in awaiting)
+            try:
+                self._exit(token, exc)
+            finally:
+                self.steps = saved
+        else:
+            self._exit(token, exc)
+
+
+def phase(name: str, backend: str | BackendProfile | None = None, **overrides: object) -> Phase:
+    """Run a phase's recipe (from the backend's profile) around a block, call or class.
+
+    Steps run in recipe order on entry (``"enter"`` actions run, ``"scope"`` steps are
+    entered) and in reverse on exit (``"exit"`` actions run inside the scopes, then the
+    scopes are left), on any exception too. Every form of the base works: function,
+    ``async def`` (the context spans the awaited body), generator, async generator,
+    context-manager class (spans each ``with manager:`` block), ``with``/``async with``.
+
+    Args:
+        name: ``"train"``, ``"wake_up"``, ``"weight_sync"``, ``"rollout"``, ``"sleep"`` or
+            an alias (``"generate"``, ``"update_weights"``, ...).
+        backend: a registered backend name (``"vllm"``, ``"sglang"``, ``"default"``), a
+            :class:`BackendProfile`, or None for ``HYBRIDMEM_BACKEND`` / ``"default"``.
+        **overrides: per step name: ``False`` switches it off, ``True`` keeps it, a dict
+            changes its arguments (``phase("sleep", backend="vllm", release_cache=False)``).
+
+    Returns:
+        A :class:`Phase` (context manager and decorator).
+
+    Raises:
+        ValueError: unknown phase, backend or override name (the message lists the
+            known ones).
+        TypeError: an override value that is not True, False or a dict.
+
+    Scope: the allocator scopes it enters are process-global; releases act on the
+    current device. Thread-safe like the primitives it composes.
+
+    Example:
+        >>> @hm.phase("rollout", backend="vllm")      # doctest: +SKIP
+        ... class VLLMShardingManager:
+        ...     def __enter__(self): ...
+        ...     def __exit__(self, *exc): ...
+    """
+    return Phase(name, backend, overrides)

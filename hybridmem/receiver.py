@@ -1,0 +1,349 @@
+"""BucketReceiver: the consumer's side of a WeightBucket (opens it once, by GPU UUID)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Generator, Mapping
+from multiprocessing import shared_memory
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from hybridmem import _torch
+from hybridmem._bucket_wire import (
+    CPU,
+    PROTOCOL,
+    BucketHandle,
+    Channel,
+    Entry,
+    attach_shm,
+    dtype_named,
+    flat_words,
+    host_buffer,
+    word_unit,
+)
+from hybridmem._devices import DeviceArg, device_index
+from hybridmem._errors import IpcUnavailableError
+
+__all__ = ["BucketReceiver"]
+
+_END = object()
+
+
+class BucketReceiver:
+    """The consumer's side of a :class:`WeightBucket`: opens it once, receives every sync.
+
+    Args:
+        handle: the producer's :attr:`WeightBucket.handle`.
+        device: where received tensors go (None: the producer's GPU, found by UUID
+            so that different ``CUDA_VISIBLE_DEVICES`` do not matter; for host
+            buckets, the current device).
+
+    Raises:
+        TypeError: ``handle`` is not a :class:`BucketHandle`.
+        ValueError: the producer's GPU is not visible here, or the protocol differs.
+        IpcUnavailableError: the CUDA buffers cannot be opened here.
+
+    Scope: one consumer thread at a time. Example::
+
+        receiver = hm.BucketReceiver(conn.recv())
+        for name, tensor in receiver.receive(conn):
+            model.load_weight(name, tensor)
+    """
+
+    def __init__(self, handle: BucketHandle, device: DeviceArg = None) -> None:
+        if not isinstance(handle, BucketHandle):
+            raise TypeError(
+                f"BucketReceiver takes a WeightBucket.handle, got {type(handle).__name__}"
+            )
+        if handle.protocol != PROTOCOL:
+            raise ValueError(
+                f"bucket protocol {handle.protocol} differs from this hybridmem's {PROTOCOL}: "
+                "run the same hybridmem version on both sides"
+            )
+        self.handle = handle
+        self._shms: list[shared_memory.SharedMemory] = []
+        self._pinned: list[int] = []
+        self._buffers: list[torch.Tensor] = []
+        self._word_views: dict[int, dict[torch.dtype, torch.Tensor]] = {}
+        self._stream: Any = None
+        self._closed = False
+        self._filled: list[Any] = []  # the producer's events, one per buffer
+        self._drained: list[Any] = []  # ours, recorded once a buffer is read
+        self._events_sent = False
+        if handle.transport == "cuda":
+            source = self._source_device(handle)
+            self.device = torch.device(
+                "cuda", device_index(device) if device is not None else source
+            )
+            self._open_cuda(handle, source)
+            self._filled = [_torch.open_ipc_event(source, h) for h in handle.events]
+            if self._filled and self.device.index == source:
+                # Hand-offs on the device both ways: no host round trip per batch.
+                self._drained = [_torch.new_ipc_event(source) for _ in handle.exports]
+        else:
+            self.device = (
+                torch.device("cuda", device_index(device)) if _torch.cuda_available() else CPU
+            )
+            self._open_host(handle)
+
+    @staticmethod
+    def _source_device(handle: BucketHandle) -> int:
+        uuid = handle.device_uuid
+        index = _torch.device_index_by_uuid(uuid) if uuid is not None else None
+        if index is None:
+            visible = [_torch.device_uuid(i) for i in range(_torch.device_count())]
+            raise ValueError(
+                f"the producer's GPU {uuid} is not visible in this process (visible: "
+                f"{visible or 'none'}); give both processes a CUDA_VISIBLE_DEVICES that "
+                "includes it, or use WeightBucket(fallback='host')"
+            )
+        return index
+
+    def _open_cuda(self, handle: BucketHandle, source: int) -> None:
+        for rebuild, args in handle.exports:
+            try:
+                self._buffers.append(_torch.import_cuda_tensor(rebuild, args, source))
+            except RuntimeError as exc:
+                raise IpcUnavailableError(
+                    f"cannot open the producer's (pid {handle.producer_pid}) CUDA buffer: "
+                    f"{exc}. See hm.ipc_capabilities() here; WeightBucket(fallback='host') "
+                    "avoids CUDA IPC"
+                ) from exc
+
+    def _open_host(self, handle: BucketHandle) -> None:
+        for name in handle.exports:
+            shm = attach_shm(str(name))
+            self._shms.append(shm)
+            tensor, pinned = host_buffer(shm, handle.nbytes)
+            if pinned:
+                self._pinned.append(tensor.data_ptr())
+            self._buffers.append(tensor)
+
+    def _side_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = _torch.new_stream(self.device)
+        return self._stream
+
+    def _words(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
+        views = self._word_views.setdefault(buffer, {})
+        if dtype not in views:
+            views[dtype] = self._buffers[buffer].view(dtype)
+        return views[dtype]
+
+    def _target(
+        self, entry: Entry, out: Mapping[str, torch.Tensor] | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        name, _, shape, *_ = entry
+        if out is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        if name not in out:
+            raise ValueError(f"received {name!r}, which `out` has no entry for")
+        dest = out[name]
+        if dest.dtype != dtype or tuple(dest.shape) != tuple(shape):
+            raise ValueError(
+                f"{name!r}: received {dtype} {list(shape)} but out[{name!r}] is "
+                f"{dest.dtype} {list(dest.shape)}; the dtype and shape must match"
+            )
+        if not dest.is_contiguous():
+            raise ValueError(f"out[{name!r}] is not contiguous; it cannot be filled in place")
+        return dest
+
+    def _take(
+        self,
+        message: Any,
+        out: Mapping[str, torch.Tensor] | None,
+        views: bool,
+        partial: dict[str, tuple[torch.Tensor, int]],
+        caller: Any,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Copy (or view) one batch; return the tensors it completed."""
+        _, _, _, buffer, entries = message
+        source = self._buffers[buffer]
+        ready: list[tuple[str, torch.Tensor]] = []
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        stream = self._side_stream()
+        _torch.wait_stream(stream, caller)  # `out` tensors may be in use on the caller's stream
+        if self._drained:
+            _torch.wait_event(stream, self._filled[buffer])  # the producer's fill, on the device
+        elif self._filled:
+            _torch.synchronize_event(self._filled[buffer])
+        block = None
+        if out is None and not views:
+            # Copies: the batch in one copy into a fresh block; whole tensors are
+            # views of it (one launch, not one per tensor).
+            used = max((e[5] + e[4] for e in entries), default=0)
+            block = torch.empty(used, dtype=torch.uint8, device=self.device)
+            with _torch.stream_scope(stream):
+                block.copy_(source[:used], non_blocking=True)
+        for entry in entries:
+            name, dtype_name, shape, start, nbytes, offset, total = entry
+            dtype = dtype_named(dtype_name)
+            whole = start == 0 and nbytes == total
+            if whole and block is not None:
+                ready.append((name, block[offset : offset + nbytes].view(dtype).view(shape)))
+                continue
+            if views and out is None and whole:
+                chunk = source[offset : offset + nbytes]
+                ready.append(
+                    (
+                        name,
+                        chunk.view(dtype).view(shape)
+                        if nbytes
+                        else torch.empty(shape, dtype=dtype, device=source.device),
+                    )
+                )
+                continue
+            dest, remaining = partial.pop(name, (None, total))
+            if dest is None:
+                dest = self._target(entry, out, dtype)
+            if nbytes:
+                size, unit = word_unit(total)
+                words = self._words(buffer, unit)
+                flat = flat_words(dest, unit)
+                srcs.append(words[offset // size : (offset + nbytes) // size])
+                dsts.append(
+                    flat if nbytes == total else flat[start // size : (start + nbytes) // size]
+                )
+            remaining -= nbytes
+            if remaining > 0:
+                partial[name] = (dest, remaining)
+            else:
+                ready.append((name, dest))
+        with _torch.stream_scope(stream):
+            _torch.copy_many(dsts, srcs)
+        if self._drained:
+            if not (views and out is None):  # views: recorded once the user moved on
+                _torch.record_event(self._drained[buffer], stream)
+            _torch.wait_stream(caller, stream)  # the results, on the user's stream
+        else:
+            _torch.synchronize_stream(stream)  # done reading the buffer before the ack
+        return ready
+
+    def receive(
+        self,
+        channel: Channel,
+        *,
+        out: Mapping[str, torch.Tensor] | None = None,
+        views: bool = False,
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Yield ``(name, tensor)`` for every tensor of one sync, as batches arrive.
+
+        Args:
+            channel: the consumer's end of the channel.
+            out: tensors to fill in place, by name (a model's parameters); each
+                must match the received dtype and shape. Yields them back.
+            views: yield views into the bucket instead of copies (no copy, no new
+                memory). A view is valid only until the iterator moves past its
+                batch: copy what you keep. Tensors split across batches (larger
+                than the bucket) are always assembled into copies.
+
+        Yields:
+            ``(name, tensor)`` in the producer's order (a split tensor when its last
+            piece arrived); copies on :attr:`device` unless ``views``. The copies of
+            one batch share one allocation (one copy per batch); ``clone()`` a tensor
+            to keep it apart from the rest. They are ready on the current stream.
+
+        Raises:
+            ValueError: a dtype/shape mismatch with ``out`` (the producer is told).
+            RuntimeError: the producer aborted, or a message broke the protocol.
+        """
+        if self._closed:
+            raise RuntimeError("this BucketReceiver is closed")
+        caller = _torch.current_stream(self.device)
+        partial: dict[str, tuple[torch.Tensor, int]] = {}
+        finished = False
+        aborted_by_peer = False
+        sync = self._begin(channel)
+        if self._drained and not self._events_sent:
+            handles = [_torch.ipc_event_handle(e) for e in self._drained]
+            channel.send(("events", sync, handles))
+            self._events_sent = True
+        try:
+            while True:
+                message = channel.recv()
+                if not (isinstance(message, tuple) and len(message) >= 3):
+                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
+                kind = message[0]
+                if message[1] != sync:
+                    continue  # left over from an earlier, aborted sync
+                if kind == "abort":
+                    aborted_by_peer = True
+                    raise RuntimeError(f"the producer stopped the weight sync: {message[2]}")
+                if kind == "end":
+                    if partial:
+                        raise RuntimeError(f"sync ended with incomplete tensors {sorted(partial)}")
+                    finished = True
+                    channel.send(("ack", sync, message[2]))
+                    return
+                if kind != "batch" or len(message) != 5:
+                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
+                seq = int(message[2])
+                ready = self._take(message, out, views, partial, caller)
+                if not views or out is not None:
+                    channel.send(("ack", sync, seq))  # copies made: the producer may refill it
+                    yield from ready
+                else:
+                    yield from ready
+                    if self._drained:  # after the user's work on the views, on the device
+                        _torch.record_event(self._drained[int(message[3])], caller)
+                    channel.send(("ack", sync, seq))  # the views of this batch are done with
+        finally:
+            if not finished and not aborted_by_peer:
+                with contextlib.suppress(Exception):
+                    channel.send(("abort", sync, "the receiver stopped before the end"))
+
+    @staticmethod
+    def _begin(channel: Channel) -> int:
+        """Wait for the next sync's ``begin``, skipping leftovers of an aborted one."""
+        while True:
+            message = channel.recv()
+            if isinstance(message, tuple) and len(message) == 2 and message[0] == "begin":
+                return int(message[1])
+
+    async def areceive(
+        self,
+        channel: Channel,
+        *,
+        out: Mapping[str, torch.Tensor] | None = None,
+        views: bool = False,
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Async :meth:`receive`: each blocking step runs in a worker thread."""
+        iterator = self.receive(channel, out=out, views=views)
+        try:
+            while True:
+                item = await asyncio.to_thread(next, iterator, _END)
+                if item is _END:
+                    return
+                yield item  # type: ignore[misc]
+        finally:
+            await asyncio.to_thread(iterator.close)
+
+    def close(self) -> None:
+        """Let go of the bucket's memory (the producer can then free it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._buffers.clear()
+        self._word_views.clear()
+        for ptr in self._pinned:
+            _torch.unpin_host_tensor(ptr)
+        self._pinned.clear()
+        for shm in self._shms:
+            with contextlib.suppress(BufferError):
+                shm.close()
+        self._shms.clear()
+
+    def __enter__(self) -> BucketReceiver:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

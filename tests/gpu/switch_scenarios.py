@@ -1,0 +1,291 @@
+"""HybridSwitch on real GPUs with a two-process toy engine (``spawn`` processes).
+
+Usage: ``python -m tests.gpu.switch_scenarios NAME``; the last line printed is a
+JSON object of facts. The toy engine runs in its own process, denied
+``pidfd_getfd`` by a seccomp filter; it holds weights and a KV cache sized from
+device free memory, frees both when it sleeps and takes them back when it wakes,
+like an SGLang engine with the memory saver, and is driven through
+``hm.SGLangEngine`` over a pipe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as tmp
+
+import hybridmem as hm
+from hybridmem import _torch
+
+MiB = 1 << 20
+_ctx = tmp.get_context("spawn")
+KV_FRACTION = 0.4
+# Longer than what the fast rank needs from its offload to its KV wake-up (~0.5 s of
+# releases and weight sync here), so that without barriers it would wake too early.
+SLOW_OFFLOAD_S = 1.5
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(2048, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 2048)
+    ).cuda()
+
+
+def _engine(conn: Connection, device: int, kv_fraction: float) -> None:
+    """The toy rollout engine: sleeps (frees) and wakes (allocates) weights and KV cache."""
+    from tests.seccomp import deny_pidfd_getfd
+
+    deny_pidfd_getfd()
+    torch.cuda.set_device(device)
+    torch.zeros(1, device="cuda")
+    weights: dict[str, torch.Tensor] | None = None
+    kv: torch.Tensor | None = None
+    kv_bytes = 0
+    receiver: hm.BucketReceiver | None = None
+    template = {k: v.detach() for k, v in _model().state_dict().items()}
+    shapes = {k: (v.shape, v.dtype) for k, v in template.items()}
+    del template
+    torch.cuda.empty_cache()
+    checks: list[float] = []
+    while True:
+        command = conn.recv()
+        kind = command[0]
+        if kind == "stop":
+            conn.send(("checks", checks))
+            break
+        if kind == "handle":
+            receiver = hm.BucketReceiver(command[1])
+            conn.send(("ok",))
+        elif kind == "resume":
+            tags = command[1] or ["weights", "kv_cache"]
+            if "weights" in tags:
+                weights = {
+                    k: torch.empty(s, dtype=d, device="cuda") for k, (s, d) in shapes.items()
+                }
+            if "kv_cache" in tags:
+                if not kv_bytes:  # sized once, from what the trainer handed back
+                    kv_bytes = int(torch.cuda.mem_get_info()[0] * kv_fraction) // MiB * MiB
+                kv = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
+            conn.send(("ok",))
+        elif kind == "release":
+            weights = kv = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            conn.send(("ok",))
+        elif kind == "sync":
+            assert receiver is not None
+            assert weights is not None
+            for _ in receiver.receive(conn, out=weights):
+                pass
+            conn.send(("ok",))
+        elif kind == "generate":
+            assert weights is not None
+            assert kv is not None
+            x = torch.randn(64, 2048, device="cuda")
+            y = torch.nn.functional.gelu(x @ weights["0.weight"].t()) @ weights["2.weight"].t()
+            kv[: 1 << 20].fill_(1)
+            checks.append(float(weights["0.weight"].double().sum()))
+            conn.send(("ok", float(y.abs().mean())))
+
+
+class ToyEngineClient:
+    """The trainer's handle on the engine process, with SGLang's method names."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def _call(self, *command: Any) -> Any:
+        self.conn.send(command)
+        answer = self.conn.recv()
+        if answer[0] != "ok":
+            raise RuntimeError(f"engine answered {answer!r}")
+        return answer
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._call("release")
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._call("resume", tags)
+
+    def generate(self) -> float:
+        return float(self._call("generate")[1])
+
+
+class SlowOffloader(hm.Offloader):
+    """An offloader whose offload takes ``delay`` seconds longer, on purpose."""
+
+    delay = 0.0
+
+    def offload(self, *args: Any, **kwargs: Any) -> hm.OffloadReport:
+        report = super().offload(*args, **kwargs)
+        time.sleep(self.delay)
+        return report
+
+
+def _cycles(
+    cycles: int,
+    device: int,
+    *,
+    barrier: Any = "auto",
+    delay: float = 0.0,
+) -> dict[str, Any]:
+    """Run ``cycles`` train/rollout cycles against a toy engine on ``device``."""
+    torch.cuda.set_device(device)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    conn, child = _ctx.Pipe()
+    engine_process = _ctx.Process(target=_engine, args=(child, device, KV_FRACTION))
+    engine_process.start()
+    client = ToyEngineClient(conn)
+    bucket = hm.WeightBucket(16 * MiB, device)
+    client._call("handle", bucket.handle)
+
+    def sync_weights(adapter: hm.EngineAdapter) -> None:
+        conn.send(("sync",))
+        bucket.send(model.state_dict(), conn)
+        assert conn.recv() == ("ok",)
+
+    # The trainer state that leaves the device: optimizer state and gradients; the
+    # parameters stay for the weight sync (as in verl's FSDP sharding managers).
+    offloader = SlowOffloader(optimizer, grads="drop")
+    offloader.delay = delay
+    switch = hm.HybridSwitch(
+        hm.SGLangEngine(client),
+        "sglang",
+        offloader,
+        sync_weights=sync_weights,
+        barrier=barrier,
+        device=device,
+    )
+    sums: list[float] = []
+    boundaries: list[dict[str, int]] = []
+    for _ in range(cycles):
+        with hm.phase("train", backend="sglang"):
+            for _ in range(3):
+                x = torch.randn(int(torch.randint(16, 128, ()).item()), 2048, device="cuda")
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        first = model.get_parameter("0.weight")
+        sums.append(float(first.detach().double().sum()))
+        if _torch.dist_initialized():
+            # Ranks start each switch together, so that only the switch's own barriers
+            # decide who may wake the KV cache when (the control runs without them).
+            _torch.dist_barrier()
+        with switch.rollout():
+            client.generate()
+        to_rollout, to_trainer = switch.reports[-2:]
+        boundaries.append(
+            {s.name: int(s.free_after or 0) for s in (*to_rollout.stages, *to_trainer.stages)}
+        )
+    client.conn.send(("stop",))
+    _, checks = conn.recv()
+    engine_process.join(timeout=60)
+    bucket.close()
+    reports = [
+        {
+            "offload_end": r.stage("offload").started + r.stage("offload").seconds,
+            "wake_kv_start": r.stage("wake_kv").started,
+        }
+        for r in switch.reports
+        if r.direction == "to_rollout"
+    ]
+    last = switch.reports[-2:]
+    return {
+        "boundaries": boundaries,
+        "weights_match": [abs(a - b) < 1e-6 * max(1.0, abs(a)) for a, b in zip(sums, checks)],
+        "engine_exit": engine_process.exitcode,
+        "times": reports,
+        "last": [str(r) for r in last],
+        "rank": switch.rank,
+    }
+
+
+def toy_engine(cycles: int = 50) -> dict[str, Any]:
+    """50 cycles on one GPU: phase-boundary free memory stable, weights arrive intact."""
+    facts = _cycles(cycles, 0)
+    boundaries = facts.pop("boundaries")
+    drift = {
+        stage: boundaries[-1][stage] - boundaries[1][stage] for stage in boundaries[0]
+    }  # cycle 2 -> cycle N, after the first cycle's one-time allocations
+    spread = {
+        stage: max(b[stage] for b in boundaries[1:]) - min(b[stage] for b in boundaries[1:])
+        for stage in boundaries[0]
+    }
+    facts.update(
+        cycles=cycles,
+        drift_bytes=drift,
+        spread_bytes=spread,
+        kv_taken=boundaries[-1]["barrier_kv"] - boundaries[-1]["wake_kv"],
+        handed_back=boundaries[-1]["sleep"] - boundaries[-1]["rollout"],
+        free_after_reload=[b["reload"] for b in boundaries[::10]],
+    )
+    return facts
+
+
+def _rank(rank: int, world: int, port: int, cycles: int, out: str, use_barrier: bool) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+    )
+    try:
+        facts = _cycles(
+            cycles,
+            rank,
+            barrier="auto" if use_barrier else None,
+            delay=SLOW_OFFLOAD_S if rank == 1 else 0.0,
+        )
+        facts.pop("boundaries")
+        Path(out, f"rank{rank}.json").write_text(json.dumps(facts))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ranks(cycles: int, use_barrier: bool, port: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as out:
+        spawn: Any = importlib.import_module("torch.multiprocessing").spawn  # untyped
+        spawn(_rank, args=(2, port, cycles, out, use_barrier), nprocs=2, join=True)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    violations = []
+    margins = []
+    for cycle in range(cycles):
+        offload_done = max(r["times"][cycle]["offload_end"] for r in ranks)
+        first_kv = min(r["times"][cycle]["wake_kv_start"] for r in ranks)
+        margins.append(first_kv - offload_done)
+        if first_kv < offload_done:
+            violations.append(cycle)
+    return {
+        "cycles": cycles,
+        "violations": violations,
+        "min_margin_s": min(margins),
+        "ranks": [r["rank"] for r in ranks],
+        "weights_match": all(all(r["weights_match"]) for r in ranks),
+        "engine_exit": [r["engine_exit"] for r in ranks],
+    }
+
+
+def ranks() -> dict[str, Any]:
+    """Two NCCL ranks, one slow to offload: no rank wakes its KV cache before it is done."""
+    with_barrier = _ranks(20, True, 29541)
+    control = _ranks(3, False, 29542)  # the same without a barrier: the test can fail
+    return {"with_barrier": with_barrier, "without_barrier": control}
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {"toy_engine": toy_engine, "ranks": ranks}
+
+if __name__ == "__main__":
+    print(json.dumps(SCENARIOS[sys.argv[1]](), default=str))

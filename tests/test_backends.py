@@ -1,0 +1,141 @@
+"""The backend registry: profiles, validation, lookup, env default, entry points."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+import pytest
+
+import hybridmem as hm
+from hybridmem.backends import registry
+
+PLUGIN = hm.BackendProfile(
+    "plugin",
+    "from an entry point",
+    {"rollout": (hm.Step("off", "expandable_segments", "scope", {"enabled": False}),)},
+)
+
+
+def make_plugin() -> hm.BackendProfile:
+    return hm.BackendProfile("factory", "from a factory entry point", {})
+
+
+def test_builtin_profiles_are_registered_and_documented() -> None:
+    assert hm.list_backends() == ["default", "sglang", "vllm"]
+    for name in ("vllm", "sglang", "default"):
+        profile = hm.get_backend(name)
+        assert set(profile.recipes) == set(hm.PHASES)
+        for phase, steps in profile.recipes.items():
+            for step in steps:
+                assert step.why, f"{name}.{phase}.{step.name} has no evidence"
+                assert step.versions, f"{name}.{phase}.{step.name} names no versions"
+
+
+def test_recipes_follow_the_design() -> None:
+    for name in ("vllm", "sglang"):
+        recipes = hm.get_backend(name).recipes
+        assert [(s.action, dict(s.args)) for s in recipes["train"]] == [
+            ("expandable_segments", {"enabled": True})
+        ]
+        assert [s.action for s in recipes["wake_up"]] == ["release_cache", "expandable_segments"]
+        assert [s.action for s in recipes["weight_sync"]] == ["ipc_safe", "release_cache"]
+        assert recipes["weight_sync"][1].args["ipc_collect"] is True
+        assert [s.action for s in recipes["rollout"]] == ["expandable_segments"]
+    assert [s.action for s in hm.get_backend("sglang").recipes["sleep"]] == [
+        "release_cache",
+        "await_free",
+    ]
+    assert [s.action for s in hm.get_backend("vllm").recipes["sleep"]] == ["release_cache"]
+
+
+def test_unknown_backend_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown backend 'trt'; known: default, sglang, vllm"):
+        hm.get_backend("trt")
+    with pytest.raises(TypeError, match="backend must be a str"):
+        hm.get_backend(3)  # type: ignore[arg-type]
+
+
+def test_default_backend_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert hm.get_backend().name == "default"
+    monkeypatch.setenv("HYBRIDMEM_BACKEND", "sglang")
+    assert hm.get_backend().name == "sglang"
+    assert hm.phase("sleep").profile.name == "sglang"
+    monkeypatch.setenv("HYBRIDMEM_BACKEND", "nope")
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        hm.phase("sleep")
+
+
+def test_register_and_replace() -> None:
+    mine = hm.BackendProfile("mine", "test", {})
+    assert hm.register_backend(mine) is mine
+    assert hm.get_backend("mine") is mine
+    with pytest.raises(ValueError, match="registered already; pass replace=True"):
+        hm.register_backend(hm.BackendProfile("mine", "again", {}))
+    again = hm.register_backend(hm.BackendProfile("mine", "again", {}), replace=True)
+    assert hm.get_backend("mine") is again
+    with pytest.raises(TypeError, match="takes a BackendProfile"):
+        hm.register_backend("mine")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: hm.BackendProfile("", "x", {}), "non-empty str name"),
+        (lambda: hm.BackendProfile("x", "x", {"decode": ()}), "unknown phase 'decode'; phases"),
+        (lambda: hm.Step("s", "teleport", "enter"), "unknown action 'teleport'; known"),
+        (lambda: hm.Step("s", "release_cache", "scope"), "needs when='enter' or 'exit'"),
+        (lambda: hm.Step("s", "ipc_safe", "enter"), "needs when='scope'"),
+        (
+            lambda: hm.BackendProfile(
+                "x",
+                "x",
+                {"sleep": (hm.Step("a", "release_cache", "exit"),) * 2},
+            ),
+            "step names repeat",
+        ),
+    ],
+)
+def test_profile_validation(build: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_profiles_are_immutable() -> None:
+    profile = hm.get_backend("vllm")
+    with pytest.raises(AttributeError):
+        profile.name = "x"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        profile.recipes["train"] = ()  # type: ignore[index]
+    with pytest.raises(TypeError):
+        profile.recipes["train"][0].args["enabled"] = False  # type: ignore[index]
+
+
+def test_phase_names_and_aliases() -> None:
+    assert registry.canonical_phase("generate") == "rollout"
+    assert registry.canonical_phase("update_weights") == "weight_sync"
+    assert hm.phase("generation", backend="vllm").name == "rollout"
+    with pytest.raises(ValueError, match="unknown phase 'decode'; phases: train, wake_up"):
+        hm.phase("decode")
+    with pytest.raises(TypeError, match="phase name must be a str"):
+        hm.phase(None)  # type: ignore[arg-type]
+
+
+def test_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    points = [
+        metadata.EntryPoint("plugin", "tests.test_backends:PLUGIN", registry.ENTRY_POINT_GROUP),
+        metadata.EntryPoint(
+            "factory", "tests.test_backends:make_plugin", registry.ENTRY_POINT_GROUP
+        ),
+        metadata.EntryPoint("broken", "tests.no_such_module:X", registry.ENTRY_POINT_GROUP),
+    ]
+
+    def entry_points(group: str) -> list[metadata.EntryPoint]:
+        return points if group == registry.ENTRY_POINT_GROUP else []
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    with pytest.warns(hm.HybridMemWarning, match="ignoring backend entry point 'broken'"):
+        names = hm.list_backends()
+    assert names == ["default", "factory", "plugin", "sglang", "vllm"]
+    assert hm.phase("rollout", backend="plugin").steps[0].name == "off"
+    hm.list_backends()  # loaded once: no second warning

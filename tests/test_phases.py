@@ -1,0 +1,262 @@
+"""phase(): recipes composed in order, overrides, every form, restore on error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+import hybridmem as hm
+from hybridmem import _torch, phases
+from tests.conftest import FakeTorch
+
+
+def expandable() -> bool:
+    return hm.allocator_config().expandable_segments
+
+
+def settings_events(fake: FakeTorch) -> list[str]:
+    """The event log with each settings string reduced to its expandable value."""
+    out = []
+    for event in fake.events:
+        if event.startswith("set:"):
+            out.append("expandable=" + event.split("expandable_segments:")[1].split(",")[0])
+        elif not event.startswith("sync"):
+            out.append(event)
+    return out
+
+
+def test_train_turns_expandable_on_and_restores(fake_gpu: FakeTorch) -> None:
+    with hm.phase("train", backend="vllm"):
+        assert expandable()
+    assert not expandable()
+
+
+def test_wake_up_releases_before_switching(fake_gpu: FakeTorch) -> None:
+    with hm.expandable_segments(True):
+        fake_gpu.events.clear()
+        with hm.phase("wake_up", backend="vllm"):
+            assert not expandable()
+        assert expandable()
+    # release (gc, ipc_collect, empty_cache) first, then the switch (which drops the cache)
+    events = settings_events(fake_gpu)
+    assert events[:3] == ["gc", "ipc_collect", "empty_cache"]
+    assert "expandable=False" in events[3:]
+
+
+def test_weight_sync_collects_and_releases_inside_the_ipc_scope(fake_gpu: FakeTorch) -> None:
+    with hm.expandable_segments(True):
+        fake_gpu.events.clear()
+        with hm.phase("weight_sync", backend="sglang"):
+            assert not expandable()
+            fake_gpu.events.append("body")
+    events = settings_events(fake_gpu)
+    body = events.index("body")
+    restore = events.index("expandable=True", body)
+    assert "ipc_collect" in events[body:restore]  # the exit release ran before the restore
+    assert "gc" not in events[body:restore]  # collect_garbage=False in this recipe
+
+
+def test_sglang_sleep_waits_for_free_memory(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waited: list[float] = []
+    monkeypatch.setattr(phases, "await_free", lambda d, timeout_s: waited.append(timeout_s))
+    with hm.phase("sleep", backend="sglang"):
+        pass
+    assert waited == [5.0]
+    with hm.phase("sleep", backend="vllm"):
+        pass
+    assert waited == [5.0]
+
+
+def test_overrides(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
+    waited: list[float] = []
+    monkeypatch.setattr(phases, "await_free", lambda d, timeout_s: waited.append(timeout_s))
+    quiet = hm.phase("sleep", backend="sglang", release_cache=False, await_free={"timeout_s": 1})
+    assert [s.name for s in quiet.steps] == ["await_free"]
+    with quiet:
+        pass
+    assert waited == [1]
+    assert "empty_cache" not in fake_gpu.events
+    inverted = hm.phase("rollout", backend="vllm", expandable_segments={"enabled": True})
+    with inverted:
+        assert expandable()
+    assert len(hm.phase("rollout", backend="vllm", expandable_segments=True).steps) == 1
+
+
+def test_bad_overrides() -> None:
+    with pytest.raises(ValueError, match=r"unknown override\(s\) 'relase_cache'; this recipe"):
+        hm.phase("sleep", backend="vllm", relase_cache=False)
+    with pytest.raises(TypeError, match="pass True, False or a dict"):
+        hm.phase("sleep", backend="vllm", release_cache="yes")
+
+
+def test_restores_on_error_and_nests(fake_gpu: FakeTorch) -> None:
+    with pytest.raises(KeyboardInterrupt), hm.phase("train", backend="vllm"):
+        raise KeyboardInterrupt
+    assert not expandable()
+    with hm.phase("train", backend="vllm"):
+        with hm.phase("rollout", backend="vllm"):
+            assert not expandable()
+        assert expandable()
+    assert not expandable()
+
+
+def test_failing_exit_action_still_restores(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*a: Any, **k: Any) -> None:
+        raise RuntimeError("release failed")
+
+    monkeypatch.setattr(phases, "release_cache", boom)
+    with (
+        pytest.raises(RuntimeError, match="release failed"),
+        hm.phase("weight_sync", backend="vllm"),
+    ):
+        assert not expandable()
+    assert hm.allocator_config().scopes == ()
+
+
+def test_every_form(fake_gpu: FakeTorch) -> None:
+    seen: list[bool] = []
+    train = hm.phase("train", backend="vllm")
+
+    @train
+    def fn() -> None:
+        seen.append(expandable())
+
+    @train
+    async def coro() -> None:
+        await asyncio.sleep(0)
+        seen.append(expandable())
+
+    @train
+    def gen() -> Iterator[int]:
+        seen.append(expandable())
+        yield 1
+
+    @train
+    async def agen() -> AsyncIterator[int]:
+        seen.append(expandable())
+        yield 1
+
+    @hm.phase("train", backend="vllm")
+    class Manager:
+        def __enter__(self) -> Manager:
+            seen.append(expandable())
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            seen.append(expandable())
+
+    @hm.phase("train", backend="sglang")
+    class AsyncManager:
+        async def __aenter__(self) -> AsyncManager:
+            seen.append(expandable())
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            seen.append(expandable())
+
+    fn()
+    asyncio.run(coro())
+    list(gen())
+
+    async def drive() -> None:
+        async for _ in agen():
+            pass
+        async with AsyncManager():
+            seen.append(expandable())
+        async with hm.phase("train", backend="vllm"):
+            seen.append(expandable())
+
+    asyncio.run(drive())
+    with Manager():
+        seen.append(expandable())
+    assert seen == [True] * len(seen)
+    assert len(seen) == 11
+    assert not expandable()
+
+
+def test_async_sleep_phase_polls_without_blocking(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    polls: list[int] = []
+
+    def mem_get_info(index: int) -> tuple[int, int]:
+        polls.append(index)
+        return 10 << 30, 80 << 30
+
+    monkeypatch.setattr(_torch, "mem_get_info", mem_get_info)
+
+    async def main() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        async with hm.phase("sleep", backend="sglang"):
+            pass
+        task.cancel()
+        return ticks
+
+    assert asyncio.run(main()) > 0
+    assert len(polls) >= 3  # settled after three equal readings
+
+
+def test_await_free_settles_and_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    readings = iter([1, 5, 9, 9, 9, 9])
+    monkeypatch.setattr(_torch, "current_device", lambda: 0)
+    monkeypatch.setattr(_torch, "mem_get_info", lambda i: (next(readings) << 30, 0))
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    free, _ = phases.await_free(timeout_s=5)
+    assert free == 9 << 30
+    rising = iter(range(1000))
+    monkeypatch.setattr(_torch, "mem_get_info", lambda i: (next(rising) << 30, 0))
+    free, seconds = phases.await_free(timeout_s=0.0)
+    assert seconds >= 0.0
+    monkeypatch.setattr(_torch, "current_device", lambda: None)
+    assert phases.await_free() == (0, 0.0)
+
+
+def test_offload_steps_in_a_custom_profile(fake_gpu: FakeTorch) -> None:
+    calls: list[str] = []
+
+    class Off:
+        def offload(self, groups: Any) -> None:
+            calls.append(f"offload:{groups}")
+
+        def reload(self, groups: Any) -> None:
+            calls.append(f"reload:{groups}")
+
+    profile = hm.BackendProfile(
+        "offloading",
+        "test",
+        {
+            "rollout": (
+                hm.Step("offload", "offload", "enter"),
+                hm.Step("reload", "reload", "exit", {"groups": ["optimizer"]}),
+            )
+        },
+    )
+    with hm.phase("rollout", backend=profile):  # no offloader given: skipped
+        pass
+    off = Off()
+    with hm.phase("rollout", backend=profile, offload=off, reload={"offloader": off}):
+        calls.append("body")
+    assert calls == ["offload:None", "body", "reload:['optimizer']"]
+
+
+def test_kill_switch(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDMEM_DISABLE", "1")
+    with hm.phase("wake_up", backend="vllm"):
+        pass
+    assert fake_gpu.events == []

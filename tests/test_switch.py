@@ -1,0 +1,407 @@
+"""HybridSwitch with fake engines: staged order, failures in every stage, async, ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import hybridmem as hm
+from hybridmem import switch as switch_module
+from tests.conftest import FakeTorch
+
+GiB = 1 << 30
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class FakeVLLM:
+    """Records calls; moves fake device memory like a sleeping/waking engine."""
+
+    def __init__(self, log: list[str], fake: FakeTorch, fail: str = "") -> None:
+        self.log = log
+        self.fake = fake
+        self.fail = fail
+        self.held = 0
+
+    def _dev(self) -> Any:
+        return self.fake.devices[0]
+
+    def sleep(self, level: int = 1) -> None:
+        self.log.append(f"sleep:{level}")
+        if self.fail == "sleep":
+            raise Boom("sleep")
+        self._dev().other -= self.held
+        self.held = 0
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.log.append(f"wake:{','.join(tags or ['all'])}")
+        if self.fail == f"wake:{tags[0] if tags else 'all'}":
+            raise Boom("wake")
+        size = 2 * GiB if tags == ["weights"] else 30 * GiB
+        self._dev().other += size
+        self.held += size
+
+
+class FakeOffloader(hm.Offloader):
+    def __init__(self, log: list[str], fail: str = "") -> None:  # no targets needed
+        self.log = log
+        self.fail = fail
+
+    def offload(self, groups: Any = None, **kw: Any) -> Any:
+        self.log.append("offload")
+        if self.fail == "offload":
+            raise Boom("offload")
+
+    def reload(self, groups: Any = None, **kw: Any) -> Any:
+        self.log.append("reload")
+        if self.fail == "reload":
+            raise Boom("reload")
+
+
+def make(
+    fake: FakeTorch, *, fail: str = "", backend: str = "vllm", **kw: Any
+) -> tuple[hm.HybridSwitch, list[str]]:
+    log: list[str] = []
+    engine = hm.VLLMEngine(FakeVLLM(log, fake, fail))
+
+    def sync(adapter: hm.EngineAdapter) -> None:
+        log.append(f"sync(expandable={hm.allocator_config().expandable_segments})")
+        if fail == "sync":
+            raise Boom("sync")
+
+    def barrier() -> None:
+        log.append("barrier")
+        if fail == "barrier":
+            raise Boom("barrier")
+
+    switch = hm.HybridSwitch(
+        engine,
+        backend,
+        FakeOffloader(log, fail),
+        sync_weights=sync,
+        barrier=barrier,
+        confirm_timeout_s=0.0,
+        **kw,
+    )
+    return switch, log
+
+
+@pytest.fixture
+def trainer(fake_gpu: FakeTorch) -> FakeTorch:
+    """A trainer with expandable segments on (its own phase)."""
+    return fake_gpu
+
+
+def test_staged_order_and_allocator_state(trainer: FakeTorch) -> None:
+    switch, log = make(trainer)
+    with hm.expandable_segments(True):
+        with switch.rollout():
+            log.append(f"generate(expandable={hm.allocator_config().expandable_segments})")
+        assert hm.allocator_config().expandable_segments  # trainer's mode is back
+    assert log == [
+        "offload",
+        "barrier",
+        "wake:weights",
+        "sync(expandable=False)",
+        "barrier",
+        "wake:kv_cache",
+        "generate(expandable=False)",
+        "sleep:1",
+        "barrier",
+        "reload",
+    ]
+    to_rollout, to_trainer = switch.reports
+    assert [s.name for s in to_rollout.stages] == [
+        "offload",
+        "release",
+        "barrier",
+        "wake_weights",
+        "weight_sync",
+        "free_staging",
+        "barrier_kv",
+        "wake_kv",
+        "rollout",
+    ]
+    assert [s.name for s in to_trainer.stages] == [
+        "sleep",
+        "confirm",
+        "release",
+        "barrier_reload",
+        "reload",
+    ]
+    # memory at the boundaries: the engine took 32 GiB and gave it back
+    wake_kv, sleep = to_rollout.stage("wake_kv"), to_trainer.stage("sleep")
+    assert wake_kv.free_before is not None
+    assert wake_kv.free_after is not None
+    assert sleep.free_before is not None
+    assert sleep.free_after is not None
+    assert wake_kv.free_before - wake_kv.free_after == 30 * GiB
+    assert sleep.free_after - sleep.free_before == 32 * GiB
+    assert to_rollout.rank == 0
+    assert "rank 0 to_rollout" in str(to_rollout)
+
+
+STAGE_FAILURES = ["offload", "barrier", "wake:weights", "sync", "wake:kv_cache"]
+
+
+@pytest.mark.parametrize("fail", STAGE_FAILURES)
+def test_failure_in_any_stage_returns_to_the_trainer_phase(trainer: FakeTorch, fail: str) -> None:
+    switch, log = make(trainer, fail=fail)
+    engine_before = trainer.devices[0].other
+    with hm.expandable_segments(True):
+        with pytest.raises(Boom), switch.rollout():
+            log.append("generate")
+        assert hm.allocator_config().expandable_segments
+        assert hm.allocator_config().scopes == ("expandable_segments(True)",)
+    assert "generate" not in log
+    woke = any(e.startswith("wake") for e in log)
+    assert (log.count("sleep:1") == 1) == woke  # asleep again if it ever woke
+    assert log[-1] == "reload" or log == ["offload"]
+    assert trainer.devices[0].other == engine_before  # every byte the engine took is back
+
+
+def test_usable_again_after_a_failure(trainer: FakeTorch) -> None:
+    switch, log = make(trainer, fail="wake:kv_cache")
+    with pytest.raises(Boom), switch.rollout():
+        pass
+    fake_engine = switch.engine.engine
+    assert isinstance(fake_engine, FakeVLLM)
+    fake_engine.fail = ""
+    with switch.rollout():
+        log.append("generate")
+    assert log[-5:] == ["wake:kv_cache", "generate", "sleep:1", "barrier", "reload"]
+
+
+def test_failure_in_the_rollout_body(trainer: FakeTorch) -> None:
+    switch, log = make(trainer)
+    with pytest.raises(Boom), switch.rollout():
+        raise Boom("generate")
+    assert log[-2:] == ["sleep:1", "reload"]
+    assert hm.allocator_config().scopes == ()
+
+
+def test_failed_recovery_says_what_remains(trainer: FakeTorch) -> None:
+    switch, _ = make(trainer, fail="sleep")
+    with pytest.raises(hm.HybridSwitchError) as info, switch.rollout():
+        raise Boom("generate")
+    message = str(info.value)
+    assert "the engine is still awake (weights, kv_cache)" in message
+    assert "trainer state is still offloaded" in message
+    assert "Allocator settings are restored" in message
+    assert isinstance(info.value.__cause__, Boom)
+    assert hm.allocator_config().scopes == ()
+
+
+def test_failed_reload_is_reported(trainer: FakeTorch) -> None:
+    switch, _ = make(trainer, fail="reload")
+    with pytest.raises(hm.HybridSwitchError, match="reload failed"), switch.rollout():
+        pass
+
+
+def test_switches_do_not_nest(trainer: FakeTorch) -> None:
+    switch, _ = make(trainer)
+    with switch.rollout(), pytest.raises(RuntimeError, match="do not nest"), switch.rollout():
+        pass
+
+
+class AsyncSGLang:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await asyncio.sleep(0)
+        self.log.append("release_memory_occupation")
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await asyncio.sleep(0)
+        self.log.append(f"resume:{','.join(tags or [])}")
+
+
+def test_async_engine(trainer: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hm.phases, "_await_free_async", _no_wait)
+    log: list[str] = []
+
+    async def sync(adapter: hm.EngineAdapter) -> None:
+        await asyncio.sleep(0)
+        log.append("sync")
+
+    switch = hm.HybridSwitch(
+        AsyncSGLang(log), "sglang", sync_weights=sync, barrier=None, confirm_timeout_s=0.0
+    )
+    assert isinstance(switch.engine, hm.SGLangEngine)
+
+    async def main() -> None:
+        async with switch.rollout():
+            log.append("generate")
+
+    asyncio.run(main())
+    assert log == [
+        "resume:weights",
+        "sync",
+        "resume:kv_cache",
+        "generate",
+        "release_memory_occupation",
+    ]
+    with pytest.raises(TypeError, match="is async: use the async API"), switch.rollout():
+        pass
+    assert hm.allocator_config().scopes == ()
+
+
+async def _no_wait(device: Any, timeout_s: float) -> None:
+    return None
+
+
+def test_async_failure_puts_the_engine_to_sleep(trainer: FakeTorch) -> None:
+    log: list[str] = []
+    engine = AsyncSGLang(log)
+
+    async def sync(adapter: hm.EngineAdapter) -> None:
+        raise Boom("sync")
+
+    switch = hm.HybridSwitch(engine, "sglang", sync_weights=sync, barrier=None)
+
+    async def main() -> None:
+        async with switch.rollout():
+            log.append("generate")
+
+    with pytest.raises(Boom):
+        asyncio.run(main())
+    assert log == ["resume:weights", "release_memory_occupation"]
+
+
+def test_ranks_never_wake_kv_before_every_rank_offloaded(fake_gpu: FakeTorch) -> None:
+    """Two ranks (threads), one slow to offload: nobody wakes its KV cache before it is done."""
+    plain = hm.BackendProfile("plain", "no allocator steps", {})
+    barrier = threading.Barrier(2)
+    times: dict[str, list[float]] = {"offload_done": [], "wake_kv": []}
+    lock = threading.Lock()
+
+    class Timed(hm.EngineAdapter):
+        def __init__(self) -> None:
+            super().__init__(object(), ())
+
+        def sleep(self) -> None:
+            return None
+
+        def wake_up(self, tags: Any) -> None:
+            if list(tags) == ["kv_cache"]:
+                with lock:
+                    times["wake_kv"].append(time.monotonic())
+
+    class Slow(FakeOffloader):
+        def __init__(self, delay: float) -> None:
+            super().__init__([])
+            self.delay = delay
+
+        def offload(self, groups: Any = None, **kw: Any) -> Any:
+            time.sleep(self.delay)
+            with lock:
+                times["offload_done"].append(time.monotonic())
+
+    def rank(delay: float) -> None:
+        switch = hm.HybridSwitch(Timed(), plain, Slow(delay), barrier=barrier.wait)
+        for _ in range(3):
+            with switch.rollout():
+                pass
+
+    threads = [threading.Thread(target=rank, args=(d,)) for d in (0.0, 0.05)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for cycle in range(3):
+        done = times["offload_done"][2 * cycle : 2 * cycle + 2]
+        woke = times["wake_kv"][2 * cycle : 2 * cycle + 2]
+        assert max(done) <= min(woke)
+
+
+def test_rank_from_env(trainer: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    switch, _ = make(trainer)
+    assert switch.rank == 3
+    with switch.rollout():
+        pass
+    assert all(r.rank == 3 for r in switch.reports)
+
+
+def test_auto_barrier_without_distributed(trainer: FakeTorch) -> None:
+    switch = hm.HybridSwitch(hm.VLLMEngine(FakeVLLM([], trainer)), "vllm")
+    assert switch.barrier is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"engine": object(), "backend": "vllm"}, TypeError, "lacks sleep, wake_up"),
+        ({"engine": object(), "backend": "default"}, TypeError, "wrap the engine in an adapter"),
+        ({"backend": "nope"}, ValueError, "unknown backend"),
+        ({"offloader": "x"}, TypeError, "offloader must be an hm.Offloader"),
+        ({"sync_weights": 3}, TypeError, "sync_weights must be callable"),
+        ({"barrier": "always"}, TypeError, "barrier must be 'auto', None or a callable"),
+        ({"confirm_timeout_s": -1}, ValueError, "confirm_timeout_s must be >= 0"),
+        ({"confirm_timeout_s": True}, TypeError, "confirm_timeout_s must be a number"),
+    ],
+)
+def test_bad_arguments(
+    trainer: FakeTorch, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    args: dict[str, Any] = {"engine": hm.VLLMEngine(FakeVLLM([], trainer)), "backend": "vllm"}
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        hm.HybridSwitch(args.pop("engine"), args.pop("backend"), **args)
+
+
+def test_vllm_adapter() -> None:
+    log: list[str] = []
+
+    class Old:  # a vLLM whose wake_up takes no tags
+        def sleep(self, level: int) -> None:
+            log.append(f"sleep:{level}")
+
+        def wake_up(self) -> None:
+            log.append("wake")
+
+    adapter = hm.VLLMEngine(Old(), level=2)
+    adapter.wake_up(["weights"])
+    adapter.wake_up(["kv_cache"])  # already awake: nothing
+    adapter.sleep()
+    adapter.wake_up(["weights"])
+    assert log == ["wake", "sleep:2", "wake"]
+    with pytest.raises(ValueError, match="level must be 1 or 2"):
+        hm.VLLMEngine(Old(), level=3)
+    with pytest.raises(ValueError, match="tags must be a non-empty subset"):
+        adapter.wake_up(["everything"])
+
+
+def test_sglang_adapter_without_tags() -> None:
+    log: list[str] = []
+
+    class Old:
+        def release_memory_occupation(self) -> None:
+            log.append("release")
+
+        def resume_memory_occupation(self) -> None:
+            log.append("resume")
+
+    adapter = hm.SGLangEngine(Old())
+    adapter.wake_up(["weights"])
+    adapter.wake_up(["kv_cache"])
+    adapter.sleep()
+    assert log == ["resume", "release"]
+    assert "SGLangEngine(Old)" in repr(adapter)
+
+
+def test_stage_report_formatting() -> None:
+    stage = switch_module.StageReport("wake_kv", 0.002, 10 * GiB, 5 * GiB, 1, 2, 0.0)
+    assert "wake_kv" in str(stage)
+    assert "10.00 GiB -> 5.00 GiB" in str(stage)
+    assert "no device" in str(switch_module.StageReport("x", 0.0, None, None, None, None, 0.0))
+    report = switch_module.SwitchReport("to_rollout", 0, [stage])
+    with pytest.raises(KeyError, match="no stage 'sleep'"):
+        report.stage("sleep")
