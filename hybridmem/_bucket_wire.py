@@ -32,6 +32,7 @@ __all__ = [
     "Entry",
     "PeerAborted",
     "attach_shm",
+    "drop_host_buffers",
     "dtype_named",
     "flat_words",
     "host_buffer",
@@ -136,3 +137,19 @@ CPU = torch.device("cpu")
 
 class PeerAborted(RuntimeError):
     """The other side sent ``abort`` (so there is no need to tell it)."""
+
+
+def drop_host_buffers(
+    pinned: list[int], shms: list[shared_memory.SharedMemory], *, unlink: bool
+) -> None:
+    """Unpin and unmap host buffers (and unlink them: the producer owns them)."""
+    for ptr in pinned:
+        _torch.unpin_host_tensor(ptr)
+    pinned.clear()
+    for shm in shms:
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
+        with contextlib.suppress(BufferError):  # a tensor still maps it: freed at exit
+            shm.close()
+    shms.clear()

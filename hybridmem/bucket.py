@@ -34,6 +34,7 @@ from hybridmem._bucket_wire import (
     Channel,
     Entry,
     PeerAborted,
+    drop_host_buffers,
     flat_words,
     host_buffer,
     word_unit,
@@ -481,15 +482,7 @@ class WeightBucket:
         self._closed = True
         self._views.clear()
         self._word_views.clear()
-        for ptr in self._pinned:
-            _torch.unpin_host_tensor(ptr)
-        self._pinned.clear()
-        for shm in self._shms:
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()
-            with contextlib.suppress(BufferError):  # a tensor still maps it: freed at exit
-                shm.close()
-        self._shms.clear()
+        drop_host_buffers(self._pinned, self._shms, unlink=True)
         if self.transport == "cuda" and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)
 

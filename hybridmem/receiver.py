@@ -19,6 +19,7 @@ from hybridmem._bucket_wire import (
     Channel,
     Entry,
     attach_shm,
+    drop_host_buffers,
     dtype_named,
     flat_words,
     host_buffer,
@@ -329,13 +330,7 @@ class BucketReceiver:
         self._closed = True
         self._buffers.clear()
         self._word_views.clear()
-        for ptr in self._pinned:
-            _torch.unpin_host_tensor(ptr)
-        self._pinned.clear()
-        for shm in self._shms:
-            with contextlib.suppress(BufferError):
-                shm.close()
-        self._shms.clear()
+        drop_host_buffers(self._pinned, self._shms, unlink=False)
 
     def __enter__(self) -> BucketReceiver:
         return self

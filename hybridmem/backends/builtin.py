@@ -5,7 +5,7 @@ Each step names its evidence; docs/backends/ explains them at length.
 
 from __future__ import annotations
 
-from hybridmem.backends.registry import BackendProfile, Step
+from hybridmem.backends.registry import BackendProfile, Step, When
 
 __all__ = ["BUILTIN", "DEFAULT", "SGLANG", "VLLM"]
 
@@ -24,89 +24,59 @@ _PIDFD = (
     "sync leak (verl PR #6958) and reused ones must not be viewed (verl #6688)"
 )
 _STAGING = "staging buffers and IPC leftovers go back before the KV cache wakes (verl #302)"
+_ENGINE_FREED = "what the engine frees in this process stays cached by torch unless released"
+_TORCH = "torch >= 2.1 (runtime expandable segments)"
 
 
-def _train(versions: str) -> tuple[Step, ...]:
-    return (
-        Step(
-            "expandable_segments",
-            "expandable_segments",
-            "scope",
-            {"enabled": True},
-            why=_FRAGMENTATION,
-            versions=versions,
-        ),
+def _expandable(enabled: bool, why: str, versions: str) -> Step:
+    return Step(
+        "expandable_segments", "expandable_segments", "scope", {"enabled": enabled}, why, versions
     )
 
 
-def _weight_sync(versions: str, extra: str = "") -> tuple[Step, ...]:
-    return (
-        Step(
-            "ipc_safe",
-            "ipc_safe",
-            "scope",
-            {"fallback": "auto"},
-            why=_PIDFD + extra,
-            versions=versions,
-        ),
-        Step(
-            "release_cache",
-            "release_cache",
-            "exit",
-            {"collect_garbage": False, "ipc_collect": True},
-            why=_STAGING,
-            versions=versions,
-        ),
-    )
+def _release(when: When, why: str, *, collect_garbage: bool = True) -> Step:
+    args = {"collect_garbage": collect_garbage, "ipc_collect": True}
+    return Step("release_cache", "release_cache", when, args, why, "all")
 
 
+def _recipes(
+    classic_why: str, classic_versions: str, sync_versions: str, sync_why: str = ""
+) -> dict[str, tuple[Step, ...]]:
+    """The recipe every colocated engine shares; engines differ in the evidence."""
+    return {
+        "train": (_expandable(True, _FRAGMENTATION, _TORCH),),
+        "wake_up": (
+            _release("enter", _HANDBACK),
+            _expandable(False, classic_why, classic_versions),
+        ),
+        "weight_sync": (
+            Step(
+                "ipc_safe",
+                "ipc_safe",
+                "scope",
+                {"fallback": "auto"},
+                _PIDFD + sync_why,
+                sync_versions,
+            ),
+            _release("exit", _STAGING, collect_garbage=False),
+        ),
+        "rollout": (_expandable(False, classic_why, classic_versions),),
+        "sleep": (_release("exit", _ENGINE_FREED),),
+    }
+
+
+_VLLM_POOL = (
+    "vLLM's sleep-mode pool asserts 'Expandable segments are not compatible with memory "
+    "pool' (vllm/device_allocator/cumem.py); weights, KV cache and generation live in it"
+)
 VLLM = BackendProfile(
     name="vllm",
     description="vLLM with sleep mode (CuMemAllocator pool): LLM.sleep(level) / LLM.wake_up(tags)",
-    recipes={
-        "train": _train("torch >= 2.1 (runtime expandable segments)"),
-        "wake_up": (
-            Step(
-                "release_cache",
-                "release_cache",
-                "enter",
-                {"collect_garbage": True, "ipc_collect": True},
-                why=_HANDBACK,
-                versions="all",
-            ),
-            Step(
-                "expandable_segments",
-                "expandable_segments",
-                "scope",
-                {"enabled": False},
-                why="vLLM's sleep-mode pool asserts 'Expandable segments are not compatible "
-                "with memory pool' (vllm/device_allocator/cumem.py)",
-                versions="vLLM with sleep mode (0.7.x and later)",
-            ),
-        ),
-        "weight_sync": _weight_sync("vLLM colocated IPC weight transfer; verl FSDP/Megatron"),
-        "rollout": (
-            Step(
-                "expandable_segments",
-                "expandable_segments",
-                "scope",
-                {"enabled": False},
-                why="the KV cache and activations of generation live in vLLM's cumem pool, "
-                "which cannot hold expandable blocks",
-                versions="vLLM with sleep mode",
-            ),
-        ),
-        "sleep": (
-            Step(
-                "release_cache",
-                "release_cache",
-                "exit",
-                {"collect_garbage": True, "ipc_collect": True},
-                why="what the engine frees in this process stays cached by torch unless released",
-                versions="all",
-            ),
-        ),
-    },
+    recipes=_recipes(
+        _VLLM_POOL,
+        "vLLM with sleep mode (0.7.x and later)",
+        "vLLM colocated IPC weight transfer; verl FSDP/Megatron",
+    ),
     notes={
         "train": "expandable segments on: less fragmentation for variable sequence lengths",
         "wake_up": "release first, then classic segments for vLLM's pool; wake weights, "
@@ -117,67 +87,31 @@ VLLM = BackendProfile(
     },
 )
 
+_SGLANG_RECIPES = _recipes(
+    "torch_memory_saver refuses to start with expandable segments, and its regions "
+    "cannot hold expandable blocks",
+    "SGLang with torch_memory_saver (enable_memory_saver=True)",
+    "SGLang update_weights_from_tensor",
+    "; SGLang serialises CUDA IPC handles of the tensors it is given "
+    "(update_weights_from_tensor), so they must not be in expandable segments",
+)
+_SGLANG_RECIPES["sleep"] = (
+    _release("exit", _ENGINE_FREED),
+    Step(
+        "await_free",
+        "await_free",
+        "exit",
+        {"timeout_s": 5.0},
+        "release_memory_occupation can return before the scheduler process has freed the "
+        "memory: confirm with device free memory before the trainer takes it back",
+        "SGLang with torch_memory_saver",
+    ),
+)
 SGLANG = BackendProfile(
     name="sglang",
     description="SGLang with torch_memory_saver: release_memory_occupation / "
     "resume_memory_occupation(tags)",
-    recipes={
-        "train": _train("torch >= 2.1 (runtime expandable segments)"),
-        "wake_up": (
-            Step(
-                "release_cache",
-                "release_cache",
-                "enter",
-                {"collect_garbage": True, "ipc_collect": True},
-                why=_HANDBACK,
-                versions="all",
-            ),
-            Step(
-                "expandable_segments",
-                "expandable_segments",
-                "scope",
-                {"enabled": False},
-                why="torch_memory_saver refuses to start with expandable segments, and its "
-                "regions cannot hold expandable blocks",
-                versions="SGLang with torch_memory_saver (enable_memory_saver=True)",
-            ),
-        ),
-        "weight_sync": _weight_sync(
-            "SGLang update_weights_from_tensor",
-            "; SGLang serialises CUDA IPC handles of the tensors it is given "
-            "(update_weights_from_tensor), so they must not be in expandable segments",
-        ),
-        "rollout": (
-            Step(
-                "expandable_segments",
-                "expandable_segments",
-                "scope",
-                {"enabled": False},
-                why="torch_memory_saver regions cannot hold expandable blocks",
-                versions="SGLang with torch_memory_saver",
-            ),
-        ),
-        "sleep": (
-            Step(
-                "release_cache",
-                "release_cache",
-                "exit",
-                {"collect_garbage": True, "ipc_collect": True},
-                why="what the engine frees in this process stays cached by torch unless released",
-                versions="all",
-            ),
-            Step(
-                "await_free",
-                "await_free",
-                "exit",
-                {"timeout_s": 5.0},
-                why="release_memory_occupation can return before the scheduler process has "
-                "freed the memory: confirm with device free memory before the trainer "
-                "takes it back",
-                versions="SGLang with torch_memory_saver",
-            ),
-        ),
-    },
+    recipes=_SGLANG_RECIPES,
     notes={
         "train": "expandable segments on",
         "wake_up": "release first; multi-stage resume (weights, then kv_cache) lowered peak "
@@ -191,48 +125,11 @@ SGLANG = BackendProfile(
 DEFAULT = BackendProfile(
     name="default",
     description="engine-agnostic: the steps every colocated engine needs",
-    recipes={
-        "train": _train("torch >= 2.1"),
-        "wake_up": (
-            Step(
-                "release_cache",
-                "release_cache",
-                "enter",
-                {"collect_garbage": True, "ipc_collect": True},
-                why=_HANDBACK,
-                versions="all",
-            ),
-            Step(
-                "expandable_segments",
-                "expandable_segments",
-                "scope",
-                {"enabled": False},
-                why="engine memory pools (vLLM cumem, torch_memory_saver) need classic segments",
-                versions="all",
-            ),
-        ),
-        "weight_sync": _weight_sync("all"),
-        "rollout": (
-            Step(
-                "expandable_segments",
-                "expandable_segments",
-                "scope",
-                {"enabled": False},
-                why="engine memory pools need classic segments",
-                versions="all",
-            ),
-        ),
-        "sleep": (
-            Step(
-                "release_cache",
-                "release_cache",
-                "exit",
-                {"collect_garbage": True, "ipc_collect": True},
-                why="hand back what the engine freed",
-                versions="all",
-            ),
-        ),
-    },
+    recipes=_recipes(
+        "engine memory pools (vLLM cumem, torch_memory_saver) need classic segments",
+        "all",
+        "all",
+    ),
     notes={"train": "expandable segments on", "rollout": "classic segments"},
 )
 
