@@ -9,12 +9,13 @@ from collections.abc import Callable, Mapping
 from hybridmem import _torch
 from hybridmem._decorate import ScopedContext
 from hybridmem._log import logger
+from hybridmem._validate import check_bool
 from hybridmem.allocator import ExpandableSegments
 from hybridmem.backends.registry import BackendProfile, Step, canonical_phase, get_backend
 from hybridmem.cache import release_cache
 from hybridmem.ipc import IpcSafe
 
-__all__ = ["Phase", "await_free", "phase"]
+__all__ = ["Phase", "await_free", "await_free_async", "phase"]
 
 _POLL_S = 0.01
 
@@ -43,7 +44,8 @@ def await_free(
     return free[-1], time.perf_counter() - started
 
 
-async def _await_free_async(device: int | None, timeout_s: float) -> None:
+async def await_free_async(device: int | None, timeout_s: float) -> None:
+    """:func:`await_free` for async code: polls with ``asyncio.sleep``, never blocking."""
     index = device if device is not None else _torch.current_device()
     if index is None:
         return
@@ -97,14 +99,30 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
 
 
 def _scope(step: Step) -> ScopedContext:
+    """A fresh scope for ``step`` (the primitives check the argument types)."""
     args = dict(step.args)
     if step.action == "expandable_segments":
         return ExpandableSegments(
-            bool(args.get("enabled", False)),
-            release_cache=bool(args.get("release_cache", True)),
-            force=bool(args.get("force", False)),
+            args.get("enabled", False),
+            release_cache=args.get("release_cache", True),
+            force=args.get("force", False),
         )
     return IpcSafe(fallback=args.get("fallback", "auto"))
+
+
+def _check(step: Step, where: str) -> None:
+    """Refuse bad step arguments when the phase is made, not when it is entered."""
+    if step.when == "scope":
+        _scope(step)
+    elif step.action == "release_cache":
+        for flag in ("sync", "collect_garbage", "ipc_collect"):
+            check_bool(f"{where}: {step.name}.{flag}", step.args.get(flag, True))
+    elif step.action == "await_free":
+        timeout = step.args.get("timeout_s", 5.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+            raise ValueError(
+                f"{where}: {step.name}.timeout_s must be a number >= 0, got {timeout!r}"
+            )
 
 
 def _action(step: Step) -> Callable[[], None]:
@@ -119,7 +137,7 @@ def _action(step: Step) -> Callable[[], None]:
         )
 
     def settle() -> None:
-        await_free(args.get("device"), timeout_s=float(args.get("timeout_s", 5.0)))
+        await_free(args.get("device"), timeout_s=args.get("timeout_s", 5.0))
 
     def move() -> None:
         offloader = args.get("offloader")
@@ -144,6 +162,8 @@ class Phase(ScopedContext):
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         where = f"phase({self.name!r}, backend={self.profile.name!r})"
         self.steps = tuple(_resolve(self.profile.recipe(self.name), overrides, where))
+        for step in self.steps:
+            _check(step, where)
         self._label = where
 
     def __repr__(self) -> str:
@@ -167,33 +187,31 @@ class Phase(ScopedContext):
         return entered
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
+        self._leave(token, exc, skip_waits=False)
+
+    def _leave(self, token: object, exc: BaseException | None, *, skip_waits: bool) -> None:
         entered: list[ScopedContext] = token  # type: ignore[assignment]
         errors: list[BaseException] = []
         # Exit actions run first (in reverse recipe order), inside the phase's scopes.
         for step in reversed(self.steps):
-            if step.when == "exit":
-                try:
-                    _action(step)()
-                except Exception as error:  # keep going: the scopes must still be restored
-                    errors.append(error)
+            if step.when != "exit" or (skip_waits and step.action == "await_free"):
+                continue
+            try:
+                _action(step)()
+            except Exception as error:  # keep going: the scopes must still be restored
+                errors.append(error)
         for scope in reversed(entered):
             scope.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         if errors and exc is None:
             raise errors[0]
+        for failure in errors:  # an exception is already in flight: say what else failed
+            logger.warning("%s: an exit step failed too: %r", self._label, failure)
 
     async def _aexit(self, token: object, exc: BaseException | None) -> None:
-        awaiting = [s for s in self.steps if s.when == "exit" and s.action == "await_free"]
-        for step in awaiting:  # poll without blocking the event loop
-            await _await_free_async(step.args.get("device"), float(step.args.get("timeout_s", 5.0)))
-        if awaiting:
-            saved = self.steps
-            self.steps = tuple(s for s in saved if s not in awaiting)
-            try:
-                self._exit(token, exc)
-            finally:
-                self.steps = saved
-        else:
-            self._exit(token, exc)
+        for step in reversed(self.steps):  # the waits first, polling without blocking
+            if step.when == "exit" and step.action == "await_free":
+                await await_free_async(step.args.get("device"), step.args.get("timeout_s", 5.0))
+        self._leave(token, exc, skip_waits=True)
 
 
 def phase(name: str, backend: str | BackendProfile | None = None, **overrides: object) -> Phase:

@@ -19,18 +19,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hybridmem import _torch
+from hybridmem import _torch, phases
+from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
 from hybridmem.backends.engines import EngineAdapter, SGLangEngine, VLLMEngine, call_sync
 from hybridmem.backends.registry import BackendProfile, get_backend
 from hybridmem.cache import release_cache
 from hybridmem.offload import Offloader
-from hybridmem.phases import Phase, await_free
+from hybridmem.phases import Phase
 
 __all__ = ["HybridSwitch", "HybridSwitchError", "StageReport", "SwitchReport"]
 
 Barrier = Callable[[], object]
+# Stages that block the host for long (copies, collectives): run off the event loop.
+_BLOCKING = frozenset({"offload", "reload", "barrier", "barrier_kv", "barrier_reload"})
 
 
 class HybridSwitchError(RuntimeError):
@@ -136,7 +139,8 @@ class HybridSwitch:
             takes memory back while another on the node still holds it.
         confirm_timeout_s: how long to wait for device free memory to settle after
             the engine sleeps (SGLang can return before its memory is free).
-        device: the device to measure (None: the current device).
+        device: the device to measure and release (None: the current device at each
+            stage); an index, ``"cuda:N"`` or a ``torch.device``.
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -156,7 +160,7 @@ class HybridSwitch:
         sync_weights: Callable[[EngineAdapter], object] | None = None,
         barrier: Barrier | Literal["auto"] | None = "auto",
         confirm_timeout_s: float = 5.0,
-        device: int | None = None,
+        device: DeviceArg = None,
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         self.engine = _adapter(engine, self.profile)
@@ -177,11 +181,12 @@ class HybridSwitch:
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
-        self.device = device
+        self.device = None if device is None else device_index(device)
         self.rank = _rank()
         self.reports: list[SwitchReport] = []
         self._state = _State()
         self._active = False
+        self._async_mode = False
 
     def __repr__(self) -> str:
         return f"HybridSwitch({self.engine!r}, backend={self.profile.name!r}, rank={self.rank})"
@@ -218,14 +223,33 @@ class HybridSwitch:
         entered.__enter__()
         self._state.phases.append(entered)
 
-    def _exit_phase(self, exc: BaseException | None = None) -> None:
+    def _exit_phase(self, exc: BaseException | None = None) -> Awaitable[None] | None:
+        """Leave the innermost phase; in async mode its waits poll without blocking."""
         entered = self._state.phases.pop()
-        entered.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        info = (type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        if self._async_mode:
+            return entered.__aexit__(*info)
+        entered.__exit__(*info)
+        return None
+
+    @staticmethod
+    def _then(first: Awaitable[Any] | None, then: Callable[[], object]) -> Any:
+        """Run ``then`` after ``first`` (awaiting both when they are awaitable)."""
+        if first is None:
+            return then()
+
+        async def chain() -> None:
+            await first
+            result = then()
+            if inspect.isawaitable(result):
+                await result
+
+        return chain()
 
     def _offload(self) -> None:
         if self.offloader is not None:
+            self._state.offloaded = True  # before: a failed offload may have moved some
             self.offloader.offload()
-            self._state.offloaded = True
 
     def _reload(self) -> None:
         if self.offloader is not None and self._state.offloaded:
@@ -256,8 +280,11 @@ class HybridSwitch:
 
         return asleep()
 
-    def _release(self) -> None:
+    def _release(self) -> Awaitable[Any] | None:
+        if self._async_mode:  # a gc pass takes tens of milliseconds: off the loop
+            return asyncio.to_thread(release_cache, self.device, collect_garbage=True)
         release_cache(self.device, collect_garbage=True)
+        return None
 
     def _wake_weights(self) -> Awaitable[Any] | None:
         self._enter_phase("wake_up")
@@ -267,22 +294,28 @@ class HybridSwitch:
         self._enter_phase("weight_sync")
         return None if self.sync_weights is None else self.sync_weights(self.engine)
 
-    def _free_staging(self) -> None:
-        self._exit_phase()  # weight_sync: its recipe collects IPC leftovers and releases
-        self._release()
+    def _free_staging(self) -> object:
+        # weight_sync: its recipe collects IPC leftovers and releases
+        return self._then(self._exit_phase(), self._release)
 
-    def _start_rollout(self) -> None:
-        self._exit_phase()  # wake_up
-        self._enter_phase("rollout")
+    def _start_rollout(self) -> object:
+        return self._then(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
 
-    def _put_to_sleep(self) -> Awaitable[Any] | None:
-        self._exit_phase()  # rollout
-        self._enter_phase("sleep")
-        return self._sleep()
+    def _put_to_sleep(self) -> object:
+        def sleep() -> object:
+            self._enter_phase("sleep")
+            return self._sleep()
 
-    def _confirm(self) -> None:
-        self._exit_phase()  # sleep: its recipe releases (and, for SGLang, waits)
-        await_free(self.device, timeout_s=self.confirm_timeout_s)
+        return self._then(self._exit_phase(), sleep)  # rollout
+
+    def _confirm(self) -> object:
+        def settle() -> object:
+            if self._async_mode:
+                return phases.await_free_async(self.device, self.confirm_timeout_s)
+            phases.await_free(self.device, timeout_s=self.confirm_timeout_s)
+            return None
+
+        return self._then(self._exit_phase(), settle)  # sleep: releases (SGLang: waits)
 
     def _to_rollout(self) -> list[tuple[str, Callable[[], object]]]:
         return [
@@ -318,6 +351,7 @@ class HybridSwitch:
         try_sleep: bool = True,
     ) -> HybridSwitchError | None:
         problems = [] if problems is None else problems
+        self._async_mode = False  # recovery runs to the end in one go
         state = self._state
         if (state.weights or state.kv) and try_sleep:
             try:
@@ -393,20 +427,20 @@ class HybridSwitch:
         return report
 
     async def _arun(self, direction: Literal["to_rollout", "to_trainer"]) -> SwitchReport:
+        self._async_mode = True
+        try:
+            return await self._arun_stages(direction)
+        finally:
+            self._async_mode = False
+
+    async def _arun_stages(self, direction: Literal["to_rollout", "to_trainer"]) -> SwitchReport:
         report = SwitchReport(direction, self.rank)
         stages = self._to_rollout() if direction == "to_rollout" else self._to_trainer()
         for name, operation in stages:
             free0 = self._memory()[0]
             started, wall = time.perf_counter(), time.time()
             try:
-                if name in (
-                    "offload",
-                    "reload",
-                    "barrier",
-                    "barrier_kv",
-                    "barrier_reload",
-                    "confirm",
-                ):
+                if name in _BLOCKING:
                     result = await asyncio.to_thread(operation)  # blocking: off the loop
                 else:
                     result = operation()

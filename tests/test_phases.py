@@ -260,3 +260,22 @@ def test_kill_switch(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> No
     with hm.phase("wake_up", backend="vllm"):
         pass
     assert fake_gpu.events == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        ({"expandable_segments": {"enabled": "no"}}, TypeError, "enabled must be True or False"),
+        ({"release_cache": {"collect_garbage": 1}}, TypeError, "release_cache.collect_garbage"),
+    ],
+)
+def test_bad_step_arguments_fail_when_the_phase_is_made(
+    overrides: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        hm.phase("wake_up", backend="vllm", **overrides)
+
+
+def test_bad_wait_timeout() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be a number >= 0"):
+        hm.phase("sleep", backend="sglang", await_free={"timeout_s": -1})

@@ -224,7 +224,7 @@ class AsyncSGLang:
 
 
 def test_async_engine(trainer: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hm.phases, "_await_free_async", _no_wait)
+    monkeypatch.setattr(hm.phases, "await_free_async", _no_wait)
     log: list[str] = []
 
     async def sync(adapter: hm.EngineAdapter) -> None:
