@@ -51,11 +51,13 @@ from hybridmem.cache import (
 )
 from hybridmem.capabilities import IpcCapabilities, ipc_capabilities
 from hybridmem.ipc import IpcSafe, allow_ptrace_from_any, ipc_safe, ipc_shareable
+from hybridmem.leakwatch import LeakWatch
 from hybridmem.offload import Offloaded, Offloader, OffloadReport, offloaded
 from hybridmem.phases import Phase, phase
 from hybridmem.receiver import BucketReceiver
 from hybridmem.switch import HybridSwitch, HybridSwitchError, StageReport, SwitchReport
 from hybridmem.telemetry import MemoryInfo, memory_info
+from hybridmem.timeline import Event, Recording, Timeline, events, get_timeline, record
 
 __version__ = "0.1.0"
 
@@ -71,6 +73,7 @@ __all__ = [
     "Channel",
     "DeviceRelease",
     "EngineAdapter",
+    "Event",
     "ExpandableSegments",
     "HybridMemWarning",
     "HybridSwitch",
@@ -78,11 +81,13 @@ __all__ = [
     "IpcCapabilities",
     "IpcSafe",
     "IpcUnavailableError",
+    "LeakWatch",
     "MemoryInfo",
     "OffloadReport",
     "Offloaded",
     "Offloader",
     "Phase",
+    "Recording",
     "ReleaseReport",
     "SGLangEngine",
     "ScopedContext",
@@ -91,6 +96,7 @@ __all__ = [
     "Step",
     "SwitchReport",
     "SyncReport",
+    "Timeline",
     "VLLMEngine",
     "WeightBucket",
     "__version__",
@@ -99,8 +105,10 @@ __all__ = [
     "allocator_settings",
     "allow_ptrace_from_any",
     "configure_allocator",
+    "events",
     "expandable_segments",
     "get_backend",
+    "get_timeline",
     "ipc_capabilities",
     "ipc_safe",
     "ipc_shareable",
@@ -108,6 +116,7 @@ __all__ = [
     "memory_info",
     "offloaded",
     "phase",
+    "record",
     "register_backend",
     "release_cache",
 ]

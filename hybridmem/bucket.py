@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from hybridmem import _torch
+from hybridmem import timeline as _timeline
 from hybridmem._bucket_wire import (
     CPU,
     UNITS,
@@ -436,6 +437,7 @@ class WeightBucket:
         logger.debug("WeightBucket: %s", report)
         return report
 
+    @_timeline.traced("weight_sync.send", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def send(self, named_tensors: NamedTensors, channel: Channel) -> SyncReport:
         """Ship ``named_tensors`` to the receiver on the other end of ``channel``.
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
 from hybridmem import _torch
+from hybridmem import timeline as _timeline
 from hybridmem._decorate import ScopedContext
 from hybridmem._devices import DeviceArg, resolve_devices
 from hybridmem._env import disabled
@@ -162,6 +163,7 @@ def _allocated(devices: list[int]) -> int:
     return sum(int(_torch.memory_stats(d).get("allocated_bytes.all.current", 0)) for d in devices)
 
 
+@_timeline.traced("release_cache", lambda r: {"returned": r.bytes_returned})
 def release_cache(
     device: DeviceArg = None,
     *,

@@ -1,10 +1,17 @@
-"""The ``hybridmem`` command: ``hybridmem doctor [--json]``.
+"""The ``hybridmem`` command: ``doctor`` and ``plot``.
 
-``doctor`` reports what decides GPU memory behaviour in this environment: torch
-and CUDA versions, the allocator backend, the effective allocator settings with
-the source of each, and the version-dependent torch APIs found. It never
-initialises CUDA. Exit code 0 when nothing blocks hybridmem, 1 when something
-does (a malformed allocator env variable, say), 2 for bad command-line usage.
+``hybridmem doctor [--json] [--no-probe]`` reports what decides GPU memory behaviour
+in this environment: torch and CUDA versions, the allocator backend, the effective
+allocator settings with the source of each, the version-dependent torch APIs found,
+what CUDA IPC can do here (classic and expandable segments, pidfd_getfd, ptrace
+scope, container hints; probed in child processes), whether expandable segments can
+be toggled at runtime, and the installed vLLM / SGLang / torch_memory_saver with the
+known incompatibilities for them. It never initialises CUDA in its own process. Exit
+code 0 when nothing blocks, 1 when something does (a malformed allocator env
+variable, CUDA IPC broken), 2 for bad command-line usage.
+
+``hybridmem plot TIMELINE... -o out.png`` draws a recorded timeline (see
+:func:`hybridmem.record`): memory over time, phases shaded and annotated.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any
 
 import hybridmem
@@ -22,12 +30,65 @@ from hybridmem import _torch
 from hybridmem._env import DISABLE_ENV, disabled
 from hybridmem._errors import AllocatorSettingsError
 from hybridmem.allocator import ENV_VARS, allocator_config
+from hybridmem.capabilities import IpcCapabilities, ipc_capabilities
 
 __all__ = ["doctor_report", "main"]
 
 
-def doctor_report() -> dict[str, Any]:
-    """Collect the doctor's findings as a JSON-ready dict (no CUDA initialisation)."""
+ENGINES = ("vllm", "sglang", "torch_memory_saver")
+
+
+def engine_versions() -> dict[str, str | None]:
+    """Installed versions of the inference engines, read from metadata (never imported)."""
+    versions: dict[str, str | None] = {}
+    for name in ENGINES:
+        try:
+            versions[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            try:
+                versions[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                versions[name] = None
+    return versions
+
+
+def _engine_notes(engines: dict[str, str | None], expandable_env: bool) -> list[str]:
+    """Known incompatibilities between the installed engines and this environment."""
+    notes: list[str] = []
+    if not expandable_env:
+        return notes
+    if engines.get("vllm"):
+        notes.append(
+            f"vllm {engines['vllm']} with expandable_segments:True in the env: vLLM's sleep-mode "
+            "pool asserts 'Expandable segments are not compatible with memory pool'. Keep the "
+            "env off and turn them on for training only (hm.phase('train'))"
+        )
+    if engines.get("torch_memory_saver"):
+        notes.append(
+            f"torch_memory_saver {engines['torch_memory_saver']} refuses to start with "
+            "expandable segments: SGLang's memory saver needs them off while it runs "
+            "(hm.phase('rollout', backend='sglang'))"
+        )
+    return notes
+
+
+def _ipc_section(caps: IpcCapabilities) -> dict[str, Any]:
+    data = caps.as_dict()
+    facts = caps.details
+    if caps.cuda:
+        toggles = facts.get("expandable_legacy_ipc") is False and facts.get("classic_legacy_ipc")
+        data["expandable_toggle_works"] = bool(toggles)
+    else:
+        data["expandable_toggle_works"] = None
+    return data
+
+
+def doctor_report(*, probe: bool = True) -> dict[str, Any]:
+    """Collect the doctor's findings as a JSON-ready dict (no CUDA in this process).
+
+    Args:
+        probe: run the CUDA IPC probe (child processes; a few seconds with a GPU).
+    """
     problems: list[str] = []
     notes: list[str] = []
     report: dict[str, Any] = {
@@ -66,6 +127,25 @@ def doctor_report() -> dict[str, Any]:
         notes.append("CUDA build, but no usable GPU is visible (driver or CUDA_VISIBLE_DEVICES?)")
     if disabled():
         notes.append(f"{DISABLE_ENV} is on: every hybridmem primitive is a no-op")
+    engines = engine_versions()
+    report["engines"] = engines
+    expandable_env = "allocator" in report and bool(
+        report["allocator"].get("settings", {}).get("expandable_segments", {}).get("value")
+        == "True"
+    )
+    notes.extend(_engine_notes(engines, expandable_env))
+    if probe:
+        caps = ipc_capabilities()
+        report["ipc"] = _ipc_section(caps)
+        if caps.blocking:
+            problems.append(f"CUDA IPC does not work here: {caps.reason}. {caps.advice}")
+        elif caps.cuda and not caps.expandable_ipc:
+            notes.append(f"tensors in expandable segments cannot be shared: {caps.reason}")
+        if report["ipc"]["expandable_toggle_works"] is False:
+            notes.append(
+                "a tensor allocated after switching expandable segments on at runtime was "
+                "not in an expandable segment: runtime toggles have no effect here"
+            )
     report["notes"] = notes
     report["problems"] = problems
     report["ok"] = not problems
@@ -92,6 +172,28 @@ def _print_human(report: dict[str, Any]) -> None:
         print(f"  backend: {alloc['backend']}   setter: {alloc['setter'] or 'none'}")
         for key, item in alloc["settings"].items():
             print(f"  {key:34} {item['value']:>18}  [{item['source']}: {item['origin']}]")
+    engines = report.get("engines", {})
+    print("\nengines: " + ", ".join(f"{k} {v or '(not installed)'}" for k, v in engines.items()))
+    ipc = report.get("ipc")
+    if ipc is not None:
+
+        def word(value: object) -> str:
+            return "not probed" if value is None else ("works" if value else "FAILS")
+
+        print(f"\nCUDA IPC (device {ipc['device']}, probed in {ipc['elapsed_s']:.1f} s):")
+        print(f"  classic segments:      {word(ipc['classic_ipc'])}")
+        handle = f" (handle {ipc['expandable_handle']})" if ipc["expandable_handle"] else ""
+        print(f"  expandable segments:   {word(ipc['expandable_ipc'])}{handle}")
+        denied = f" (by {ipc['denied_by']})" if ipc["denied_by"] else ""
+        print(f"  pidfd_getfd:           {ipc['pidfd_getfd']}{denied}")
+        print(f"  expandable toggle:     {word(ipc['expandable_toggle_works'])}")
+        scope = ipc["ptrace_scope"]
+        print(f"  Yama ptrace_scope:     {'none' if scope is None else scope}")
+        print(f"  seccomp (consumer):    {ipc['seccomp']}")
+        print(f"  container:             {'; '.join(ipc['container_hints']) or 'no signs'}")
+        if ipc["reason"]:
+            print(f"  reason: {ipc['reason']}")
+        print(f"  advice: {ipc['advice']}")
     if report["notes"]:
         print("\nnotes:")
         for note in report["notes"]:
@@ -101,6 +203,18 @@ def _print_human(report: dict[str, Any]) -> None:
         for problem in report["problems"]:
             print(f"  - {problem}")
     print("\nverdict:", "ok" if report["ok"] else "something blocks hybridmem (see problems)")
+
+
+def _plot(timelines: list[str], output: str, title: str) -> int:
+    from hybridmem.plot import PlotError, plot_timeline
+
+    try:
+        path = plot_timeline(timelines, output, title=title)
+    except PlotError as exc:
+        print(f"hybridmem plot: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,11 +228,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "doctor", help="report versions, allocator settings and their sources, torch APIs"
     )
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
+    doctor.add_argument(
+        "--no-probe", action="store_true", help="skip the CUDA IPC probe (child processes)"
+    )
+    plot = commands.add_parser("plot", help="draw a recorded timeline: memory over time by phase")
+    plot.add_argument("timeline", nargs="+", help="JSON-lines timeline file(s), one per rank")
+    plot.add_argument("-o", "--output", required=True, help="the PNG to write")
+    plot.add_argument("--title", default="", help="the figure's title")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    report = doctor_report()
+    if args.command == "plot":
+        return _plot(args.timeline, args.output, args.title)
+    report = doctor_report(probe=not args.no_probe)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from hybridmem import _torch
+from hybridmem import timeline as _timeline
 from hybridmem._decorate import ScopedContext
 from hybridmem._env import disabled
 from hybridmem._format import fmt_bytes
@@ -349,6 +350,7 @@ class Offloader:
     # ------------------------------------------------------------------ #
     # Offload / reload
     # ------------------------------------------------------------------ #
+    @_timeline.traced("offload", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def offload(
         self, groups: str | Iterable[str] | None = None, *, release_cache: bool = True
     ) -> OffloadReport:
@@ -396,6 +398,7 @@ class Offloader:
             _torch.empty_cache()
         return self._report("offload", wanted, todo, start, dropped)
 
+    @_timeline.traced("reload", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def reload(
         self, groups: str | Iterable[str] | None = None, *, non_blocking: bool = False
     ) -> OffloadReport:

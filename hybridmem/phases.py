@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 from hybridmem import _torch
+from hybridmem import timeline as _timeline
 from hybridmem._decorate import ScopedContext
 from hybridmem._log import logger
 from hybridmem._validate import check_bool
@@ -184,13 +186,13 @@ class Phase(ScopedContext):
                 scope.__exit__(type(exc), exc, exc.__traceback__)
             raise
         logger.debug("%s entered (%d steps)", self._label, len(self.steps))
-        return entered
+        return entered, _timeline.begin(f"phase:{self.name}", "phase", backend=self.profile.name)
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
         self._leave(token, exc, skip_waits=False)
 
     def _leave(self, token: object, exc: BaseException | None, *, skip_waits: bool) -> None:
-        entered: list[ScopedContext] = token  # type: ignore[assignment]
+        entered, span = cast(tuple[list[ScopedContext], Any], token)
         errors: list[BaseException] = []
         # Exit actions run first (in reverse recipe order), inside the phase's scopes.
         for step in reversed(self.steps):
@@ -202,6 +204,8 @@ class Phase(ScopedContext):
                 errors.append(error)
         for scope in reversed(entered):
             scope.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        failed = exc if exc is not None else (errors[0] if errors else None)
+        _timeline.end(span, **({"error": repr(failed)} if failed is not None else {}))
         if errors and exc is None:
             raise errors[0]
         for failure in errors:  # an exception is already in flight: say what else failed

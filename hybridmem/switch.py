@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybridmem import _torch, phases
+from hybridmem import timeline as _timeline
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
@@ -414,17 +415,25 @@ class HybridSwitch:
         for name, operation in stages:
             free0 = self._memory()[0]
             started, wall = time.perf_counter(), time.time()
+            span = self._span(name)
             try:
                 call_sync(operation(), f"stage {name!r}")
             except BaseException as exc:
+                _timeline.end(span, error=repr(exc))
                 error = self._recover(name, exc)
                 if error is not None:
                     raise error from exc
                 raise
+            _timeline.end(span)
             self._record(report, name, started, wall, free0)
         self.reports.append(report)
         logger.info("%s", report)
         return report
+
+    def _span(self, name: str) -> Any:
+        return _timeline.begin(
+            f"stage:{name}", "stage", backend=self.profile.name, device=self.device, rank=self.rank
+        )
 
     async def _arun(self, direction: Literal["to_rollout", "to_trainer"]) -> SwitchReport:
         self._async_mode = True
@@ -439,6 +448,7 @@ class HybridSwitch:
         for name, operation in stages:
             free0 = self._memory()[0]
             started, wall = time.perf_counter(), time.time()
+            span = self._span(name)
             try:
                 if name in _BLOCKING:
                     result = await asyncio.to_thread(operation)  # blocking: off the loop
@@ -447,10 +457,12 @@ class HybridSwitch:
                 if inspect.isawaitable(result):
                     await result
             except BaseException as exc:
+                _timeline.end(span, error=repr(exc))
                 error = await self._arecover(name, exc)
                 if error is not None:
                     raise error from exc
                 raise
+            _timeline.end(span)
             self._record(report, name, started, wall, free0)
         self.reports.append(report)
         logger.info("%s", report)

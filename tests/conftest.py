@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridmem import _log, _torch, backends, capabilities, ipc
+from hybridmem import _log, _torch, backends, capabilities, ipc, timeline
 from hybridmem._settings import parse_settings
 from hybridmem.allocator import _reset_state_for_tests
 
@@ -54,9 +54,12 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     capabilities._reset_for_tests()
     ipc._reset_for_tests()
     backends.reset_registry()
+    timeline._reset_for_tests()
     monkeypatch.delenv("HYBRIDMEM_BACKEND", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     yield
+    timeline._reset_for_tests()
     _reset_state_for_tests()
     if not _torch.cuda_initialized():
         _reset_real_torch_settings()

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+import hybridmem as hm
+from hybridmem import capabilities, cli
 from hybridmem.cli import main
+from tests.conftest import FakeTorch
 from tests.helpers import run_python
 
 
@@ -66,3 +72,181 @@ def test_installed_entry_point_runs_in_a_fresh_process() -> None:
     result = run_python("-m", "hybridmem.cli", "doctor", "--json", timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["ok"] is True
+
+
+# --------------------------------------------------------------------------- #
+# doctor: CUDA IPC and engines
+# --------------------------------------------------------------------------- #
+
+
+def fake_caps(monkeypatch: pytest.MonkeyPatch, **facts: Any) -> None:
+    base: dict[str, Any] = {"self_fetch_errno": None, "producer_fetch_errno": None, "seccomp": 0}
+    base.update(facts)
+    caps = capabilities._interpret(0, base, 0.3)
+    monkeypatch.setattr(cli, "ipc_capabilities", lambda: caps)
+
+
+def test_doctor_reports_ipc_denial_in_a_container(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_caps(
+        monkeypatch,
+        self_fetch_errno="EPERM",
+        producer_fetch_errno="EPERM",
+        seccomp=2,
+        classic_ok=True,
+        expandable_ok=False,
+        classic_legacy_ipc=True,
+        expandable_legacy_ipc=False,
+        expandable_handle="posix_fd",
+    )
+    assert main(["doctor"]) == 0  # classic IPC works: nothing blocks
+    out = capsys.readouterr().out
+    assert "classic segments:      works" in out
+    assert "expandable segments:   FAILS (handle posix_fd)" in out
+    assert "pidfd_getfd:           denied (by seccomp)" in out
+    assert "expandable toggle:     works" in out
+    assert "tensors in expandable segments cannot be shared" in out
+    assert main(["doctor", "--json"]) == 0
+    ipc = json.loads(capsys.readouterr().out)["ipc"]
+    assert ipc["denied_by"] == "seccomp"
+    assert ipc["expandable_toggle_works"] is True
+
+
+def test_doctor_fails_when_cuda_ipc_is_broken(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_caps(monkeypatch, classic_ok=False, classic_import_error="RuntimeError: bad handle")
+    assert main(["doctor", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert any("CUDA IPC does not work here" in p for p in report["problems"])
+
+
+def test_doctor_without_probe(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json", "--no-probe"]) == 0
+    assert "ipc" not in json.loads(capsys.readouterr().out)
+
+
+def test_doctor_engine_versions_and_known_incompatibilities(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    installed = {"vllm": "0.10.1", "torch-memory-saver": "0.0.8"}
+
+    def version(name: str) -> str:
+        if name in installed:
+            return installed[name]
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert main(["doctor", "--json", "--no-probe"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["engines"] == {
+        "vllm": "0.10.1",
+        "sglang": None,
+        "torch_memory_saver": "0.0.8",
+    }
+    assert any("Expandable segments are not compatible" in n for n in report["notes"])
+    assert any("torch_memory_saver 0.0.8 refuses" in n for n in report["notes"])
+
+
+# --------------------------------------------------------------------------- #
+# plot
+# --------------------------------------------------------------------------- #
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def synthetic_timeline(path: Path, cycles: int, ranks: int = 1) -> list[Path]:
+    files = []
+    for rank in range(ranks):
+        lines = []
+        t = 1000.0
+        for cycle in range(cycles):
+            for name, seconds, allocated in (
+                ("train", 0.5, 20 + cycle * 0.01),
+                ("wake_up", 0.1, 5),
+                ("weight_sync", 0.05, 6),
+                ("rollout", 0.8, 5),
+                ("sleep", 0.1, 5),
+            ):
+                gib = 2**30
+                lines.append(
+                    json.dumps(
+                        {
+                            "name": f"phase:{name}",
+                            "kind": "phase",
+                            "backend": "vllm",
+                            "start": t,
+                            "duration": seconds,
+                            "device": 0,
+                            "rank": rank,
+                            "pid": 1,
+                            "thread": 1,
+                            "before": {"allocated": 5 * gib, "reserved": 8 * gib, "used": 9 * gib},
+                            "after": {
+                                "allocated": int(allocated * gib),
+                                "reserved": int((allocated + 3) * gib),
+                                "used": int((allocated + 60 * (name == "rollout")) * gib),
+                            },
+                            "args": {},
+                        }
+                    )
+                )
+                t += seconds
+        file = path / f"timeline.rank{rank}.jsonl"
+        file.write_text("\n".join(lines) + "\n")
+        files.append(file)
+    return files
+
+
+def image_spread(path: Path) -> float:
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(path)
+    return float(pixels.std())
+
+
+@pytest.mark.parametrize(("cycles", "ranks"), [(1, 1), (500, 2)])
+def test_plot_writes_a_non_trivial_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cycles: int, ranks: int
+) -> None:
+    pytest.importorskip("matplotlib")
+    files = synthetic_timeline(tmp_path, cycles, ranks)
+    out = tmp_path / "plots" / "timeline.png"
+    assert main(["plot", *map(str, files), "-o", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    width, height = png_size(out)
+    assert width >= 1000
+    assert height >= 300 * ranks
+    assert out.stat().st_size > 20_000  # lines, shading and labels, not an empty canvas
+    assert image_spread(out) > 0.05
+
+
+def test_plot_from_a_real_recording(fake_gpu: FakeTorch, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    with hm.record(tmp_path / "t"):
+        for _ in range(3):
+            with hm.phase("train", backend="vllm"):
+                fake_gpu.devices[0].allocated += 1 << 30
+            with hm.phase("rollout", backend="vllm"):
+                pass
+    out = tmp_path / "t.png"
+    assert main(["plot", str(tmp_path / "t.jsonl"), "-o", str(out), "--title", "test"]) == 0
+    assert png_size(out)[0] >= 1000
+
+
+def test_plot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["plot", str(empty), "-o", str(tmp_path / "x.png")]) == 1
+    assert "has no events" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")]) == 1
+    assert "cannot read timeline" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(empty)])  # -o is required
+    assert exit_info.value.code == 2
