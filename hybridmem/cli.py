@@ -1,4 +1,4 @@
-"""The ``hybridmem`` command: ``doctor`` and ``plot``.
+"""The ``hybridmem`` command: ``doctor``, ``plot`` and ``bench``.
 
 ``hybridmem doctor [--json] [--no-probe]`` reports what decides GPU memory behaviour
 in this environment: torch and CUDA versions, the allocator backend, the effective
@@ -12,6 +12,9 @@ variable, CUDA IPC broken), 2 for bad command-line usage.
 
 ``hybridmem plot TIMELINE... -o out.png`` draws a recorded timeline (see
 :func:`hybridmem.record`): memory over time, phases shaded and annotated.
+
+``hybridmem bench [--quick] [--json F] [--plot F]`` runs a synthetic hybrid engine
+under three strategies on a GPU (see :mod:`hybridmem.bench`); exit 2 without one.
 """
 
 from __future__ import annotations
@@ -235,10 +238,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot.add_argument("timeline", nargs="+", help="JSON-lines timeline file(s), one per rank")
     plot.add_argument("-o", "--output", required=True, help="the PNG to write")
     plot.add_argument("--title", default="", help="the figure's title")
+    bench = commands.add_parser(
+        "bench", help="run a synthetic hybrid engine three ways and compare (needs a GPU)"
+    )
+    bench.add_argument("--quick", action="store_true", help="a small model, 6 cycles")
+    bench.add_argument("--json", dest="json_path", help="write every figure to this file")
+    bench.add_argument("--plot", dest="plot_path", help="write a PNG of the figures")
+    bench.add_argument(
+        "--strategies",
+        nargs="+",
+        default=["naive", "handrolled", "hybridmem"],
+        choices=["naive", "handrolled", "hybridmem"],
+        help="which strategies to run (default: all three)",
+    )
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "bench":
+        from hybridmem.bench.run import bench as run_bench
+
+        return run_bench(
+            quick=args.quick,
+            json_path=args.json_path,
+            plot_path=args.plot_path,
+            strategies=args.strategies,
+        )
     if args.command == "plot":
         return _plot(args.timeline, args.output, args.title)
     report = doctor_report(probe=not args.no_probe)

@@ -1,0 +1,160 @@
+"""The bench's rollout engine: a process that sleeps, wakes and generates on the same GPU.
+
+It holds a copy of the trainer's weights and a KV cache of a fixed fraction of the
+device, frees both when it sleeps (like vLLM's sleep mode or SGLang's memory saver)
+and takes them back when it wakes: the KV cache it obtains is what the trainer's
+switch left it. Weights arrive three ways: per-tensor CUDA IPC exports, a fresh
+exported buffer per batch, or a :class:`hybridmem.WeightBucket`.
+"""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+import hybridmem as hm
+from hybridmem import _torch
+from hybridmem.backends.engines import EngineAdapter
+
+__all__ = ["EngineClient", "serve"]
+
+GiB = 2**30
+
+
+def _kv_cache(target: int) -> tuple[torch.Tensor | None, int]:
+    """Allocate up to ``target`` bytes, stepping down by 1 GiB on OOM."""
+    size = target // GiB * GiB
+    while size > 0:
+        try:
+            return torch.empty(size, dtype=torch.uint8, device="cuda"), size
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            size -= GiB
+    return None, 0
+
+
+def serve(conn: Connection, device: int, kv_target: int, shapes: dict[str, Any]) -> None:
+    """The engine process's loop (the target of a ``spawn`` process)."""
+    torch.cuda.set_device(device)
+    torch.zeros(1, device="cuda")
+    weights: dict[str, torch.Tensor] | None = None
+    kv: torch.Tensor | None = None
+    receiver: hm.BucketReceiver | None = None
+    conn.send(("ready", torch.cuda.memory_reserved()))
+    while True:
+        command, *args = conn.recv()
+        if command == "stop":
+            conn.send(("ok",))
+            return
+        if command == "wake":
+            obtained = 0
+            if "weights" in args[0]:
+                weights = {
+                    name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+                    for name, (shape, dtype) in shapes.items()
+                }
+            if "kv_cache" in args[0]:
+                kv, obtained = _kv_cache(kv_target)
+            conn.send(("ok", obtained))
+        elif command == "sleep":
+            weights = kv = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            conn.send(("ok",))
+        elif command == "stats":
+            conn.send(("ok", torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        elif command == "bucket":
+            receiver = hm.BucketReceiver(args[0])
+            conn.send(("ok",))
+        elif command == "sync_bucket":
+            assert receiver is not None
+            assert weights is not None
+            for _ in receiver.receive(conn, out=weights):
+                pass
+            torch.cuda.synchronize()
+            conn.send(("ok",))
+        elif command == "sync_tensors":  # per-tensor exports, as torch.multiprocessing sends
+            assert weights is not None
+            for name, (rebuild, export) in args[0].items():
+                weights[name].copy_(_torch.import_cuda_tensor(rebuild, export, device))
+            torch.cuda.synchronize()
+            _torch.ipc_collect()
+            conn.send(("ok",))
+        elif command == "sync_fresh":  # a fresh exported buffer per batch
+            assert weights is not None
+            while True:
+                message = conn.recv()
+                if message[0] == "end":
+                    break
+                _, (rebuild, export), entries = message
+                buffer = _torch.import_cuda_tensor(rebuild, export, device)
+                for name, start, nbytes, offset in entries:
+                    flat = weights[name].view(-1).view(torch.uint8)
+                    flat[start : start + nbytes].copy_(buffer[offset : offset + nbytes])
+                torch.cuda.synchronize()
+                del buffer
+            conn.send(("ok",))
+        elif command == "generate":  # a decode-like loop that reads weights, writes the KV cache
+            assert weights is not None
+            assert kv is not None
+            started = time.perf_counter()
+            width = int(args[0])
+            hidden = torch.randn(64, width, device="cuda")
+            matrices = [
+                w
+                for w in weights.values()
+                if w.dim() == 2 and w.shape[1] == width and w.shape[0] >= width
+            ][:8]
+            for step in range(16):
+                for matrix in matrices:
+                    hidden = torch.nn.functional.gelu((hidden @ matrix.t())[:, :width])
+                    hidden = hidden / (hidden.norm() + 1.0)
+                span = max(kv.numel() - hidden.nbytes, 1)
+                offset = step * hidden.nbytes % span
+                kv[offset : offset + hidden.nbytes].copy_(hidden.reshape(-1).view(torch.uint8))
+            torch.cuda.synchronize()
+            conn.send(("ok", time.perf_counter() - started))
+
+
+class EngineClient(EngineAdapter):
+    """The trainer's handle on the engine process; measures hand-back before the KV wake."""
+
+    name = "bench"
+
+    def __init__(self, conn: Connection, context_bytes: int, total_bytes: int) -> None:
+        super().__init__(conn, ())
+        self.conn = conn
+        self.context_bytes = context_bytes
+        self.total_bytes = total_bytes
+        self.engine_seconds = 0.0
+        self.last_kv = 0
+        self.last_handback = 0.0
+
+    def call(self, *command: Any) -> tuple[Any, ...]:
+        started = time.perf_counter()
+        self.conn.send(command)
+        answer = self.conn.recv()
+        self.engine_seconds += time.perf_counter() - started
+        if answer[0] != "ok":
+            raise RuntimeError(f"engine answered {answer!r}")
+        return tuple(answer)
+
+    def wake_up(self, tags: Any) -> None:
+        tags = list(tags)
+        if "kv_cache" in tags:
+            _, engine_allocated, _ = self.call("stats")
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            live = torch.cuda.memory_allocated() + engine_allocated
+            from hybridmem.bench.plan import handback_ratio
+
+            self.last_handback = handback_ratio(free, total, live, self.context_bytes)
+        answer = self.call("wake", tags)
+        if "kv_cache" in tags:
+            self.last_kv = int(answer[1])
+
+    def sleep(self) -> None:
+        self.call("sleep")

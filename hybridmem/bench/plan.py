@@ -1,0 +1,131 @@
+"""What ``hybridmem bench`` runs: sizes chosen from device memory, and the figures it reports."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hybridmem.leakwatch import slope
+
+__all__ = ["STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]
+
+#: The three ways of switching that the bench compares.
+STRATEGIES = ("naive", "handrolled", "hybridmem")
+GiB = 2**30
+# fp32 parameters, gradients and two AdamW moments: 16 bytes per parameter.
+_STATE_BYTES_PER_PARAM = 16
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """The synthetic hybrid engine: trainer model, batches, cycles, rollout KV cache."""
+
+    d_model: int
+    layers: int
+    heads: int
+    vocab: int
+    batch: int
+    seq_min: int
+    seq_max: int
+    train_steps: int
+    cycles: int
+    kv_fraction: float
+    bucket_bytes: int
+
+    @property
+    def params(self) -> int:
+        """Approximate parameter count (transformer layers plus embedding and head)."""
+        per_layer = 12 * self.d_model**2 + 13 * self.d_model
+        return self.layers * per_layer + 2 * self.vocab * self.d_model
+
+    @property
+    def state_bytes(self) -> int:
+        """Trainer state: parameters, gradients and AdamW moments, fp32."""
+        return self.params * _STATE_BYTES_PER_PARAM
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "params": self.params, "state_bytes": self.state_bytes}
+
+
+def plan(total_bytes: int, *, quick: bool) -> BenchPlan:
+    """Size the engine from the device's memory.
+
+    The trainer state takes about 8% of the device (4% with ``quick``), the rollout
+    engine's KV cache half of it, activations of variable-length batches the rest,
+    so that a switch that hands memory back badly shows as a smaller KV cache.
+    """
+    if total_bytes <= 0:
+        raise ValueError(f"total_bytes must be > 0, got {total_bytes}")
+    share = 0.04 if quick else 0.08
+    params = int(total_bytes * share / _STATE_BYTES_PER_PARAM)
+    d_model = 1024 if params < 400e6 else 2048
+    vocab = 32768
+    layers = max(2, min(48, (params - 2 * vocab * d_model) // (12 * d_model**2)))
+    return BenchPlan(
+        d_model=d_model,
+        layers=int(layers),
+        heads=d_model // 128,
+        vocab=vocab,
+        batch=8,
+        seq_min=128,
+        seq_max=1024 if quick else 2048,
+        train_steps=3 if quick else 4,
+        cycles=6 if quick else 30,
+        kv_fraction=0.5,
+        bucket_bytes=256 << 20,
+    )
+
+
+def handback_ratio(free: int, total: int, live: int, context: int) -> float:
+    """Device free memory over what could be free: ``free / (total - live - context)``."""
+    possible = total - live - context
+    return free / possible if possible > 0 else 0.0
+
+
+@dataclass
+class Figures:
+    """One strategy's results, the figures of issue #5."""
+
+    strategy: str
+    cycles: int
+    kv_target: int
+    kv_obtained: list[int]
+    handback: list[float]
+    to_rollout_s: list[float]
+    to_trainer_s: list[float]
+    offload_gbps: list[float]
+    pinned_gbps: float
+    peak_reserved: list[int]
+    peak_allocated: list[int]
+    free_at_train: list[int]
+    overhead_s: list[float]
+    errors: list[str]
+
+    def summary(self) -> dict[str, Any]:
+        """Medians and the drift slope, JSON-ready."""
+
+        def median(values: list[float]) -> float | None:
+            ordered = sorted(values)
+            return ordered[len(ordered) // 2] if ordered else None
+
+        ratios = [r / a for r, a in zip(self.peak_reserved, self.peak_allocated, strict=True) if a]
+        steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
+        return {
+            "strategy": self.strategy,
+            "cycles": self.cycles,
+            "kv_obtained_gib": (median([float(k) for k in self.kv_obtained]) or 0) / GiB,
+            "kv_target_gib": self.kv_target / GiB,
+            "handback": median(self.handback),
+            "to_rollout_s": median(self.to_rollout_s),
+            "to_trainer_s": median(self.to_trainer_s),
+            "offload_gbps": median(self.offload_gbps),
+            "offload_of_pinned": (median(self.offload_gbps) or 0) / self.pinned_gbps
+            if self.pinned_gbps
+            else None,
+            "peak_reserved_over_allocated": max(ratios) if ratios else None,
+            "drift_mib_per_cycle": -slope([float(f) for f in steady]) / 2**20
+            if len(steady) >= 2
+            else None,
+            "overhead_s": median(self.overhead_s),
+            "errors": self.errors,
+        }

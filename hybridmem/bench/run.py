@@ -1,0 +1,309 @@
+"""Run the bench: one child process per strategy, a progress bar, a table, JSON and a plot.
+
+``python -m hybridmem.bench.run STRATEGY PLAN_JSON`` is the child: it starts the
+engine process, trains and switches for the planned cycles, and prints its figures
+as one JSON line (progress goes to stderr as ``progress I N`` lines).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, plan
+
+__all__ = ["TARGETS", "bench", "run_strategy"]
+
+GiB = 2**30
+#: issue #5's targets for hybridmem.
+TARGETS = {
+    "handback": (">=", 0.995),
+    "peak_reserved_over_allocated": ("<=", 1.03),
+    "offload_of_pinned": (">=", 0.90),
+    "drift_mib_per_cycle": ("<=", 2.0),
+}
+_BETTER_HIGHER = {"kv_obtained_gib", "handback", "offload_gbps", "offload_of_pinned"}
+
+
+def _model(p: BenchPlan) -> Any:
+    import torch
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(p.vocab, p.d_model)
+            layer = torch.nn.TransformerEncoderLayer(
+                p.d_model, p.heads, 4 * p.d_model, dropout=0.0, batch_first=True, norm_first=True
+            )
+            self.body = torch.nn.TransformerEncoder(layer, p.layers, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(p.d_model, p.vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(self.embed(tokens)))  # type: ignore[no-any-return]
+
+    return LM().cuda()
+
+
+def run_strategy(name: str, p: BenchPlan) -> dict[str, Any]:
+    """Run one strategy in this process (which must have a GPU); return its figures."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from hybridmem.bench.engine import EngineClient, serve
+    from hybridmem.bench.strategies import make_strategy
+
+    torch.manual_seed(0)
+    device = torch.cuda.current_device()
+    torch.zeros(1, device="cuda")
+    total = torch.cuda.mem_get_info()[1]
+    model = _model(p)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    shapes = {
+        k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+        for k, v in model.state_dict().items()
+    }
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    engine_process = ctx.Process(
+        target=serve, args=(child, device, int(total * p.kv_fraction), shapes)
+    )
+    engine_process.start()
+    _, engine_reserved = conn.recv()
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    context = total - free - torch.cuda.memory_reserved() - engine_reserved
+    engine = EngineClient(conn, context, total)
+
+    def train() -> None:
+        for _ in range(p.train_steps):
+            length = int(torch.randint(p.seq_min, p.seq_max + 1, ()).item())
+            tokens = torch.randint(0, p.vocab, (p.batch, length), device="cuda")
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, p.vocab).float(), tokens[:, 1:].reshape(-1)
+            )
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    train()  # the optimizer state exists before the first offload
+    strategy = make_strategy(name, p, model, optimizer, engine)
+    figures = Figures(
+        name, p.cycles, int(total * p.kv_fraction), [], [], [], [], [], 0.0, [], [], [], [], []
+    )
+    figures.pinned_gbps = _pinned_ceiling(
+        sum(
+            t.nbytes
+            for s in optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+    )
+    for cycle in range(p.cycles):
+        print(f"progress {cycle} {p.cycles}", file=sys.stderr, flush=True)
+        try:
+            torch.cuda.synchronize()
+            figures.free_at_train.append(torch.cuda.mem_get_info()[0])
+            torch.cuda.reset_peak_memory_stats()
+            with strategy.train_scope():
+                train()
+            figures.peak_reserved.append(torch.cuda.max_memory_reserved())
+            figures.peak_allocated.append(torch.cuda.max_memory_allocated())
+            engine.engine_seconds = 0.0
+            started = time.perf_counter()
+            out = strategy.to_rollout()
+            to_rollout = time.perf_counter() - started
+            figures.kv_obtained.append(engine.last_kv)
+            figures.handback.append(engine.last_handback)
+            engine_before = engine.engine_seconds
+            engine.call("generate", p.d_model)
+            generate = engine.engine_seconds - engine_before
+            started = time.perf_counter()
+            back = strategy.to_trainer()
+            to_trainer = time.perf_counter() - started
+            figures.to_rollout_s.append(to_rollout)
+            figures.to_trainer_s.append(to_trainer)
+            if out.copy_s > 0:
+                figures.offload_gbps.append(out.copy_bytes / out.copy_s / 1e9)
+            work = out.copy_s + back.copy_s + out.sync_s + engine.engine_seconds - generate
+            figures.overhead_s.append(max(0.0, to_rollout + to_trainer - work))
+        except torch.OutOfMemoryError as exc:
+            figures.errors.append(f"cycle {cycle}: {str(exc).splitlines()[0]}")
+            torch.cuda.empty_cache()
+    print(f"progress {p.cycles} {p.cycles}", file=sys.stderr, flush=True)
+    conn.send(("stop",))
+    conn.recv()
+    engine_process.join(timeout=60)
+    return {"summary": figures.summary(), "raw": figures.__dict__}
+
+
+def _pinned_ceiling(nbytes: int) -> float:
+    """Device-to-host GB/s into pinned memory for ``nbytes`` (the offload ceiling)."""
+    import torch
+
+    nbytes = max(nbytes, 1 << 20)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.copy_(device)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(3):
+        host.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * nbytes / (time.perf_counter() - started) / 1e9
+
+
+def _bar(name: str, done: int, total: int) -> str:
+    width = 30
+    filled = width * done // max(total, 1)
+    return f"\r{name:<11} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def _child(name: str, p: BenchPlan) -> dict[str, Any]:
+    command = [sys.executable, "-m", "hybridmem.bench.run", name, json.dumps(p.as_dict())]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    tail: list[str] = []
+    for line in process.stderr:
+        if line.startswith("progress "):
+            _, done, total = line.split()
+            sys.stderr.write(_bar(name, int(done), int(total)))
+            sys.stderr.flush()
+        else:
+            tail = [*tail[-20:], line]
+    out, _ = process.communicate()
+    sys.stderr.write("\n")
+    if process.returncode != 0:
+        return {"summary": {"strategy": name, "errors": ["".join(tail[-5:]).strip()]}}
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
+    ours = rows.get("hybridmem", {})
+    lines = []
+    for key, (op, target) in TARGETS.items():
+        value = ours.get(key)
+        met = value is not None and (value >= target if op == ">=" else value <= target)
+        lines.append(f"{key}: {value!r} (target {op} {target}): {'met' if met else 'NOT met'}")
+    for key in (
+        "kv_obtained_gib",
+        "handback",
+        "to_rollout_s",
+        "to_trainer_s",
+        "offload_gbps",
+        "peak_reserved_over_allocated",
+        "drift_mib_per_cycle",
+    ):
+        mine = ours.get(key)
+        others = {s: rows[s].get(key) for s in ("naive", "handrolled") if s in rows}
+        if mine is None or not others or any(o is None for o in others.values()):
+            continue
+        higher = key in _BETTER_HIGHER
+        worse = [s for s, o in others.items() if (mine < o if higher else mine > o)]
+        lines.append(
+            f"{key}: hybridmem worse than {' and '.join(worse)}"
+            if worse
+            else f"{key}: hybridmem at least as good as {' and '.join(others)}"
+        )
+    return lines
+
+
+def bench(
+    *, quick: bool, json_path: str | None, plot_path: str | None, strategies: list[str]
+) -> int:
+    """``hybridmem bench``: run the strategies, print the table and verdicts; exit code."""
+    from hybridmem import _torch
+
+    if not _torch.cuda_available():
+        print("hybridmem bench needs a CUDA GPU (none is visible here)", file=sys.stderr)
+        return 2
+    import torch
+
+    from hybridmem._devices import device_index
+
+    # The device's size without creating a context here (the children do the work).
+    total = torch.cuda.get_device_properties(device_index(None)).total_memory
+    p = plan(int(total), quick=quick)
+    print(
+        f"bench plan: {p.params / 1e6:.0f} M parameters "
+        f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
+        f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps"
+    )
+    started = time.perf_counter()
+    results = {name: _child(name, p) for name in strategies}
+    rows = {name: r["summary"] for name, r in results.items()}
+    keys = [
+        "kv_obtained_gib",
+        "handback",
+        "to_rollout_s",
+        "to_trainer_s",
+        "offload_gbps",
+        "offload_of_pinned",
+        "peak_reserved_over_allocated",
+        "drift_mib_per_cycle",
+        "overhead_s",
+    ]
+    print(f"\n{'figure':<30}" + "".join(f"{n:>14}" for n in rows))
+    for key in keys:
+        cells = []
+        for row in rows.values():
+            value = row.get(key)
+            cells.append(f"{value:>14.4g}" if isinstance(value, float | int) else f"{'-':>14}")
+        print(f"{key:<30}" + "".join(cells))
+    for name, row in rows.items():
+        for error in row.get("errors") or []:
+            print(f"{name}: {error}")
+    verdicts = _verdicts(rows)
+    print("\n" + "\n".join(verdicts))
+    print(f"\nbench took {time.perf_counter() - started:.0f} s")
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps({"plan": p.as_dict(), "results": results, "verdicts": verdicts}, indent=2)
+        )
+    if plot_path:
+        _plot(rows, plot_path)
+    return 0
+
+
+def _plot(rows: dict[str, dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [
+        "kv_obtained_gib",
+        "handback",
+        "to_rollout_s",
+        "to_trainer_s",
+        "offload_of_pinned",
+        "peak_reserved_over_allocated",
+        "drift_mib_per_cycle",
+        "overhead_s",
+    ]
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, key in zip(axes.flat, keys, strict=True):
+        names = list(rows)
+        values = [float(rows[n].get(key) or 0.0) for n in names]
+        ax.bar(names, values, color=["#bbbbbb", "#e08060", "#4080c0"][: len(names)])
+        ax.set_title(key, fontsize=9)
+        ax.tick_params(labelsize=8)
+    fig.suptitle("hybridmem bench")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    strategy_name = sys.argv[1]
+    if strategy_name not in STRATEGIES:
+        raise SystemExit(f"unknown strategy {strategy_name!r}")
+    fields = {
+        k: v for k, v in json.loads(sys.argv[2]).items() if k not in ("params", "state_bytes")
+    }
+    print(json.dumps(run_strategy(strategy_name, BenchPlan(**fields)), default=str))

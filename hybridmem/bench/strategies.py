@@ -1,0 +1,216 @@
+"""The three ways of switching the bench compares, on the same trainer and engine.
+
+- ``naive``: torch defaults; ``.to("cpu")`` offload of the optimizer state; one
+  ``empty_cache``; weights shared tensor by tensor over CUDA IPC.
+- ``handrolled``: what RL frameworks write: an expandable-segments toggle through
+  torch's raw setter (which drops the user's other settings), a 3-round
+  ``gc.collect()`` + ``empty_cache`` loop around each step, ``non_blocking`` ``.to``
+  offload, a fresh exported buffer for every weight-sync batch.
+- ``hybridmem``: ``phase("train")``, an :class:`~hybridmem.Offloader`, a
+  :class:`~hybridmem.WeightBucket` and a :class:`~hybridmem.HybridSwitch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import hybridmem as hm
+from hybridmem import _torch
+from hybridmem._packing import plan_batches
+from hybridmem.bench.engine import EngineClient
+from hybridmem.bench.plan import BenchPlan
+
+__all__ = ["Moved", "Strategy", "make_strategy"]
+
+
+@dataclass
+class Moved:
+    """What one direction of a switch did: its offload/reload and weight-sync time."""
+
+    copy_s: float = 0.0
+    copy_bytes: int = 0
+    sync_s: float = 0.0
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict[str, Any], str]]:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                yield state, key
+
+
+class Strategy:
+    """The trainer's side of one way of switching."""
+
+    name = ""
+
+    def __init__(
+        self,
+        plan: BenchPlan,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        engine: EngineClient,
+    ) -> None:
+        self.plan = plan
+        self.model = model
+        self.optimizer = optimizer
+        self.engine = engine
+
+    def train_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def to_rollout(self) -> Moved:
+        raise NotImplementedError
+
+    def to_trainer(self) -> Moved:
+        raise NotImplementedError
+
+    # shared pieces -------------------------------------------------------
+    def _move_optimizer(self, device: str, *, non_blocking: bool) -> Moved:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        moved = 0
+        for state, key in _optimizer_tensors(self.optimizer):
+            state[key] = state[key].to(device, non_blocking=non_blocking)
+            moved += state[key].nbytes
+        torch.cuda.synchronize()
+        return Moved(copy_s=time.perf_counter() - started, copy_bytes=moved)
+
+    def _sync_per_tensor(self) -> float:
+        started = time.perf_counter()
+        exports = {
+            name: _torch.export_cuda_tensor(t.detach())
+            for name, t in self.model.state_dict().items()
+        }
+        self.engine.call("sync_tensors", exports)
+        return time.perf_counter() - started
+
+    def _sync_fresh_buffers(self) -> float:
+        started = time.perf_counter()
+        items = list(self.model.state_dict().items())
+        conn = self.engine.conn
+        conn.send(("sync_fresh",))
+        bucket = self.plan.bucket_bytes
+        for batch in plan_batches([t.nbytes for _, t in items], bucket):
+            buffer = torch.empty(bucket, dtype=torch.uint8, device="cuda")
+            entries = []
+            for piece in batch.pieces:
+                name, tensor = items[piece.index]
+                flat = tensor.detach().reshape(-1).view(torch.uint8)
+                buffer[piece.offset : piece.offset + piece.nbytes].copy_(
+                    flat[piece.start : piece.start + piece.nbytes]
+                )
+                entries.append((name, piece.start, piece.nbytes, piece.offset))
+            torch.cuda.synchronize()
+            conn.send(("batch", _torch.export_cuda_tensor(buffer), entries))
+            del buffer  # dropped at once, no ipc_collect: as written in the wild
+        conn.send(("end",))
+        if conn.recv() != ("ok",):
+            raise RuntimeError("engine did not take the weights")
+        return time.perf_counter() - started
+
+
+class Naive(Strategy):
+    name = "naive"
+
+    def to_rollout(self) -> Moved:
+        moved = self._move_optimizer("cpu", non_blocking=False)
+        torch.cuda.empty_cache()
+        self.engine.wake_up(["weights"])
+        moved.sync_s = self._sync_per_tensor()
+        self.engine.wake_up(["kv_cache"])
+        return moved
+
+    def to_trainer(self) -> Moved:
+        self.engine.sleep()
+        return self._move_optimizer("cuda", non_blocking=False)
+
+
+def _aggressive_empty_cache() -> None:
+    for _ in range(3):
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+class Handrolled(Strategy):
+    name = "handrolled"
+
+    def train_scope(self) -> contextlib.AbstractContextManager[Any]:
+        _torch.set_allocator_settings("expandable_segments:True")  # drops other settings
+        return contextlib.nullcontext()
+
+    def to_rollout(self) -> Moved:
+        _torch.set_allocator_settings("expandable_segments:False")
+        moved = self._move_optimizer("cpu", non_blocking=True)
+        _aggressive_empty_cache()
+        self.engine.wake_up(["weights"])
+        moved.sync_s = self._sync_fresh_buffers()
+        _aggressive_empty_cache()
+        self.engine.wake_up(["kv_cache"])
+        return moved
+
+    def to_trainer(self) -> Moved:
+        self.engine.sleep()
+        _aggressive_empty_cache()
+        return self._move_optimizer("cuda", non_blocking=True)
+
+
+class Hybridmem(Strategy):
+    name = "hybridmem"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.offloader = hm.Offloader(self.optimizer)
+        self.bucket = hm.WeightBucket(self.plan.bucket_bytes, fallback="raise")
+        self.engine.call("bucket", self.bucket.handle)
+        self.switch = hm.HybridSwitch(
+            self.engine, "default", self.offloader, sync_weights=self._sync, barrier=None
+        )
+        self._sync_s = 0.0
+
+    def _sync(self, engine: hm.EngineAdapter) -> None:
+        started = time.perf_counter()
+        conn = self.engine.conn
+        conn.send(("sync_bucket",))
+        self.bucket.send(self.model.state_dict(), conn)
+        if conn.recv() != ("ok",):
+            raise RuntimeError("engine did not take the weights")
+        self._sync_s = time.perf_counter() - started
+
+    def train_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return hm.phase("train", backend="default")
+
+    def to_rollout(self) -> Moved:
+        report = self.switch.to_rollout()
+        offload = report.stage("offload")
+        nbytes = self.offloader.host_bytes
+        return Moved(copy_s=offload.seconds, copy_bytes=nbytes, sync_s=self._sync_s)
+
+    def to_trainer(self) -> Moved:
+        report = self.switch.to_trainer()
+        return Moved(copy_s=report.stage("reload").seconds, copy_bytes=self.offloader.host_bytes)
+
+
+def make_strategy(
+    name: str,
+    plan: BenchPlan,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    engine: EngineClient,
+) -> Strategy:
+    """The strategy called ``name`` (one of ``STRATEGIES``)."""
+    kinds: dict[str, type[Strategy]] = {
+        "naive": Naive,
+        "handrolled": Handrolled,
+        "hybridmem": Hybridmem,
+    }
+    if name not in kinds:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(kinds)}")
+    return kinds[name](plan, model, optimizer, engine)
