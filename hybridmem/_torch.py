@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import re
 import warnings
 from collections.abc import Callable
@@ -55,6 +56,7 @@ __all__ = [
     "new_stream",
     "open_ipc_event",
     "pin_host_tensor",
+    "process_rank",
     "reads_generic_alloc_conf",
     "record_event",
     "runtime_allocator_backend",
@@ -611,6 +613,17 @@ def dist_rank() -> int | None:
     import torch.distributed as dist
 
     return int(dist.get_rank())
+
+
+def process_rank() -> int:
+    """This process's rank: ``torch.distributed``'s, else the ``RANK`` env variable, else 0."""
+    rank = dist_rank()
+    if rank is not None:
+        return rank
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def dist_barrier() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -104,14 +103,15 @@ def _default_barrier() -> Barrier | None:
     return _torch.dist_barrier if _torch.dist_initialized() else None
 
 
-def _rank() -> int:
-    rank = _torch.dist_rank()
-    if rank is not None:
-        return rank
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+@dataclass
+class _Stage:
+    """A stage in progress: its name, free memory and clocks at the start, its span."""
+
+    name: str
+    free0: int | None
+    clock: float
+    wall: float
+    span: Any
 
 
 @dataclass
@@ -183,7 +183,7 @@ class HybridSwitch:
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
         self.device = None if device is None else device_index(device)
-        self.rank = _rank()
+        self.rank = _torch.process_rank()
         self.reports: list[SwitchReport] = []
         self._state = _State()
         self._active = False
@@ -204,16 +204,6 @@ class HybridSwitch:
             _torch.mem_get_info(index)[0],
             int(stats.get("allocated_bytes.all.current", 0)),
             int(stats.get("reserved_bytes.all.current", 0)),
-        )
-
-    def _record(
-        self, report: SwitchReport, name: str, started: float, wall: float, free0: int | None
-    ) -> None:
-        free1, allocated, reserved = self._memory()
-        report.stages.append(
-            StageReport(
-                name, time.perf_counter() - started, free0, free1, allocated, reserved, wall
-            )
         )
 
     # ------------------------------------------------------------------ #
@@ -409,64 +399,66 @@ class HybridSwitch:
     # ------------------------------------------------------------------ #
     # Drivers
     # ------------------------------------------------------------------ #
+    def _stages(self, direction: Literal["to_rollout", "to_trainer"]) -> list[tuple[str, Any]]:
+        return self._to_rollout() if direction == "to_rollout" else self._to_trainer()
+
+    def _start_stage(self, name: str) -> _Stage:
+        span = _timeline.begin(
+            f"stage:{name}", "stage", backend=self.profile.name, device=self.device, rank=self.rank
+        )
+        return _Stage(name, self._memory()[0], time.perf_counter(), time.time(), span)
+
+    def _finish_stage(self, report: SwitchReport, stage: _Stage) -> None:
+        _timeline.end(stage.span)
+        free1, allocated, reserved = self._memory()
+        seconds = time.perf_counter() - stage.clock
+        report.stages.append(
+            StageReport(stage.name, seconds, stage.free0, free1, allocated, reserved, stage.wall)
+        )
+
+    def _finish(self, report: SwitchReport) -> SwitchReport:
+        self.reports.append(report)
+        logger.info("%s", report)
+        return report
+
     def _run(self, direction: Literal["to_rollout", "to_trainer"]) -> SwitchReport:
         report = SwitchReport(direction, self.rank)
-        stages = self._to_rollout() if direction == "to_rollout" else self._to_trainer()
-        for name, operation in stages:
-            free0 = self._memory()[0]
-            started, wall = time.perf_counter(), time.time()
-            span = self._span(name)
+        for name, operation in self._stages(direction):
+            stage = self._start_stage(name)
             try:
                 call_sync(operation(), f"stage {name!r}")
             except BaseException as exc:
-                _timeline.end(span, error=repr(exc))
+                _timeline.end(stage.span, error=repr(exc))
                 error = self._recover(name, exc)
                 if error is not None:
                     raise error from exc
                 raise
-            _timeline.end(span)
-            self._record(report, name, started, wall, free0)
-        self.reports.append(report)
-        logger.info("%s", report)
-        return report
-
-    def _span(self, name: str) -> Any:
-        return _timeline.begin(
-            f"stage:{name}", "stage", backend=self.profile.name, device=self.device, rank=self.rank
-        )
+            self._finish_stage(report, stage)
+        return self._finish(report)
 
     async def _arun(self, direction: Literal["to_rollout", "to_trainer"]) -> SwitchReport:
         self._async_mode = True
         try:
-            return await self._arun_stages(direction)
+            report = SwitchReport(direction, self.rank)
+            for name, operation in self._stages(direction):
+                stage = self._start_stage(name)
+                try:
+                    if name in _BLOCKING:
+                        result = await asyncio.to_thread(operation)  # blocking: off the loop
+                    else:
+                        result = operation()
+                    if inspect.isawaitable(result):
+                        await result
+                except BaseException as exc:
+                    _timeline.end(stage.span, error=repr(exc))
+                    error = await self._arecover(name, exc)
+                    if error is not None:
+                        raise error from exc
+                    raise
+                self._finish_stage(report, stage)
+            return self._finish(report)
         finally:
             self._async_mode = False
-
-    async def _arun_stages(self, direction: Literal["to_rollout", "to_trainer"]) -> SwitchReport:
-        report = SwitchReport(direction, self.rank)
-        stages = self._to_rollout() if direction == "to_rollout" else self._to_trainer()
-        for name, operation in stages:
-            free0 = self._memory()[0]
-            started, wall = time.perf_counter(), time.time()
-            span = self._span(name)
-            try:
-                if name in _BLOCKING:
-                    result = await asyncio.to_thread(operation)  # blocking: off the loop
-                else:
-                    result = operation()
-                if inspect.isawaitable(result):
-                    await result
-            except BaseException as exc:
-                _timeline.end(span, error=repr(exc))
-                error = await self._arecover(name, exc)
-                if error is not None:
-                    raise error from exc
-                raise
-            _timeline.end(span)
-            self._record(report, name, started, wall, free0)
-        self.reports.append(report)
-        logger.info("%s", report)
-        return report
 
     def _begin(self) -> None:
         if self._active:

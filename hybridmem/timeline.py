@@ -85,16 +85,6 @@ class Event:
         return asdict(self)
 
 
-def _rank() -> int:
-    rank = _torch.dist_rank() if _torch.dist_initialized() else None
-    if rank is not None:
-        return rank
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
 def _multi_process() -> bool:
     if _torch.dist_initialized():
         return True
@@ -179,7 +169,7 @@ class Timeline:
         base = Path(path)
         stem = base.name.removesuffix(".jsonl").removesuffix(".json")
         if _multi_process():
-            stem = f"{stem}.rank{_rank()}"
+            stem = f"{stem}.rank{_torch.process_rank()}"
         return base.with_name(f"{stem}.jsonl"), base.with_name(f"{stem}.trace.json")
 
     def save(self, path: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -285,7 +275,7 @@ def end(span: _Open | None, **args: Any) -> None:
             start=span.start,
             duration=duration,
             device=span.device,
-            rank=_rank(),
+            rank=_torch.process_rank(),
             pid=os.getpid(),
             thread=threading.get_ident(),
             before=span.before,
