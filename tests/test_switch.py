@@ -405,3 +405,18 @@ def test_stage_report_formatting() -> None:
     report = switch_module.SwitchReport("to_rollout", 0, [stage])
     with pytest.raises(KeyError, match="no stage 'sleep'"):
         report.stage("sleep")
+
+
+def test_switch_without_garbage_collection(trainer: FakeTorch) -> None:
+    switch, _ = make(trainer, collect_garbage=False)
+    with switch.rollout():
+        pass
+    assert "gc" not in trainer.events  # neither the stages' releases nor the recipes'
+    assert trainer.events.count("empty_cache") >= 5
+    with_gc, _ = make(trainer)
+    trainer.events.clear()
+    with with_gc.rollout():
+        pass
+    assert trainer.events.count("gc") >= 5
+    with pytest.raises(TypeError, match="collect_garbage must be True or False"):
+        make(trainer, collect_garbage=1)
