@@ -26,8 +26,14 @@ from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridmem import _linux
-else:  # run by path: the package folder is sys.path[0]; imported: the package module
-    _linux = importlib.import_module("hybridmem._linux" if __package__ else "_linux")
+elif __package__:  # imported as hybridmem._ipc_probe
+    _linux = importlib.import_module("hybridmem._linux")
+else:  # run by path: the package folder is sys.path[0]
+    _linux = importlib.import_module("_linux")
+    # Leave the package folder off the path: its modules (timeline, plot, cli...)
+    # must not stand in for top-level modules that torch or others import.
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]
 
 CLASSIC_VALUE = 7
 EXPANDABLE_VALUE = 9
