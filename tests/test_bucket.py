@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
@@ -377,3 +379,54 @@ def test_across_processes(cpu_as_device: list[int]) -> None:
             assert sums == {n: float(t.double().sum()) for n, t in tensors.items()}
     process.join(timeout=60)
     assert process.exitcode == 0
+
+
+# --------------------------------------------------------------------------- #
+# Property: any set of tensors, any bucket size, arrives bit for bit
+# --------------------------------------------------------------------------- #
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
+
+
+@st.composite
+def tensor_sets(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    count = draw(st.integers(1, 8))
+    tensors: dict[str, torch.Tensor] = {}
+    for index in range(count):
+        dtype = draw(st.sampled_from(_DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 40), min_size=0, max_size=3)))
+        seed = draw(st.integers(0, 2**16))
+        generator = torch.Generator().manual_seed(seed)
+        if dtype == torch.bool:
+            value = torch.rand(shape, generator=generator) > 0.5
+        elif dtype.is_floating_point:
+            value = torch.randn(shape, generator=generator).to(dtype)
+        else:
+            value = torch.randint(-100, 100, shape, generator=generator).to(dtype)
+        tensors[f"t{index}"] = value
+    return tensors
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(tensors=tensor_sets(), kib=st.integers(1, 8), buffers=st.integers(1, 3))
+def test_any_tensors_round_trip(
+    cpu_as_device: list[int], tensors: dict[str, torch.Tensor], kib: int, buffers: int
+) -> None:
+    a, b = mp.Pipe()
+    try:
+        with hm.WeightBucket(kib * KiB, buffers=buffers) as bucket:
+            thread, result = run_receiver(bucket.handle, b, collect(b))
+            report = bucket.send(tensors, a)
+            thread.join()
+    finally:
+        a.close()
+        b.close()
+    got = result["value"]
+    assert list(got) == list(tensors)
+    for name, tensor in tensors.items():
+        assert got[name].dtype == tensor.dtype
+        assert got[name].shape == tensor.shape
+        assert torch.equal(got[name], tensor)
+    assert report.nbytes == sum(t.nbytes for t in tensors.values())
