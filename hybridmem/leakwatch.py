@@ -12,11 +12,11 @@ import threading
 from collections import deque
 from typing import Literal
 
-from hybridmem import _torch
 from hybridmem import timeline as _timeline
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_once
 from hybridmem.backends.registry import canonical_phase
+from hybridmem.telemetry import memory_info
 
 __all__ = ["LeakWatch", "Metric"]
 
@@ -103,14 +103,12 @@ class LeakWatch:
         )
 
     def _read(self) -> int | None:
-        index = self.device if self.device is not None else _torch.current_device()
-        if index is None or not _torch.has_context(index):
+        info = memory_info(self.device)
+        if not info.available or info.free is None or info.total is None:
             return None
         if self.metric == "used":
-            free, total = _torch.mem_get_info(index)
-            return total - free
-        stats = _torch.memory_stats(index)
-        return int(stats.get(f"{self.metric}_bytes.all.current", 0))
+            return info.total - info.free
+        return info.allocated if self.metric == "allocated" else info.reserved
 
     def _on_event(self, event: _timeline.Event) -> None:
         if event.kind != "phase" or event.name != f"phase:{self.boundary}":

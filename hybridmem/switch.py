@@ -29,6 +29,7 @@ from hybridmem.backends.registry import BackendProfile, get_backend
 from hybridmem.cache import release_cache
 from hybridmem.offload import Offloader
 from hybridmem.phases import Phase
+from hybridmem.telemetry import memory_info
 
 __all__ = ["HybridSwitch", "HybridSwitchError", "StageReport", "SwitchReport"]
 
@@ -203,15 +204,10 @@ class HybridSwitch:
     # Measuring
     # ------------------------------------------------------------------ #
     def _memory(self) -> tuple[int | None, int | None, int | None]:
-        index = self.device if self.device is not None else _torch.current_device()
-        if index is None or not _torch.has_context(index):
+        info = memory_info(self.device)
+        if not info.available:
             return None, None, None
-        stats = _torch.memory_stats(index)
-        return (
-            _torch.mem_get_info(index)[0],
-            int(stats.get("allocated_bytes.all.current", 0)),
-            int(stats.get("reserved_bytes.all.current", 0)),
-        )
+        return info.free, info.allocated, info.reserved
 
     # ------------------------------------------------------------------ #
     # The stages, as (name, operation) pairs; an operation may return an awaitable

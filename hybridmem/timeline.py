@@ -25,6 +25,7 @@ from typing import Any, ParamSpec, TypeVar
 from hybridmem import _torch
 from hybridmem._decorate import ScopedContext
 from hybridmem._log import logger
+from hybridmem.telemetry import memory_info
 
 __all__ = [
     "TIMELINE_ENV",
@@ -95,16 +96,14 @@ def _multi_process() -> bool:
 
 
 def _memory(device: int | None) -> tuple[int | None, dict[str, int]]:
-    index = device if device is not None else _torch.current_device()
-    if index is None or not _torch.has_context(index):
-        return index, {}
-    stats = _torch.memory_stats(index)
-    free, total = _torch.mem_get_info(index)
-    return index, {
-        "allocated": int(stats.get("allocated_bytes.all.current", 0)),
-        "reserved": int(stats.get("reserved_bytes.all.current", 0)),
-        "free": free,
-        "used": total - free,
+    info = memory_info(device)
+    if not info.available or info.free is None or info.total is None:
+        return (device if device is not None else _torch.current_device()), {}
+    return info.device, {
+        "allocated": info.allocated,
+        "reserved": info.reserved,
+        "free": info.free,
+        "used": info.total - info.free,
     }
 
 
