@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any, cast
 
 from hybridmem import _torch
@@ -22,12 +23,27 @@ __all__ = ["Phase", "await_free", "await_free_async", "phase"]
 _POLL_S = 0.01
 
 
+_TOLERANCE = 2 << 20
+
+
 def _settled(free: list[int], tolerance: int) -> bool:
     return len(free) >= 3 and max(free[-3:]) - min(free[-3:]) <= tolerance
 
 
+def _polls(index: int, timeout_s: float, tolerance: int, free: list[int]) -> Iterator[None]:
+    """Read free memory into ``free`` until it settles or time is up; yield between reads.
+
+    The caller sleeps at each yield (``time.sleep`` or ``asyncio.sleep``).
+    """
+    started = time.perf_counter()
+    free.append(_torch.mem_get_info(index)[0])
+    while not _settled(free, tolerance) and time.perf_counter() - started < timeout_s:
+        yield
+        free.append(_torch.mem_get_info(index)[0])
+
+
 def await_free(
-    device: int | None = None, *, timeout_s: float = 5.0, tolerance: int = 2 << 20
+    device: int | None = None, *, timeout_s: float = 5.0, tolerance: int = _TOLERANCE
 ) -> tuple[int, float]:
     """Wait until device free memory stops rising (another process finishing a release).
 
@@ -39,10 +55,9 @@ def await_free(
     if index is None:
         return 0, 0.0
     started = time.perf_counter()
-    free = [_torch.mem_get_info(index)[0]]
-    while not _settled(free, tolerance) and time.perf_counter() - started < timeout_s:
+    free: list[int] = []
+    for _ in _polls(index, timeout_s, tolerance, free):
         time.sleep(_POLL_S)
-        free.append(_torch.mem_get_info(index)[0])
     return free[-1], time.perf_counter() - started
 
 
@@ -51,11 +66,8 @@ async def await_free_async(device: int | None, timeout_s: float) -> None:
     index = device if device is not None else _torch.current_device()
     if index is None:
         return
-    started = time.perf_counter()
-    free = [_torch.mem_get_info(index)[0]]
-    while not _settled(free, 2 << 20) and time.perf_counter() - started < timeout_s:
+    for _ in _polls(index, timeout_s, _TOLERANCE, []):
         await asyncio.sleep(_POLL_S)
-        free.append(_torch.mem_get_info(index)[0])
 
 
 def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: str) -> list[Step]:
@@ -79,20 +91,9 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
         if value is True:
             steps.append(step)
         elif isinstance(value, Mapping):
-            steps.append(
-                Step(
-                    step.name,
-                    step.action,
-                    step.when,
-                    {**step.args, **value},
-                    step.why,
-                    step.versions,
-                )
-            )
+            steps.append(replace(step, args={**step.args, **value}))
         elif step.action in ("offload", "reload"):  # an Offloader, as a shorthand
-            steps.append(
-                Step(step.name, step.action, step.when, {**step.args, "offloader": value}, step.why)
-            )
+            steps.append(replace(step, args={**step.args, "offloader": value}))
         else:
             raise TypeError(
                 f"{where}: override {step.name}={value!r}: pass True, False or a dict of arguments"
