@@ -20,6 +20,7 @@ from hybridmem import _linux, _torch
 from hybridmem._env import disabled
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._log import info_once, logger, warn_once
+from hybridmem._validate import check_bool
 from hybridmem.allocator import _STATE, _AllocatorScope
 from hybridmem.cache import drop_cached_blocks
 from hybridmem.capabilities import cached_capabilities
@@ -96,11 +97,11 @@ def choose_transport(fallback: Fallback, device: int, *, probed: bool | None) ->
 class IpcSafe(_AllocatorScope):
     """Scope in which new allocations can be shared without pidfd (see :func:`ipc_safe`)."""
 
-    def __init__(self, *, fallback: Fallback = "auto") -> None:
+    def __init__(self, *, fallback: Fallback = "auto", release_cache: bool = True) -> None:
         super().__init__()
         self.fallback = check_fallback(fallback)
         self._changes = {"expandable_segments": "False"}
-        self._release_cache = True
+        self._release_cache = check_bool("release_cache", release_cache)
         self._force = False
         self._label = f"ipc_safe(fallback={fallback!r})"
         self.transport: Transport = "cuda"
@@ -217,7 +218,8 @@ def ipc_shareable(tensor: torch.Tensor) -> torch.Tensor:
             "ipc_shareable: the CUDA driver cannot tell segment kinds here; copying "
             "with a cache release to be sure",
         )
-    with IpcSafe(fallback="raise") if unknown else _no_release_scope():
+    # With the driver's answer the cache is released only if the copy needs it (below).
+    with IpcSafe(fallback="raise", release_cache=unknown):
         out = _safe_copy(tensor)
         if _torch.is_legacy_ipc_capable(out) is False:
             # The copy reused a cached free block of an expandable segment.
@@ -231,12 +233,6 @@ def ipc_shareable(tensor: torch.Tensor) -> torch.Tensor:
                 )
     logger.debug("ipc_shareable: copied %d bytes into a classic segment", out.nbytes)
     return out
-
-
-def _no_release_scope() -> IpcSafe:
-    scope = IpcSafe(fallback="raise")
-    scope._release_cache = False  # checked after the copy instead (cheaper)
-    return scope
 
 
 def allow_ptrace_from_any() -> bool:
