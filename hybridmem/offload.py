@@ -258,10 +258,9 @@ class Offloader:
             else:
                 yield path, target, "tensors"
 
-    def _collect(self) -> list[_Slot]:
-        slots: list[_Slot] = []
+    def _storages(self) -> Iterator[tuple[str, torch.UntypedStorage, Group, torch.device]]:
+        """Each distinct device storage of the targets, in a stable order."""
         seen: set[int] = set()
-        devices: dict[torch.device, str] = {}
         for name, tensor, group in self._tensors():
             local = _torch.local_tensor(tensor)
             if not _torch.is_device_tensor(local):
@@ -270,7 +269,13 @@ class Offloader:
             if storage._cdata in seen:
                 continue
             seen.add(storage._cdata)
-            devices.setdefault(local.device, name)
+            yield name, storage, group, local.device
+
+    def _collect(self) -> list[_Slot]:
+        slots: list[_Slot] = []
+        devices: dict[torch.device, str] = {}
+        for name, storage, group, device in self._storages():
+            devices.setdefault(device, name)
             slots.append(_Slot(storage, name, group))
         if len(devices) > 1:
             listed = ", ".join(f"{d} ({n})" for d, n in devices.items())
@@ -290,7 +295,7 @@ class Offloader:
         """Collect the storages and give each a place in the pool (nothing offloaded)."""
         slots = self._collect()
         layout = [(s.key, s.nbytes, s.group) for s in slots]
-        if layout == [(s.key, s.nbytes, s.group) for s in self._slots]:
+        if self._pool is not None and layout == [(s.key, s.nbytes, s.group) for s in self._slots]:
             return  # same storages, same sizes: the pool and offsets still fit
         offset = 0
         for slot in slots:
@@ -373,23 +378,29 @@ class Offloader:
         start = time.perf_counter()
         if disabled():
             return self._report("offload", [], [], start)
-        if not self._offloaded:
-            self._plan()
         dropped = self._drop_grads() if self.grads == "drop" and "gradients" in wanted else 0
-        todo = [s for s in self._slots if s.group in wanted and s.group not in self._offloaded]
-        if not todo:
-            if not self._slots:
-                info_once(
-                    "offload-nothing", "Offloader: no target tensor is on a GPU; nothing to move"
-                )
-            return self._report("offload", wanted, [], start, dropped)
-        for slot in todo:
-            if slot.storage.nbytes() != slot.nbytes:
-                raise RuntimeError(
-                    f"{slot.name} changed size ({slot.nbytes} -> {slot.storage.nbytes()} bytes) "
-                    "while other groups were offloaded; reload everything before changing targets"
-                )
-        side, _ = self._copy(todo, to_host=True)
+        streamed = self._stream_to_host(wanted)
+        if streamed is not None:
+            todo, side = streamed
+        else:
+            if not self._offloaded:
+                self._plan()
+            todo = [s for s in self._slots if s.group in wanted and s.group not in self._offloaded]
+            if not todo:
+                if not self._slots:
+                    info_once(
+                        "offload-nothing",
+                        "Offloader: no target tensor is on a GPU; nothing to move",
+                    )
+                return self._report("offload", wanted, [], start, dropped)
+            for slot in todo:
+                if slot.storage.nbytes() != slot.nbytes:
+                    raise RuntimeError(
+                        f"{slot.name} changed size ({slot.nbytes} -> {slot.storage.nbytes()} "
+                        "bytes) while other groups were offloaded; reload everything before "
+                        "changing targets"
+                    )
+            side, _ = self._copy(todo, to_host=True)
         _torch.synchronize_stream(side)  # no host read, no free, before the copies land
         for slot in todo:
             slot.storage.resize_(0)
@@ -439,6 +450,57 @@ class Offloader:
         self._offloaded.difference_update(s.group for s in todo)
         return self._report("reload", wanted, todo, start)
 
+    def _stream_to_host(self, wanted: list[Group]) -> tuple[list[_Slot], Any] | None:
+        """Copy to the pool while walking the targets, if they still match the plan.
+
+        Every offload walks the targets (they may have changed since the last
+        one). When nothing is offloaded and the walk finds the planned storages in
+        the planned order, each copy is queued as soon as its storage is found, so
+        the walk overlaps with the transfers instead of preceding them. Any
+        difference stops the walk: the copies queued so far only wrote the pool,
+        and the caller plans again and copies everything.
+
+        Returns:
+            ``(slots copied, side stream)``, or None (not planned yet, something
+            is offloaded, or the targets changed).
+        """
+        if self._pool is None or not self._slots or self._offloaded or self._device is None:
+            return None
+        side = self._side_stream(self._device)
+        _torch.wait_stream(side, _torch.current_stream(self._device))
+        planned = iter(self._slots)
+        todo: list[_Slot] = []
+        with _torch.stream_scope(side):
+            for _, storage, group, _ in self._storages():
+                slot = next(planned, None)
+                if (
+                    slot is None
+                    or slot.key != storage._cdata
+                    or slot.group != group
+                    or slot.nbytes != storage.nbytes()
+                ):
+                    break
+                if group in wanted:
+                    self._copy_one(slot, to_host=True)
+                    todo.append(slot)
+            else:
+                if next(planned, None) is None:
+                    return (todo, side) if todo else None
+        # The copies in flight must land before a re-plan may free the pool.
+        _torch.synchronize_stream(side)
+        return None
+
+    def _copy_one(self, slot: _Slot, *, to_host: bool) -> None:
+        """Queue one copy between a storage and its place in the pool (current stream)."""
+        assert self._pool is not None, "planned before copying"
+        device_bytes = torch.empty(0, dtype=torch.uint8, device=self._device)
+        device_bytes.set_(slot.storage)
+        host_bytes = self._pool[slot.offset : slot.offset + slot.nbytes]
+        if to_host:
+            host_bytes.copy_(device_bytes, non_blocking=True)
+        else:
+            device_bytes.copy_(host_bytes, non_blocking=True)
+
     def _copy(self, slots: Sequence[_Slot], *, to_host: bool) -> tuple[Any, Any]:
         """Queue the copies between device storage and pool on the side stream.
 
@@ -455,13 +517,7 @@ class Offloader:
         _torch.wait_stream(side, current)
         with _torch.stream_scope(side):
             for slot in slots:
-                device_bytes = torch.empty(0, dtype=torch.uint8, device=self._device)
-                device_bytes.set_(slot.storage)
-                host_bytes = self._pool[slot.offset : slot.offset + slot.nbytes]
-                if to_host:
-                    host_bytes.copy_(device_bytes, non_blocking=True)
-                else:
-                    device_bytes.copy_(host_bytes, non_blocking=True)
+                self._copy_one(slot, to_host=to_host)
         return side, current
 
     def _drop_grads(self) -> int:

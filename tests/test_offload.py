@@ -171,12 +171,20 @@ def test_close_and_garbage_collection_unpin_once(cpu_as_device: list[int]) -> No
     off.close()
     assert off.host_bytes == 0
     assert cpu_as_device.count(-1) == 1
+    # a closed Offloader pins a new pool on its next offload, for the same targets
+    before = layer.weight.detach().clone()
+    off.offload()
+    assert off.host_bytes > 0
+    off.reload()
+    assert torch.equal(layer.weight, before)
+    off.close()
+    assert cpu_as_device.count(-1) == 2
     other = hm.Offloader(layer)
     other.offload()
     other.reload()
     del other
     gc.collect()
-    assert cpu_as_device.count(-1) == 2
+    assert cpu_as_device.count(-1) == 3
 
 
 def test_mixed_devices_are_an_error(cpu_as_device: list[int]) -> None:
@@ -290,3 +298,84 @@ def test_report_text(cpu_as_device: list[int]) -> None:
 def test_bad_input(make: object, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         make()  # type: ignore[operator]
+
+
+# --------------------------------------------------------------------------- #
+# Later offloads copy while walking the targets (when they match the plan)
+# --------------------------------------------------------------------------- #
+
+
+def count_full_copies(monkeypatch: pytest.MonkeyPatch, off: hm.Offloader) -> list[bool]:
+    """Record each use of the plan-then-copy path (``_copy`` to the host)."""
+    calls: list[bool] = []
+    original = off._copy
+
+    def spy(slots: object, *, to_host: bool) -> object:
+        if to_host:
+            calls.append(True)
+        return original(slots, to_host=to_host)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(off, "_copy", spy)
+    return calls
+
+
+def test_later_offloads_stream_their_copies(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    full = count_full_copies(monkeypatch, off)
+    for _cycle in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # new values every cycle: a stale pool would show
+        expected = snapshot(model, optimizer)
+        off.offload()
+        off.reload()
+        assert_bitwise_equal(expected, snapshot(model, optimizer))
+        assert len(full) == 1  # planned and copied once; the rest streamed
+
+
+def test_partial_offload_streams_only_the_wanted_groups(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    off.reload()
+    full = count_full_copies(monkeypatch, off)
+    expected = snapshot(model, optimizer)
+    report = off.offload("optimizer")
+    assert full == []
+    assert report.groups == ("optimizer",)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # untouched
+    off.offload("parameters")  # something is offloaded now: the planned path
+    assert full == [True]
+    off.reload()
+    assert_bitwise_equal(expected, snapshot(model, optimizer))
+
+
+@pytest.mark.parametrize("change", ["replaced", "added", "resized", "grown_in_place"])
+def test_changed_targets_stop_the_stream_and_replan(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    model, optimizer = make_model()
+    extra = {"w": torch.arange(64, dtype=torch.float32)}
+    off = hm.Offloader(model, optimizer, extra)
+    off.offload()
+    off.reload()
+    full = count_full_copies(monkeypatch, off)
+    if change == "replaced":  # same size, another storage
+        state = next(iter(optimizer.state.values()))
+        state["exp_avg"] = state["exp_avg"].clone() + 5
+    elif change == "added":
+        extra["v"] = torch.full((32,), 7.0)
+    elif change == "resized":
+        extra["w"] = torch.arange(128, dtype=torch.float32)
+    else:  # the same storage, larger
+        extra["w"].untyped_storage().resize_(extra["w"].nbytes * 2)
+    expected = snapshot(model, optimizer) + [t.clone() for t in extra.values()]
+    off.offload()
+    assert full == [True]  # fell back to planning and copying everything
+    off.reload()
+    assert_bitwise_equal(expected, snapshot(model, optimizer) + list(extra.values()))
