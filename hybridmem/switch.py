@@ -23,7 +23,6 @@ from hybridmem import timeline as _timeline
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
-from hybridmem._validate import check_bool
 from hybridmem.backends.engines import EngineAdapter, SGLangEngine, VLLMEngine, call_sync
 from hybridmem.backends.registry import BackendProfile, get_backend
 from hybridmem.cache import release_cache
@@ -142,10 +141,14 @@ class HybridSwitch:
             takes memory back while another on the node still holds it.
         confirm_timeout_s: how long to wait for device free memory to settle after
             the engine sleeps (SGLang can return before its memory is free).
-        collect_garbage: run a ``gc.collect()`` pass in each release of the switch
-            (its own and its recipes'). A pass costs tens to hundreds of
-            milliseconds and a switch runs five; turn it off when no reference
-            cycle holds device memory (release then costs well under a millisecond).
+        collect_garbage: when releases run a ``gc.collect()`` pass: ``"once"``
+            (default) in the first release of each direction (after the offload;
+            after the engine sleeps), which frees what reference cycles held
+            before memory changes hands; ``True`` in every release (five per
+            cycle, the switch's own and its recipes'); ``False`` never (when no
+            reference cycle holds device memory). A pass costs tens to hundreds of
+            milliseconds in a trainer process; a release without one, well under
+            a millisecond plus the driver's frees.
         device: the device to measure and release (None: the current device at each
             stage); an index, ``"cuda:N"`` or a ``torch.device``.
 
@@ -168,7 +171,7 @@ class HybridSwitch:
         barrier: Barrier | Literal["auto"] | None = "auto",
         confirm_timeout_s: float = 5.0,
         device: DeviceArg = None,
-        collect_garbage: bool = True,
+        collect_garbage: bool | Literal["once"] = "once",
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         self.engine = _adapter(engine, self.profile)
@@ -189,7 +192,12 @@ class HybridSwitch:
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
-        self.collect_garbage = check_bool("collect_garbage", collect_garbage)
+        if not (isinstance(collect_garbage, bool) or collect_garbage == "once"):
+            raise TypeError(
+                f"collect_garbage must be True, False or 'once', got {collect_garbage!r}"
+            )
+        self.collect_garbage: bool | Literal["once"] = collect_garbage
+        self._collected = False  # a gc pass ran (or is planned) in this direction
         self.device = None if device is None else device_index(device)
         self.rank = _torch.process_rank()
         self.reports: list[SwitchReport] = []
@@ -213,13 +221,10 @@ class HybridSwitch:
     # The stages, as (name, operation) pairs; an operation may return an awaitable
     # ------------------------------------------------------------------ #
     def _enter_phase(self, name: str) -> None:
+        releases = [s.name for s in self.profile.recipe(name) if s.action == "release_cache"]
         overrides: dict[str, object] = {}
-        if not self.collect_garbage:  # the recipes' releases skip gc too
-            overrides = {
-                step.name: {"collect_garbage": False}
-                for step in self.profile.recipe(name)
-                if step.action == "release_cache"
-            }
+        if releases and not self._gc_now():  # the recipes' releases skip gc too
+            overrides = {step: {"collect_garbage": False} for step in releases}
         entered = Phase(name, self.profile, overrides)
         entered.__enter__()
         self._state.phases.append(entered)
@@ -250,7 +255,7 @@ class HybridSwitch:
     def _offload(self) -> None:
         if self.offloader is not None:
             self._state.offloaded = True  # before: a failed offload may have moved some
-            self.offloader.offload()
+            self.offloader.offload(release_cache=False)  # the next stage releases
 
     def _reload(self) -> None:
         if self.offloader is not None and self._state.offloaded:
@@ -281,8 +286,16 @@ class HybridSwitch:
 
         return asleep()
 
+    def _gc_now(self) -> bool:
+        """Whether the next release collects garbage (and count it as done)."""
+        if self.collect_garbage == "once":
+            first = not self._collected
+            self._collected = True
+            return first
+        return bool(self.collect_garbage)
+
     def _release(self) -> Awaitable[Any] | None:
-        gc = self.collect_garbage
+        gc = self._gc_now()
         if self._async_mode:  # a gc pass takes tens of milliseconds: off the loop
             return asyncio.to_thread(release_cache, self.device, collect_garbage=gc)
         release_cache(self.device, collect_garbage=gc)
@@ -411,6 +424,7 @@ class HybridSwitch:
     # Drivers
     # ------------------------------------------------------------------ #
     def _stages(self, direction: Literal["to_rollout", "to_trainer"]) -> list[tuple[str, Any]]:
+        self._collected = False  # "once": one gc pass per direction
         return self._to_rollout() if direction == "to_rollout" else self._to_trainer()
 
     def _start_stage(self, name: str) -> _Stage:

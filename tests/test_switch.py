@@ -413,10 +413,28 @@ def test_switch_without_garbage_collection(trainer: FakeTorch) -> None:
         pass
     assert "gc" not in trainer.events  # neither the stages' releases nor the recipes'
     assert trainer.events.count("empty_cache") >= 5
-    with_gc, _ = make(trainer)
+    every, _ = make(trainer, collect_garbage=True)
     trainer.events.clear()
-    with with_gc.rollout():
+    with every.rollout():
         pass
     assert trainer.events.count("gc") >= 5
-    with pytest.raises(TypeError, match="collect_garbage must be True or False"):
-        make(trainer, collect_garbage=1)
+    for bad in (1, 0, "always", None):
+        with pytest.raises(TypeError, match="collect_garbage must be True, False or 'once'"):
+            make(trainer, collect_garbage=bad)
+
+
+def test_switch_collects_garbage_once_per_direction(trainer: FakeTorch) -> None:
+    switch, _ = make(trainer)  # the default: "once"
+    assert switch.collect_garbage == "once"
+    for _ in range(3):
+        trainer.events.clear()
+        switch.to_rollout()
+        # the first release after the offload collects; the later ones only empty the cache
+        first_release = trainer.events.index("empty_cache")
+        assert trainer.events.count("gc") == 1
+        assert trainer.events.index("gc") < first_release
+        assert trainer.events.count("empty_cache") >= 3
+        trainer.events.clear()
+        switch.to_trainer()
+        assert trainer.events.count("gc") == 1
+        assert trainer.events.index("gc") < trainer.events.index("empty_cache")
