@@ -6,17 +6,20 @@ Needs matplotlib (``pip install 'hybridmem[plot]'``); imported only when plottin
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from hybridmem.timeline import iter_jsonl
 
-__all__ = ["PlotError", "load_events", "plot_timeline"]
+__all__ = ["MAX_TIME_CYCLES", "PlotError", "load_events", "plot_timeline", "view"]
 
 GiB = 2**30
 # At most this many phase spans get a text label; beyond, the legend names them.
 _MAX_LABELS = 24
+# Up to this many cycles per rank, memory is drawn over time; beyond, per cycle.
+MAX_TIME_CYCLES = 12
 _SERIES = (("allocated", "allocated"), ("reserved", "reserved"), ("used", "device used"))
 
 
@@ -58,10 +61,10 @@ def plot_timeline(
 ) -> Path:
     """Draw memory over time with phases shaded; one panel per rank; write ``output``.
 
-    Readable for one cycle and for hundreds: up to 24 phase spans per rank, memory
-    is drawn over time with each phase shaded and labelled; beyond, memory at each
-    phase end is drawn against the cycle number, where drift and leaks show as
-    slopes.
+    Readable for one cycle and for hundreds: up to 12 cycles per rank (see
+    :func:`view`), memory is drawn over time with each phase shaded (and labelled
+    up to 24 spans); beyond, memory at each phase end is drawn against the cycle
+    number, where drift and leaks show as slopes.
 
     Raises:
         PlotError: matplotlib is missing or the timeline is empty or unreadable.
@@ -83,8 +86,7 @@ def plot_timeline(
     fig, axes = plt.subplots(
         len(ranks), 1, figsize=(14, 3.2 * len(ranks) + 1), sharex=True, squeeze=False
     )
-    per_rank = max(sum(1 for p in phases if p.get("rank", 0) == r) for r in ranks)
-    if per_rank > _MAX_LABELS:
+    if view(phases) == "cycles":
         # Many cycles: one point per phase end and cycle shows drift and leaks;
         # a time axis would be a solid band.
         for ax, rank in zip(axes[:, 0], ranks, strict=True):
@@ -136,6 +138,17 @@ def plot_timeline(
     return _save(
         fig, plt, output, title or f"hybridmem timeline: {len(events)} events, {cycles} cycles"
     )
+
+
+def view(phases: list[dict[str, Any]]) -> str:
+    """``"time"`` or ``"cycles"``: how :func:`plot_timeline` draws these phase spans.
+
+    The number of cycles is how often the most frequent phase ran on one rank
+    (nested phases, e.g. a bench step around a hybridmem phase, count once each).
+    """
+    counts = Counter((int(p.get("rank", 0)), p["name"]) for p in phases)
+    cycles = max(counts.values(), default=0)
+    return "cycles" if cycles > MAX_TIME_CYCLES else "time"
 
 
 def _per_cycle(ax: Any, phases: list[dict[str, Any]], colour: dict[str, Any]) -> None:

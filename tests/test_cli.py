@@ -227,6 +227,26 @@ def test_plot_writes_a_non_trivial_png(
     assert image_spread(out) > 0.05
 
 
+def test_plot_view_follows_the_number_of_cycles() -> None:
+    from hybridmem.plot import MAX_TIME_CYCLES, view
+
+    def spans(cycles: int, ranks: int = 1, names: tuple[str, ...] = ("a", "b")) -> list[Any]:
+        return [
+            {"name": f"phase:{n}", "rank": r}
+            for r in range(ranks)
+            for _ in range(cycles)
+            for n in names
+        ]
+
+    assert view([]) == "time"
+    assert view(spans(1)) == "time"
+    # many phases a cycle (bench steps around hybridmem phases): still over time
+    assert view(spans(MAX_TIME_CYCLES, names=tuple("abcdefghij"))) == "time"
+    assert view(spans(MAX_TIME_CYCLES, ranks=4)) == "time"  # ranks do not add up
+    assert view(spans(MAX_TIME_CYCLES + 1)) == "cycles"
+    assert view(spans(500, ranks=2)) == "cycles"
+
+
 def test_plot_from_a_real_recording(fake_gpu: FakeTorch, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     with hm.record(tmp_path / "t"):
