@@ -147,9 +147,12 @@ def consume(device: int, cuda: bool) -> dict[str, Any]:
     }
     if cuda:
         try:  # start importing while the producer allocates
-            import torch  # noqa: F401
+            import torch
 
             from hybridmem import _torch
+
+            if _torch.cuda_available():  # the context too, while the producer allocates
+                torch.cuda.set_device(device)
         except Exception as exc:
             facts["cuda_error"] = _error(exc)
             cuda = False

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from hybridmem import _linux, _torch
+from hybridmem import _linux, _probe_launch, _torch
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
 from hybridmem._validate import check_bool
@@ -21,8 +17,6 @@ __all__ = ["IpcCapabilities", "cached_capabilities", "ipc_capabilities"]
 
 PidfdStatus = Literal["allowed", "denied", "unsupported", "unknown"]
 
-_PROBE = Path(__file__).with_name("_ipc_probe.py")
-_PROBE_TIMEOUT_S = 120.0
 _IPC_ENV = "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC"
 
 _cache: dict[int, IpcCapabilities] = {}
@@ -213,27 +207,9 @@ def _interpret(device: int, facts: dict[str, Any], elapsed: float) -> IpcCapabil
 
 
 def _run_probe(device: int, cuda: bool) -> dict[str, Any]:
-    """Run the probe program; return its facts (an error fact when it failed)."""
-    package_parent = str(_PROBE.parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
-    command = [sys.executable, str(_PROBE), "produce", "--device", str(device)]
-    if cuda:
-        command.append("--cuda")
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=_PROBE_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        return {"cuda_error": f"the IPC probe did not finish within {_PROBE_TIMEOUT_S:.0f} s"}
-    except OSError as exc:
-        return {"cuda_error": f"could not start the IPC probe: {exc}"}
-    try:
-        facts = json.loads(done.stdout)
-    except ValueError:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {"cuda_error": f"the IPC probe failed (exit {done.returncode}): {' | '.join(tail)}"}
-    return facts if isinstance(facts, dict) else {"cuda_error": "the IPC probe said nothing"}
+    """Run the probe program (or adopt one started early); return its facts."""
+    run = _probe_launch.take(device, cuda) or _probe_launch.ProbeRun(device, cuda)
+    return run.facts()
 
 
 def ipc_capabilities(device: DeviceArg = None, *, refresh: bool = False) -> IpcCapabilities:
@@ -273,7 +249,8 @@ def ipc_capabilities(device: DeviceArg = None, *, refresh: bool = False) -> IpcC
             return cached
         started = time.perf_counter()
         facts = _run_probe(index, cuda=_torch.cuda_available())
-        caps = _interpret(index, facts, time.perf_counter() - started)
+        elapsed = facts.pop("elapsed_s", None)
+        caps = _interpret(index, facts, elapsed or time.perf_counter() - started)
         _cache[index] = caps
     logger.info(
         "CUDA IPC probe (device %d, %.1f s): classic=%s expandable=%s pidfd_getfd=%s%s",

@@ -13,8 +13,10 @@ variable, CUDA IPC broken), 2 for bad command-line usage.
 ``hybridmem plot TIMELINE... -o out.png`` draws a recorded timeline (see
 :func:`hybridmem.record`): memory over time, phases shaded and annotated.
 
-``hybridmem bench [--quick] [--json F] [--plot F]`` runs a synthetic hybrid engine
-under three strategies on a GPU (see :mod:`hybridmem.bench`); exit 2 without one.
+``hybridmem bench [--quick] [--cycles N] [--json F] [--plot F] [--timeline PREFIX]``
+runs a synthetic hybrid engine under three strategies on a GPU (see
+:mod:`hybridmem.bench`); exit 2 without one. ``hybridmem bench --from-json F...
+[--plot P]`` prints (and draws) saved results anywhere.
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ import platform
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# Nothing here imports torch at module level: `hybridmem doctor` starts its IPC probe
+# first, so the probe's interpreters import torch while this one does.
 import hybridmem
-from hybridmem import _torch
+from hybridmem import _probe_launch
 from hybridmem._env import DISABLE_ENV, disabled
 from hybridmem._errors import AllocatorSettingsError
-from hybridmem.allocator import ENV_VARS, allocator_config
-from hybridmem.capabilities import IpcCapabilities, ipc_capabilities
+
+if TYPE_CHECKING:
+    from hybridmem.capabilities import IpcCapabilities
 
 __all__ = ["doctor_report", "main"]
 
@@ -75,6 +80,13 @@ def _engine_notes(engines: dict[str, str | None], expandable_env: bool) -> list[
     return notes
 
 
+def ipc_capabilities() -> IpcCapabilities:
+    """The IPC probe's result for the current device (adopts a probe started early)."""
+    from hybridmem.capabilities import ipc_capabilities as probe
+
+    return probe()
+
+
 def _ipc_section(caps: IpcCapabilities) -> dict[str, Any]:
     data = caps.as_dict()
     facts = caps.details
@@ -92,6 +104,9 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
     Args:
         probe: run the CUDA IPC probe (child processes; a few seconds with a GPU).
     """
+    from hybridmem import _torch
+    from hybridmem.allocator import ENV_VARS, allocator_config
+
     problems: list[str] = []
     notes: list[str] = []
     report: dict[str, Any] = {
@@ -156,6 +171,8 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
 
 
 def _print_human(report: dict[str, Any]) -> None:
+    from hybridmem.allocator import ENV_VARS
+
     t = report["torch"]
     print(f"hybridmem {report['hybridmem']}  (python {report['python']})")
     print(
@@ -241,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = commands.add_parser(
         "bench", help="run a synthetic hybrid engine three ways and compare (needs a GPU)"
     )
-    bench.add_argument("--quick", action="store_true", help="a small model, 6 cycles")
+    bench.add_argument("--quick", action="store_true", help="a small model, 6 cycles (< 2 min)")
     bench.add_argument("--json", dest="json_path", help="write every figure to this file")
     bench.add_argument("--plot", dest="plot_path", help="write a PNG of the figures")
     bench.add_argument(
@@ -251,22 +268,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["naive", "handrolled", "hybridmem"],
         help="which strategies to run (default: all three)",
     )
+    bench.add_argument(
+        "--cycles", type=int, help="cycles per strategy (default: 6 with --quick, else 100)"
+    )
+    bench.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="FILE",
+        help="no run: print (and --plot) results saved with --json; several files merge",
+    )
+    bench.add_argument(
+        "--timeline",
+        metavar="PREFIX",
+        help="record each strategy's cycles to PREFIX.<strategy>.jsonl (for hybridmem plot)",
+    )
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "bench":
+        if args.cycles is not None and args.cycles < 2:
+            parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
         from hybridmem.bench.run import bench as run_bench
+        from hybridmem.bench.run import report as bench_report
 
+        if args.from_json:
+            return bench_report(args.from_json, json_path=args.json_path, plot_path=args.plot_path)
         return run_bench(
             quick=args.quick,
             json_path=args.json_path,
             plot_path=args.plot_path,
             strategies=args.strategies,
+            timeline=args.timeline,
+            cycles=args.cycles,
         )
     if args.command == "plot":
         return _plot(args.timeline, args.output, args.title)
-    report = doctor_report(probe=not args.no_probe)
+    probe = not args.no_probe
+    if probe and "torch" not in sys.modules:
+        # Device 0: this process never initialises CUDA, so that is its current device.
+        _probe_launch.start_early(0)
+    try:
+        report = doctor_report(probe=probe)
+    finally:
+        _probe_launch.discard_pending()
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridmem import _log, _torch, backends, capabilities, ipc, timeline
+from hybridmem import _log, _probe_launch, _torch, backends, capabilities, ipc, timeline
 from hybridmem._settings import parse_settings
 from hybridmem.allocator import _reset_state_for_tests
 
@@ -52,6 +52,7 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _reset_state_for_tests()
     _log.reset_once()
     capabilities._reset_for_tests()
+    _probe_launch.discard_pending()
     ipc._reset_for_tests()
     backends.reset_registry()
     timeline._reset_for_tests()
@@ -59,6 +60,7 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     yield
+    _probe_launch.discard_pending()
     timeline._reset_for_tests()
     _reset_state_for_tests()
     if not _torch.cuda_initialized():

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import pytest
 
 import hybridmem as hm
-from hybridmem import _linux, capabilities
+from hybridmem import _linux, _probe_launch, _torch, capabilities
 from tests.helpers import run_python
 
 OK = {"self_fetch_errno": None, "producer_fetch_errno": None, "seccomp": 0}
@@ -153,3 +154,78 @@ def test_real_probe_in_fresh_process(mode: str) -> None:
         assert caps["denied_by"] != "seccomp"
     if not caps["cuda"]:
         assert caps["classic_ipc"] is None
+
+
+# --------------------------------------------------------------------------- #
+# A probe started early (what `hybridmem doctor` does before importing torch)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.skipif(not _linux.is_linux(), reason="pidfd is Linux only")
+def test_early_probe_is_taken_once_and_only_when_it_fits() -> None:
+    _probe_launch.start_early(0, cuda=False)
+    assert _probe_launch.take(0, cuda=True) is None  # torch sees a GPU: not good enough
+    assert _probe_launch.take(0, cuda=False) is None  # and it was dropped
+    run = _probe_launch.start_early(0, cuda=False)
+    assert _probe_launch.take(1, cuda=False) is None  # another device
+    assert _probe_launch.take(0, cuda=False) is run
+    assert _probe_launch.take(0, cuda=False) is None  # taken once
+    facts = run.facts()
+    assert facts["elapsed_s"] >= 0
+    assert "self_fetch_errno" in facts  # the syscall checks ran, without torch
+    _probe_launch.start_early(2, cuda=False)
+    _probe_launch.discard_pending()
+    assert _probe_launch.take(2, cuda=False) is None
+
+
+def test_probe_that_cannot_start_is_an_error_fact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    facts = _probe_launch.ProbeRun(0, cuda=False).facts()
+    assert facts["cuda_error"].startswith("could not start the IPC probe")
+    caps = capabilities._interpret(0, facts, 0.0)
+    assert caps.cuda is False
+    assert caps.reason is not None
+    assert "could not start" in caps.reason
+
+
+def test_ipc_capabilities_adopts_the_early_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[int, bool]] = []
+
+    class FakeRun:
+        def __init__(self, device: int, cuda: bool) -> None:
+            made.append((device, cuda))
+            self.cuda = cuda
+
+        def facts(self) -> dict[str, Any]:
+            return {**OK, "elapsed_s": 4.25}
+
+        def discard(self) -> None:
+            pass
+
+    monkeypatch.setattr(_probe_launch, "ProbeRun", FakeRun)
+    monkeypatch.setattr(_torch, "cuda_available", lambda: True)
+    _probe_launch.start_early(0, cuda=True)
+    caps = hm.ipc_capabilities(0)
+    assert made == [(0, True)]  # adopted, not started twice
+    assert caps.elapsed_s == 4.25  # the probe's own time, from its start
+    assert "elapsed_s" not in caps.details
+
+
+def test_doctor_starts_its_probe_before_importing_torch() -> None:
+    code = """
+import json, sys
+from hybridmem import _probe_launch
+started = []
+original = _probe_launch.start_early
+def spy(device, cuda=None):
+    started.append((device, "torch" in sys.modules))
+    return original(device, cuda)
+_probe_launch.start_early = spy
+from hybridmem.cli import main
+code = main(["doctor", "--json"])
+print(json.dumps({"code": code, "started": started}))
+"""
+    done = run_python("-c", code, timeout=120)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts == {"code": 0, "started": [[0, False]]}

@@ -1,4 +1,4 @@
-"""``import hybridmem`` initialises no CUDA and imports no inference engine."""
+"""``import hybridmem`` initialises no CUDA, imports no inference engine, and no torch."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 CHECK = r"""
 import json, sys
 import hybridmem as hm
+torch_on_import = "torch" in sys.modules
+names = sorted(set(dir(hm)) & set(hm.__all__)) == sorted(hm.__all__)
 import torch
 with hm.expandable_segments(True):
     pass
@@ -24,6 +26,9 @@ print(json.dumps({
         hm.__all__, key=lambda n: (0 if n.isupper() else 1 if n[0].isupper() else 2, n)
     ),
     "all_exists": all(hasattr(hm, name) for name in hm.__all__),
+    "torch_on_import": torch_on_import,
+    "dir_lists_all": names,
+    "unknown_name": not hasattr(hm, "no_such_name"),
 }))
 """
 
@@ -48,6 +53,10 @@ def test_import_and_use_touch_neither_cuda_nor_engines(tmp_path: Path) -> None:
         "engines": [],
         "all_sorted": True,
         "all_exists": True,
+        # names load on first use: `hybridmem doctor` starts its probe before torch loads
+        "torch_on_import": False,
+        "dir_lists_all": True,
+        "unknown_name": True,
     }
 
 

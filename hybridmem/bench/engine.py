@@ -22,6 +22,7 @@ from hybridmem.backends.engines import EngineAdapter
 __all__ = ["EngineClient", "serve"]
 
 GiB = 2**30
+Weights = dict[str, torch.Tensor]
 
 
 def _kv_cache(target: int) -> tuple[torch.Tensor | None, int]:
@@ -36,18 +37,67 @@ def _kv_cache(target: int) -> tuple[torch.Tensor | None, int]:
     return None, 0
 
 
+def _sync_bucket(receiver: hm.BucketReceiver, conn: Connection, weights: Weights) -> None:
+    for _ in receiver.receive(conn, out=weights):
+        pass
+
+
+def _sync_tensors(exports: dict[str, Any], weights: Weights, device: int) -> None:
+    """Per-tensor exports, as ``torch.multiprocessing`` sends them."""
+    for name, (rebuild, export) in exports.items():
+        weights[name].copy_(_torch.import_cuda_tensor(rebuild, export, device))
+    torch.cuda.synchronize()
+    _torch.ipc_collect()
+
+
+def _sync_fresh(conn: Connection, weights: Weights, device: int) -> None:
+    """A fresh exported buffer per batch."""
+    while True:
+        message = conn.recv()
+        if message[0] == "end":
+            return
+        _, (rebuild, export), entries = message
+        buffer = _torch.import_cuda_tensor(rebuild, export, device)
+        for name, start, nbytes, offset in entries:
+            flat = weights[name].view(-1).view(torch.uint8)
+            flat[start : start + nbytes].copy_(buffer[offset : offset + nbytes])
+        torch.cuda.synchronize()
+
+
+def _generate(weights: Weights, kv: torch.Tensor, width: int) -> None:
+    """A decode-like loop that reads weights and writes the KV cache."""
+    hidden = torch.randn(64, width, device="cuda")
+    matrices = [
+        w for w in weights.values() if w.dim() == 2 and w.shape[1] == width and w.shape[0] >= width
+    ][:8]
+    for step in range(16):
+        for matrix in matrices:
+            hidden = torch.nn.functional.gelu((hidden @ matrix.t())[:, :width])
+            hidden = hidden / (hidden.norm() + 1.0)
+        span = max(kv.numel() - hidden.nbytes, 1)
+        offset = step * hidden.nbytes % span
+        kv[offset : offset + hidden.nbytes].copy_(hidden.reshape(-1).view(torch.uint8))
+    torch.cuda.synchronize()
+
+
 def serve(conn: Connection, device: int, kv_target: int, shapes: dict[str, Any]) -> None:
-    """The engine process's loop (the target of a ``spawn`` process)."""
+    """The engine process's loop (the target of a ``spawn`` process).
+
+    Each command runs in its own function: a loop variable left in this frame (a
+    view of the last weight synced) would keep that weight alive through the next
+    sleep, and its memory would show up as the engine's cache after the next wake.
+    """
     torch.cuda.set_device(device)
     torch.zeros(1, device="cuda")
-    weights: dict[str, torch.Tensor] | None = None
+    weights: Weights | None = None
     kv: torch.Tensor | None = None
     receiver: hm.BucketReceiver | None = None
     conn.send(("ready", torch.cuda.memory_reserved()))
     while True:
         command, *args = conn.recv()
+        answer: tuple[Any, ...] = ("ok",)
         if command == "stop":
-            conn.send(("ok",))
+            conn.send(answer)
             return
         if command == "wake":
             obtained = 0
@@ -58,65 +108,35 @@ def serve(conn: Connection, device: int, kv_target: int, shapes: dict[str, Any])
                 }
             if "kv_cache" in args[0]:
                 kv, obtained = _kv_cache(kv_target)
-            conn.send(("ok", obtained))
+            answer = ("ok", obtained)
         elif command == "sleep":
             weights = kv = None
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-            conn.send(("ok",))
         elif command == "stats":
-            conn.send(("ok", torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+            answer = ("ok", torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
         elif command == "bucket":
             receiver = hm.BucketReceiver(args[0])
-            conn.send(("ok",))
         elif command == "sync_bucket":
             assert receiver is not None
             assert weights is not None
-            for _ in receiver.receive(conn, out=weights):
-                pass
+            _sync_bucket(receiver, conn, weights)
             torch.cuda.synchronize()
-            conn.send(("ok",))
-        elif command == "sync_tensors":  # per-tensor exports, as torch.multiprocessing sends
+        elif command == "sync_tensors":
             assert weights is not None
-            for name, (rebuild, export) in args[0].items():
-                weights[name].copy_(_torch.import_cuda_tensor(rebuild, export, device))
-            torch.cuda.synchronize()
-            _torch.ipc_collect()
-            conn.send(("ok",))
-        elif command == "sync_fresh":  # a fresh exported buffer per batch
+            _sync_tensors(args[0], weights, device)
+        elif command == "sync_fresh":
             assert weights is not None
-            while True:
-                message = conn.recv()
-                if message[0] == "end":
-                    break
-                _, (rebuild, export), entries = message
-                buffer = _torch.import_cuda_tensor(rebuild, export, device)
-                for name, start, nbytes, offset in entries:
-                    flat = weights[name].view(-1).view(torch.uint8)
-                    flat[start : start + nbytes].copy_(buffer[offset : offset + nbytes])
-                torch.cuda.synchronize()
-                del buffer
-            conn.send(("ok",))
-        elif command == "generate":  # a decode-like loop that reads weights, writes the KV cache
+            _sync_fresh(conn, weights, device)
+        elif command == "generate":
             assert weights is not None
             assert kv is not None
             started = time.perf_counter()
-            width = int(args[0])
-            hidden = torch.randn(64, width, device="cuda")
-            matrices = [
-                w
-                for w in weights.values()
-                if w.dim() == 2 and w.shape[1] == width and w.shape[0] >= width
-            ][:8]
-            for step in range(16):
-                for matrix in matrices:
-                    hidden = torch.nn.functional.gelu((hidden @ matrix.t())[:, :width])
-                    hidden = hidden / (hidden.norm() + 1.0)
-                span = max(kv.numel() - hidden.nbytes, 1)
-                offset = step * hidden.nbytes % span
-                kv[offset : offset + hidden.nbytes].copy_(hidden.reshape(-1).view(torch.uint8))
-            torch.cuda.synchronize()
-            conn.send(("ok", time.perf_counter() - started))
+            _generate(weights, kv, int(args[0]))
+            answer = ("ok", time.perf_counter() - started)
+        else:
+            answer = ("error", f"unknown command {command!r}")
+        conn.send(answer)
 
 
 class EngineClient(EngineAdapter):
@@ -132,6 +152,7 @@ class EngineClient(EngineAdapter):
         self.engine_seconds = 0.0
         self.last_kv = 0
         self.last_handback = 0.0
+        self.last_missing: dict[str, int] = {}
 
     def call(self, *command: Any) -> tuple[Any, ...]:
         started = time.perf_counter()
@@ -145,13 +166,23 @@ class EngineClient(EngineAdapter):
     def wake_up(self, tags: Any) -> None:
         tags = list(tags)
         if "kv_cache" in tags:
-            _, engine_allocated, _ = self.call("stats")
+            _, engine_allocated, engine_reserved = self.call("stats")
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
-            live = torch.cuda.memory_allocated() + engine_allocated
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            live = allocated + engine_allocated
+            # The contexts as they are now: lazily loaded kernels and library
+            # workspaces grow them after the start, and no switch can free them.
+            context = (total - free) - reserved - engine_reserved
             from hybridmem.bench.plan import handback_ratio
 
-            self.last_handback = handback_ratio(free, total, live, self.context_bytes)
+            self.last_handback = handback_ratio(free, total, live, context)
+            # What kept the hand-back below 1: caches either process kept.
+            self.last_missing = {
+                "trainer_cached": reserved - allocated,
+                "engine_cached": engine_reserved - engine_allocated,
+                "context_growth": context - self.context_bytes,
+            }
         answer = self.call("wake", tags)
         if "kv_cache" in tags:
             self.last_kv = int(answer[1])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hybridmem.leakwatch import slope
@@ -47,15 +47,27 @@ class BenchPlan:
         return {**asdict(self), "params": self.params, "state_bytes": self.state_bytes}
 
 
-def plan(total_bytes: int, *, quick: bool) -> BenchPlan:
+def plan(total_bytes: int, *, quick: bool, cycles: int | None = None) -> BenchPlan:
     """Size the engine from the device's memory.
 
     The trainer state takes about 8% of the device (4% with ``quick``), the rollout
     engine's KV cache half of it, activations of variable-length batches the rest,
     so that a switch that hands memory back badly shows as a smaller KV cache.
+
+    Args:
+        total_bytes: the device's memory.
+        quick: the small plan (6 cycles) instead of the full one (100 cycles, the
+            window over which drift is judged).
+        cycles: override the number of cycles (at least 2: drift needs two points).
     """
     if total_bytes <= 0:
         raise ValueError(f"total_bytes must be > 0, got {total_bytes}")
+    if cycles is not None and (isinstance(cycles, bool) or not isinstance(cycles, int)):
+        raise TypeError(f"cycles must be an int or None, got {cycles!r}")
+    if cycles is not None and cycles < 2:
+        raise ValueError(
+            f"cycles must be >= 2 (drift needs two cycles after the first), got {cycles}"
+        )
     share = 0.04 if quick else 0.08
     params = int(total_bytes * share / _STATE_BYTES_PER_PARAM)
     d_model = 1024 if params < 400e6 else 2048
@@ -69,8 +81,8 @@ def plan(total_bytes: int, *, quick: bool) -> BenchPlan:
         batch=8,
         seq_min=128,
         seq_max=1024 if quick else 2048,
-        train_steps=3 if quick else 4,
-        cycles=6 if quick else 30,
+        train_steps=3 if quick else 2,
+        cycles=cycles if cycles is not None else (6 if quick else 100),
         kv_fraction=0.5,
         bucket_bytes=256 << 20,
     )
@@ -100,6 +112,9 @@ class Figures:
     free_at_train: list[int]
     overhead_s: list[float]
     errors: list[str]
+    #: per cycle, in bytes: caches each process kept when the KV cache woke (what kept
+    #: the hand-back below 1), and how much the contexts grew since the start.
+    missing: list[dict[str, int]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
@@ -109,6 +124,7 @@ class Figures:
             return ordered[len(ordered) // 2] if ordered else None
 
         ratios = [r / a for r, a in zip(self.peak_reserved, self.peak_allocated, strict=True) if a]
+        ratio = median(ratios)
         steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
         return {
             "strategy": self.strategy,
@@ -122,10 +138,15 @@ class Figures:
             "offload_of_pinned": (median(self.offload_gbps) or 0) / self.pinned_gbps
             if self.pinned_gbps
             else None,
-            "peak_reserved_over_allocated": max(ratios) if ratios else None,
-            "drift_mib_per_cycle": -slope([float(f) for f in steady]) / 2**20
+            "peak_reserved_over_allocated": ratio,
+            "peak_reserved_over_allocated_max": max(ratios) if ratios else None,
+            "drift_mib_per_cycle": -slope([float(f) for f in steady]) / 2**20 + 0.0  # no -0.0
             if len(steady) >= 2
             else None,
             "overhead_s": median(self.overhead_s),
+            "missing_mib": {
+                key: (median([float(m[key]) for m in self.missing]) or 0.0) / 2**20
+                for key in (self.missing[0] if self.missing else {})
+            },
             "errors": self.errors,
         }

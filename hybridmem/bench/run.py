@@ -7,16 +7,20 @@ as one JSON line (progress goes to stderr as ``progress I N`` lines).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import hybridmem as hm
+from hybridmem import timeline as _timeline
 from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, plan
 
-__all__ = ["TARGETS", "bench", "run_strategy"]
+__all__ = ["TABLE_KEYS", "TARGETS", "bench", "format_table", "report", "run_strategy"]
 
 GiB = 2**30
 #: issue #5's targets for hybridmem.
@@ -48,8 +52,14 @@ def _model(p: BenchPlan) -> Any:
     return LM().cuda()
 
 
-def run_strategy(name: str, p: BenchPlan) -> dict[str, Any]:
-    """Run one strategy in this process (which must have a GPU); return its figures."""
+def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[str, Any]:
+    """Run one strategy in this process (which must have a GPU); return its figures.
+
+    With ``timeline``, the cycles are recorded (:func:`hybridmem.record`) there, each
+    bench step a ``bench:...`` phase span, for ``hybridmem plot``.
+    """
+    import os
+
     import torch
     import torch.multiprocessing as mp
 
@@ -57,6 +67,7 @@ def run_strategy(name: str, p: BenchPlan) -> dict[str, Any]:
     from hybridmem.bench.strategies import make_strategy
 
     torch.manual_seed(0)
+    torch.set_float32_matmul_precision("high")  # TF32, as trainers run fp32 weights
     device = torch.cuda.current_device()
     torch.zeros(1, device="cuda")
     total = torch.cuda.mem_get_info()[1]
@@ -67,6 +78,8 @@ def run_strategy(name: str, p: BenchPlan) -> dict[str, Any]:
         for k, v in model.state_dict().items()
     }
     ctx = mp.get_context("spawn")
+    # The engine process records nothing (it would write the trainer's file).
+    os.environ.pop(_timeline.TIMELINE_ENV, None)
     conn, child = ctx.Pipe()
     engine_process = ctx.Process(
         target=serve, args=(child, device, int(total * p.kv_fraction), shapes)
@@ -91,6 +104,8 @@ def run_strategy(name: str, p: BenchPlan) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
 
     train()  # the optimizer state exists before the first offload
+    # The warm-up's cached activations would count in the first cycle's peak reserved.
+    torch.cuda.empty_cache()
     strategy = make_strategy(name, p, model, optimizer, engine)
     figures = Figures(
         name, p.cycles, int(total * p.kv_fraction), [], [], [], [], [], 0.0, [], [], [], [], []
@@ -103,42 +118,72 @@ def run_strategy(name: str, p: BenchPlan) -> dict[str, Any]:
             if isinstance(t, torch.Tensor)
         )
     )
-    for cycle in range(p.cycles):
-        print(f"progress {cycle} {p.cycles}", file=sys.stderr, flush=True)
-        try:
-            torch.cuda.synchronize()
-            figures.free_at_train.append(torch.cuda.mem_get_info()[0])
-            torch.cuda.reset_peak_memory_stats()
-            with strategy.train_scope():
-                train()
-            figures.peak_reserved.append(torch.cuda.max_memory_reserved())
-            figures.peak_allocated.append(torch.cuda.max_memory_allocated())
-            engine.engine_seconds = 0.0
-            started = time.perf_counter()
-            out = strategy.to_rollout()
-            to_rollout = time.perf_counter() - started
-            figures.kv_obtained.append(engine.last_kv)
-            figures.handback.append(engine.last_handback)
-            engine_before = engine.engine_seconds
-            engine.call("generate", p.d_model)
-            generate = engine.engine_seconds - engine_before
-            started = time.perf_counter()
-            back = strategy.to_trainer()
-            to_trainer = time.perf_counter() - started
-            figures.to_rollout_s.append(to_rollout)
-            figures.to_trainer_s.append(to_trainer)
-            if out.copy_s > 0:
-                figures.offload_gbps.append(out.copy_bytes / out.copy_s / 1e9)
-            work = out.copy_s + back.copy_s + out.sync_s + engine.engine_seconds - generate
-            figures.overhead_s.append(max(0.0, to_rollout + to_trainer - work))
-        except torch.OutOfMemoryError as exc:
-            figures.errors.append(f"cycle {cycle}: {str(exc).splitlines()[0]}")
-            torch.cuda.empty_cache()
+    recording = hm.record(timeline) if timeline else contextlib.nullcontext()
+    with recording:
+        for cycle in range(p.cycles):
+            print(f"progress {cycle} {p.cycles}", file=sys.stderr, flush=True)
+            _cycle(cycle, p, strategy, engine, train, figures)
     print(f"progress {p.cycles} {p.cycles}", file=sys.stderr, flush=True)
     conn.send(("stop",))
     conn.recv()
     engine_process.join(timeout=60)
     return {"summary": figures.summary(), "raw": figures.__dict__}
+
+
+@contextlib.contextmanager
+def _step(name: str) -> Iterator[None]:
+    """A ``bench:NAME`` phase span on the timeline (nothing when not recording)."""
+    span = _timeline.begin(f"bench:{name}", "phase", backend="bench")
+    try:
+        yield
+    finally:
+        _timeline.end(span)
+
+
+def _cycle(
+    cycle: int,
+    p: BenchPlan,
+    strategy: Any,
+    engine: Any,
+    train: Callable[[], None],
+    figures: Figures,
+) -> None:
+    """One train -> rollout -> train cycle, measured into ``figures``."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        figures.free_at_train.append(torch.cuda.mem_get_info()[0])
+        torch.cuda.reset_peak_memory_stats()
+        with _step("train"), strategy.train_scope():
+            train()
+        figures.peak_reserved.append(torch.cuda.max_memory_reserved())
+        figures.peak_allocated.append(torch.cuda.max_memory_allocated())
+        engine.engine_seconds = 0.0
+        started = time.perf_counter()
+        with _step("to_rollout"):
+            out = strategy.to_rollout()
+        to_rollout = time.perf_counter() - started
+        figures.kv_obtained.append(engine.last_kv)
+        figures.handback.append(engine.last_handback)
+        figures.missing.append(dict(engine.last_missing))
+        engine_before = engine.engine_seconds
+        with _step("generate"):
+            engine.call("generate", p.d_model)
+        generate = engine.engine_seconds - engine_before
+        started = time.perf_counter()
+        with _step("to_trainer"):
+            back = strategy.to_trainer()
+        to_trainer = time.perf_counter() - started
+        figures.to_rollout_s.append(to_rollout)
+        figures.to_trainer_s.append(to_trainer)
+        if out.copy_s > 0:
+            figures.offload_gbps.append(out.copy_bytes / out.copy_s / 1e9)
+        work = out.copy_s + back.copy_s + out.sync_s + engine.engine_seconds - generate
+        figures.overhead_s.append(max(0.0, to_rollout + to_trainer - work))
+    except torch.OutOfMemoryError as exc:
+        figures.errors.append(f"cycle {cycle}: {str(exc).splitlines()[0]}")
+        torch.cuda.empty_cache()
 
 
 def _pinned_ceiling(nbytes: int) -> float:
@@ -163,8 +208,10 @@ def _bar(name: str, done: int, total: int) -> str:
     return f"\r{name:<11} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
 
 
-def _child(name: str, p: BenchPlan) -> dict[str, Any]:
+def _child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
     command = [sys.executable, "-m", "hybridmem.bench.run", name, json.dumps(p.as_dict())]
+    if timeline:
+        command.append(f"{timeline}.{name}")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
     tail: list[str] = []
@@ -183,8 +230,46 @@ def _child(name: str, p: BenchPlan) -> dict[str, Any]:
     return result
 
 
+#: The table's rows, in order (each a key of ``Figures.summary()``).
+TABLE_KEYS = (
+    "kv_obtained_gib",
+    "handback",
+    "to_rollout_s",
+    "to_trainer_s",
+    "offload_gbps",
+    "offload_of_pinned",
+    "peak_reserved_over_allocated",
+    "peak_reserved_over_allocated_max",
+    "drift_mib_per_cycle",
+    "overhead_s",
+)
+_MISSING = ("trainer_cached", "engine_cached", "context_growth")
+
+
+def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The figures of each strategy side by side, then what kept the hand-back below 1."""
+    lines = [f"{'figure':<34}" + "".join(f"{n:>14}" for n in rows)]
+    for key in TABLE_KEYS:
+        cells = []
+        for row in rows.values():
+            value = row.get(key)
+            cells.append(f"{value:>14.4g}" if isinstance(value, float | int) else f"{'-':>14}")
+        lines.append(f"{key:<34}" + "".join(cells))
+    lines.append("hand-back shortfall, MiB (median):")
+    for part in _MISSING:
+        parts = [(row.get("missing_mib") or {}).get(part) for row in rows.values()]
+        cells = [f"{v:>14.1f}" if isinstance(v, float | int) else f"{'-':>14}" for v in parts]
+        lines.append(f"{'  ' + part:<34}" + "".join(cells))
+    for name, row in rows.items():
+        lines.extend(f"{name}: {error}" for error in row.get("errors") or [])
+    return lines
+
+
 def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
-    ours = rows.get("hybridmem", {})
+    """hybridmem's figures against issue #5's targets and against each baseline."""
+    if "hybridmem" not in rows:
+        return ["no verdicts: hybridmem was not run (combine saved runs with --from-json)"]
+    ours = rows["hybridmem"]
     lines = []
     for key, (op, target) in TARGETS.items():
         value = ours.get(key)
@@ -214,11 +299,30 @@ def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def bench(
-    *, quick: bool, json_path: str | None, plot_path: str | None, strategies: list[str]
+    *,
+    quick: bool,
+    json_path: str | None,
+    plot_path: str | None,
+    strategies: list[str],
+    timeline: str | None = None,
+    cycles: int | None = None,
 ) -> int:
-    """``hybridmem bench``: run the strategies, print the table and verdicts; exit code."""
+    """``hybridmem bench``: run the strategies, print the table and verdicts; exit code.
+
+    Args:
+        quick: the small plan (< 2 minutes on an H200).
+        json_path: write the plan, every figure of every cycle and the verdicts here.
+        plot_path: draw the summary figures (needs matplotlib).
+        strategies: which of ``STRATEGIES`` to run, in order.
+        timeline: record each strategy's cycles to ``TIMELINE.<strategy>.jsonl``
+            (and ``.trace.json``), for ``hybridmem plot``.
+        cycles: override the plan's number of cycles.
+    """
     from hybridmem import _torch
 
+    if plot_path and not _has_matplotlib():
+        print(_NO_MATPLOTLIB, file=sys.stderr)
+        return 2
     if not _torch.cuda_available():
         print("hybridmem bench needs a CUDA GPU (none is visible here)", file=sys.stderr)
         return 2
@@ -228,36 +332,16 @@ def bench(
 
     # The device's size without creating a context here (the children do the work).
     total = torch.cuda.get_device_properties(device_index(None)).total_memory
-    p = plan(int(total), quick=quick)
+    p = plan(int(total), quick=quick, cycles=cycles)
     print(
         f"bench plan: {p.params / 1e6:.0f} M parameters "
         f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
         f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps"
     )
     started = time.perf_counter()
-    results = {name: _child(name, p) for name in strategies}
+    results = {name: _child(name, p, timeline) for name in strategies}
     rows = {name: r["summary"] for name, r in results.items()}
-    keys = [
-        "kv_obtained_gib",
-        "handback",
-        "to_rollout_s",
-        "to_trainer_s",
-        "offload_gbps",
-        "offload_of_pinned",
-        "peak_reserved_over_allocated",
-        "drift_mib_per_cycle",
-        "overhead_s",
-    ]
-    print(f"\n{'figure':<30}" + "".join(f"{n:>14}" for n in rows))
-    for key in keys:
-        cells = []
-        for row in rows.values():
-            value = row.get(key)
-            cells.append(f"{value:>14.4g}" if isinstance(value, float | int) else f"{'-':>14}")
-        print(f"{key:<30}" + "".join(cells))
-    for name, row in rows.items():
-        for error in row.get("errors") or []:
-            print(f"{name}: {error}")
+    print("\n" + "\n".join(format_table(rows)))
     verdicts = _verdicts(rows)
     print("\n" + "\n".join(verdicts))
     print(f"\nbench took {time.perf_counter() - started:.0f} s")
@@ -270,7 +354,62 @@ def bench(
     return 0
 
 
+_NO_MATPLOTLIB = (
+    "--plot needs matplotlib: pip install 'hybridmem[plot]' (or save --json here and "
+    "draw it elsewhere with `hybridmem bench --from-json FILE --plot out.png`)"
+)
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def report(paths: list[str], *, json_path: str | None, plot_path: str | None) -> int:
+    """``hybridmem bench --from-json``: the table, verdicts and plot of saved results.
+
+    Several files merge (a strategy in a later file replaces an earlier one), so
+    strategies run separately, e.g. with different ``--cycles``, compare in one table.
+    No GPU needed.
+    """
+    if plot_path and not _has_matplotlib():
+        print(_NO_MATPLOTLIB, file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {}
+    plans: dict[str, Any] = {}
+    for path in paths:
+        try:
+            saved = json.loads(Path(path).read_text())
+            found = saved["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"hybridmem bench: cannot read results from {path}: {exc!r}", file=sys.stderr)
+            return 2
+        for name, result in found.items():
+            results[name] = result
+            plans[name] = saved.get("plan")
+    rows = {name: results[name]["summary"] for name in STRATEGIES if name in results}
+    for name, row in rows.items():
+        p = plans.get(name) or {}
+        print(f"{name}: {row.get('cycles')} cycles, {p.get('params', 0) / 1e6:.0f} M parameters")
+    verdicts = _verdicts(rows)
+    print("\n" + "\n".join(format_table(rows)))
+    print("\n" + "\n".join(verdicts))
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps({"plans": plans, "results": results, "verdicts": verdicts}, indent=2)
+        )
+    if plot_path:
+        _plot(rows, plot_path)
+        print(f"wrote {plot_path}")
+    return 0
+
+
+_COLOURS = {"naive": "#bbbbbb", "handrolled": "#e08060", "hybridmem": "#4080c0"}
+
+
 def _plot(rows: dict[str, dict[str, Any]], path: str) -> None:
+    """One bar chart per figure, each bar labelled, targets drawn as dashed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,14 +425,33 @@ def _plot(rows: dict[str, dict[str, Any]], path: str) -> None:
         "drift_mib_per_cycle",
         "overhead_s",
     ]
+    # Figures near 1 are drawn from just below the smallest value: from 0 their
+    # differences (tenths of a percent) would not show.
+    near_one = {"handback", "peak_reserved_over_allocated"}
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     for ax, key in zip(axes.flat, keys, strict=True):
         names = list(rows)
         values = [float(rows[n].get(key) or 0.0) for n in names]
-        ax.bar(names, values, color=["#bbbbbb", "#e08060", "#4080c0"][: len(names)])
+        bars = ax.bar(names, values, color=[_COLOURS.get(n, "#888888") for n in names])
+        ax.bar_label(bars, labels=[f"{v:.4g}" for v in values], fontsize=8, padding=2)
+        if key in TARGETS:
+            op, target = TARGETS[key]
+            ax.axhline(target, color="#333333", ls="--", lw=0.8, label=f"target {op} {target}")
+            ax.legend(fontsize=7, loc="lower right")
+        if key in near_one and values:
+            low = min([*values, TARGETS[key][1]])
+            high = max([*values, TARGETS[key][1]])
+            margin = max(high - low, 0.001)
+            ax.set_ylim(low - margin, high + margin * 0.6)
+        elif key == "drift_mib_per_cycle":  # around its 2 MiB target, or wider
+            ax.set_ylim(min([-1.0, *values]) * 1.15, max([3.0, *values]) * 1.15)
+        else:
+            ax.set_ylim(0, max([*values, 1e-9]) * 1.15)
         ax.set_title(key, fontsize=9)
         ax.tick_params(labelsize=8)
-    fig.suptitle("hybridmem bench")
+    fig.suptitle(
+        "hybridmem bench: " + ", ".join(f"{n} {rows[n].get('cycles')} cycles" for n in rows)
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -306,4 +464,5 @@ if __name__ == "__main__":
     fields = {
         k: v for k, v in json.loads(sys.argv[2]).items() if k not in ("params", "state_bytes")
     }
-    print(json.dumps(run_strategy(strategy_name, BenchPlan(**fields)), default=str))
+    timeline_path = sys.argv[3] if len(sys.argv) > 3 else None
+    print(json.dumps(run_strategy(strategy_name, BenchPlan(**fields), timeline_path), default=str))
