@@ -272,6 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cycles", type=int, help="cycles per strategy (default: 6 with --quick, else 100)"
     )
     bench.add_argument(
+        "--model",
+        choices=["auto", "torch", "transformers"],
+        default="auto",
+        help="the trainer's model: a transformers Llama if importable (auto), or torch modules",
+    )
+    bench.add_argument(
         "--from-json",
         nargs="+",
         metavar="FILE",
@@ -301,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategies=args.strategies,
             timeline=args.timeline,
             cycles=args.cycles,
+            model=args.model,
         )
     if args.command == "plot":
         return _plot(args.timeline, args.output, args.title)

@@ -5,12 +5,15 @@ The measurements themselves need a GPU (``hybridmem bench`` on the H200).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from hybridmem.bench import Figures, handback_ratio, plan
+from hybridmem.bench import BenchPlan, Figures, handback_ratio, plan
 from hybridmem.bench import run as bench_run
 from hybridmem.bench.run import TABLE_KEYS, _verdicts, format_table
 from hybridmem.cli import main
@@ -165,3 +168,47 @@ def test_plot_without_matplotlib_fails_before_running(
     monkeypatch.setattr(bench_run, "_has_matplotlib", lambda: False)
     assert main(["bench", "--quick", "--plot", str(tmp_path / "x.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def tiny(model: str) -> BenchPlan:
+    return BenchPlan(
+        d_model=128,
+        layers=2,
+        heads=4,
+        vocab=512,
+        batch=2,
+        seq_min=8,
+        seq_max=16,
+        train_steps=1,
+        cycles=2,
+        kv_fraction=0.5,
+        bucket_bytes=1 << 20,
+        model=model,
+    )
+
+
+@pytest.mark.parametrize("model", ["torch", "transformers"])
+def test_trainer_models_map_tokens_to_logits_at_the_planned_size(model: str) -> None:
+    if model == "transformers":
+        pytest.importorskip("transformers")
+    p = tiny(model)
+    lm, name = bench_run._model(p, "cpu")
+    assert name.startswith(model)
+    logits = lm(torch.randint(0, p.vocab, (2, 12)))
+    assert logits.shape == (2, 12, p.vocab)
+    logits.float().mean().backward()
+    count = sum(t.numel() for t in lm.parameters())
+    assert abs(count - p.params) / p.params < 0.05, (count, p.params)
+
+
+def test_auto_model_and_missing_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    have = importlib.util.find_spec("transformers") is not None
+    _, name = bench_run._model(tiny("auto"), "cpu")
+    assert name.startswith("transformers" if have else "torch")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # an import of it now fails
+    with pytest.raises(RuntimeError, match="needs transformers: pip install transformers"):
+        bench_run._model(tiny("transformers"), "cpu")
+    with pytest.raises(ValueError, match="model must be one of auto, torch, transformers"):
+        plan(141 * GiB, quick=True, model="jax")
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", "jax"])

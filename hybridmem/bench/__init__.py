@@ -1,11 +1,12 @@
 """``hybridmem bench``: a synthetic hybrid engine, switched three ways, measured.
 
-A trainer process trains a transformer (sized from device memory, variable sequence
-lengths) and a rollout process takes a KV cache of a fixed fraction of the device,
-receives the weights every cycle and generates; the same run goes through three
-strategies (``naive``, ``handrolled``, ``hybridmem``), each in its own processes.
+A trainer process trains a transformer (transformers' Llama when importable, else
+torch's modules; sized from device memory; variable sequence lengths) and a rollout
+process takes a KV cache of a fixed fraction of the device, receives the weights every
+cycle and generates; the same run goes through three strategies (``naive``,
+``handrolled``, ``hybridmem``), each in its own processes.
 """
 
-from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, handback_ratio, plan
+from hybridmem.bench.plan import MODELS, STRATEGIES, BenchPlan, Figures, handback_ratio, plan
 
-__all__ = ["STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]
+__all__ = ["MODELS", "STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]

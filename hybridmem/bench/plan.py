@@ -7,10 +7,12 @@ from typing import Any
 
 from hybridmem.leakwatch import slope
 
-__all__ = ["STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]
+__all__ = ["MODELS", "STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]
 
 #: The three ways of switching that the bench compares.
 STRATEGIES = ("naive", "handrolled", "hybridmem")
+#: Which trainer model to build (see :class:`BenchPlan`).
+MODELS = ("auto", "torch", "transformers")
 GiB = 2**30
 # fp32 parameters, gradients and two AdamW moments: 16 bytes per parameter.
 _STATE_BYTES_PER_PARAM = 16
@@ -31,6 +33,9 @@ class BenchPlan:
     cycles: int
     kv_fraction: float
     bucket_bytes: int
+    #: ``"auto"`` (transformers' Llama when importable, else torch's modules),
+    #: ``"torch"`` or ``"transformers"``.
+    model: str = "auto"
 
     @property
     def params(self) -> int:
@@ -47,7 +52,9 @@ class BenchPlan:
         return {**asdict(self), "params": self.params, "state_bytes": self.state_bytes}
 
 
-def plan(total_bytes: int, *, quick: bool, cycles: int | None = None) -> BenchPlan:
+def plan(
+    total_bytes: int, *, quick: bool, cycles: int | None = None, model: str = "auto"
+) -> BenchPlan:
     """Size the engine from the device's memory.
 
     The trainer state takes about 8% of the device (4% with ``quick``), the rollout
@@ -59,7 +66,10 @@ def plan(total_bytes: int, *, quick: bool, cycles: int | None = None) -> BenchPl
         quick: the small plan (6 cycles) instead of the full one (100 cycles, the
             window over which drift is judged).
         cycles: override the number of cycles (at least 2: drift needs two points).
+        model: the trainer's model: ``"auto"``, ``"torch"`` or ``"transformers"``.
     """
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     if total_bytes <= 0:
         raise ValueError(f"total_bytes must be > 0, got {total_bytes}")
     if cycles is not None and (isinstance(cycles, bool) or not isinstance(cycles, int)):
@@ -85,6 +95,7 @@ def plan(total_bytes: int, *, quick: bool, cycles: int | None = None) -> BenchPl
         cycles=cycles if cycles is not None else (6 if quick else 100),
         kv_fraction=0.5,
         bucket_bytes=256 << 20,
+        model=model,
     )
 
 
@@ -115,6 +126,8 @@ class Figures:
     #: per cycle, in bytes: caches each process kept when the KV cache woke (what kept
     #: the hand-back below 1), and how much the contexts grew since the start.
     missing: list[dict[str, int]] = field(default_factory=list)
+    #: the model the trainer built (e.g. ``"transformers LlamaForCausalLM"``).
+    model: str = ""
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
@@ -128,6 +141,7 @@ class Figures:
         steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
         return {
             "strategy": self.strategy,
+            "model": self.model,
             "cycles": self.cycles,
             "kv_obtained_gib": (median([float(k) for k in self.kv_obtained]) or 0) / GiB,
             "kv_target_gib": self.kv_target / GiB,

@@ -33,8 +33,50 @@ TARGETS = {
 _BETTER_HIGHER = {"kv_obtained_gib", "handback", "offload_gbps", "offload_of_pinned"}
 
 
-def _model(p: BenchPlan) -> Any:
+def _model(p: BenchPlan, device: Any = "cuda") -> tuple[Any, str]:
+    """Build the trainer's language model on ``device``; return it and what it is.
+
+    ``p.model == "auto"`` takes a Llama from transformers when it is importable
+    (built from a config, no download), else torch's own modules. Both map token ids
+    to logits and have about ``p.params`` parameters (12·d² per layer: the Llama's MLP
+    is 8/3·d wide so that it matches the 4·d of torch's layer).
+
+    Raises:
+        RuntimeError: ``p.model == "transformers"`` and transformers is missing.
+    """
+    import importlib.util
+
     import torch
+
+    use_hf = p.model == "transformers" or (
+        p.model == "auto" and importlib.util.find_spec("transformers") is not None
+    )
+    if use_hf:
+        try:
+            from transformers import LlamaConfig, LlamaForCausalLM
+        except ImportError as exc:
+            raise RuntimeError(
+                "the bench's --model transformers needs transformers: pip install transformers"
+            ) from exc
+        config = LlamaConfig(
+            hidden_size=p.d_model,
+            num_hidden_layers=p.layers,
+            num_attention_heads=p.heads,
+            intermediate_size=round(8 * p.d_model / 3),
+            vocab_size=p.vocab,
+            max_position_embeddings=p.seq_max,
+        )
+        inner = LlamaForCausalLM(config)
+
+        class HFLM(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+                return self.inner(input_ids=tokens, use_cache=False).logits  # type: ignore[no-any-return]
+
+        return HFLM().to(device), "transformers LlamaForCausalLM"
 
     class LM(torch.nn.Module):
         def __init__(self) -> None:
@@ -49,7 +91,7 @@ def _model(p: BenchPlan) -> Any:
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             return self.head(self.body(self.embed(tokens)))  # type: ignore[no-any-return]
 
-    return LM().cuda()
+    return LM().to(device), "torch TransformerEncoder"
 
 
 def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[str, Any]:
@@ -71,7 +113,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     device = torch.cuda.current_device()
     torch.zeros(1, device="cuda")
     total = torch.cuda.mem_get_info()[1]
-    model = _model(p)
+    model, model_name = _model(p)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     shapes = {
         k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
@@ -110,6 +152,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     figures = Figures(
         name, p.cycles, int(total * p.kv_fraction), [], [], [], [], [], 0.0, [], [], [], [], []
     )
+    figures.model = model_name
     figures.pinned_gbps = _pinned_ceiling(
         sum(
             t.nbytes
@@ -306,6 +349,7 @@ def bench(
     strategies: list[str],
     timeline: str | None = None,
     cycles: int | None = None,
+    model: str = "auto",
 ) -> int:
     """``hybridmem bench``: run the strategies, print the table and verdicts; exit code.
 
@@ -317,6 +361,7 @@ def bench(
         timeline: record each strategy's cycles to ``TIMELINE.<strategy>.jsonl``
             (and ``.trace.json``), for ``hybridmem plot``.
         cycles: override the plan's number of cycles.
+        model: the trainer's model (``MODELS``).
     """
     from hybridmem import _torch
 
@@ -332,11 +377,12 @@ def bench(
 
     # The device's size without creating a context here (the children do the work).
     total = torch.cuda.get_device_properties(device_index(None)).total_memory
-    p = plan(int(total), quick=quick, cycles=cycles)
+    p = plan(int(total), quick=quick, cycles=cycles, model=model)
     print(
         f"bench plan: {p.params / 1e6:.0f} M parameters "
         f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
-        f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps"
+        f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps, "
+        f"model {p.model}"
     )
     started = time.perf_counter()
     results = {name: _child(name, p, timeline) for name in strategies}
@@ -391,7 +437,11 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
     rows = {name: results[name]["summary"] for name in STRATEGIES if name in results}
     for name, row in rows.items():
         p = plans.get(name) or {}
-        print(f"{name}: {row.get('cycles')} cycles, {p.get('params', 0) / 1e6:.0f} M parameters")
+        model = f", {row['model']}" if row.get("model") else ""
+        print(
+            f"{name}: {row.get('cycles')} cycles, {p.get('params', 0) / 1e6:.0f} M parameters"
+            + model
+        )
     verdicts = _verdicts(rows)
     print("\n" + "\n".join(format_table(rows)))
     print("\n" + "\n".join(verdicts))
