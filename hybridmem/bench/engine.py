@@ -62,6 +62,7 @@ def _sync_fresh(conn: Connection, weights: Weights, device: int) -> None:
             flat = weights[name].view(-1).view(torch.uint8)
             flat[start : start + nbytes].copy_(buffer[offset : offset + nbytes])
         torch.cuda.synchronize()
+        del buffer  # dropped at once, before the next batch arrives
 
 
 def _generate(weights: Weights, kv: torch.Tensor, width: int) -> None:
