@@ -206,7 +206,10 @@ class Phase(ScopedContext):
         for scope in reversed(entered):
             scope.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         failed = exc if exc is not None else (errors[0] if errors else None)
-        _timeline.end(span, **({"error": repr(failed)} if failed is not None else {}))
+        if failed is not None:
+            _timeline.end(span, error=repr(failed))
+        else:
+            _timeline.end(span)
         if errors and exc is None:
             raise errors[0]
         for failure in errors:  # an exception is already in flight: say what else failed

@@ -28,7 +28,7 @@ from hybridmem.backends.registry import BackendProfile, get_backend
 from hybridmem.cache import release_cache
 from hybridmem.offload import Offloader
 from hybridmem.phases import Phase
-from hybridmem.telemetry import memory_info
+from hybridmem.telemetry import MemoryInfo, memory_info
 
 __all__ = ["HybridSwitch", "HybridSwitchError", "StageReport", "SwitchReport"]
 
@@ -211,11 +211,9 @@ class HybridSwitch:
     # ------------------------------------------------------------------ #
     # Measuring
     # ------------------------------------------------------------------ #
-    def _memory(self) -> tuple[int | None, int | None, int | None]:
-        info = memory_info(self.device)
-        if not info.available:
-            return None, None, None
-        return info.free, info.allocated, info.reserved
+    def _memory(self) -> MemoryInfo:
+        """One reading for a stage boundary: the report and the timeline share it."""
+        return memory_info(self.device)
 
     # ------------------------------------------------------------------ #
     # The stages, as (name, operation) pairs; an operation may return an awaitable
@@ -428,17 +426,32 @@ class HybridSwitch:
         return self._to_rollout() if direction == "to_rollout" else self._to_trainer()
 
     def _start_stage(self, name: str) -> _Stage:
+        info = self._memory()
         span = _timeline.begin(
-            f"stage:{name}", "stage", backend=self.profile.name, device=self.device, rank=self.rank
+            f"stage:{name}",
+            "stage",
+            backend=self.profile.name,
+            device=self.device,
+            memory=info,
+            rank=self.rank,
         )
-        return _Stage(name, self._memory()[0], time.perf_counter(), time.time(), span)
+        return _Stage(name, info.free, time.perf_counter(), time.time(), span)
 
     def _finish_stage(self, report: SwitchReport, stage: _Stage) -> None:
-        _timeline.end(stage.span)
-        free1, allocated, reserved = self._memory()
+        info = self._memory()
+        _timeline.end(stage.span, memory=info)
         seconds = time.perf_counter() - stage.clock
+        counted = info.available  # without a context the counters say nothing: None
         report.stages.append(
-            StageReport(stage.name, seconds, stage.free0, free1, allocated, reserved, stage.wall)
+            StageReport(
+                stage.name,
+                seconds,
+                stage.free0,
+                info.free,
+                info.allocated if counted else None,
+                info.reserved if counted else None,
+                stage.wall,
+            )
         )
 
     def _finish(self, report: SwitchReport) -> SwitchReport:

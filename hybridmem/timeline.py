@@ -25,7 +25,7 @@ from typing import Any, ParamSpec, TypeVar
 from hybridmem import _torch
 from hybridmem._decorate import ScopedContext
 from hybridmem._log import logger
-from hybridmem.telemetry import memory_info
+from hybridmem.telemetry import MemoryInfo, memory_info
 
 __all__ = [
     "TIMELINE_ENV",
@@ -95,8 +95,10 @@ def _multi_process() -> bool:
         return False
 
 
-def _memory(device: int | None) -> tuple[int | None, dict[str, int]]:
-    info = memory_info(device)
+def _memory(
+    device: int | None, info: MemoryInfo | None = None
+) -> tuple[int | None, dict[str, int]]:
+    info = memory_info(device) if info is None else info
     if not info.available or info.free is None or info.total is None:
         return (device if device is not None else _torch.current_device()), {}
     return info.device, {
@@ -251,21 +253,28 @@ def begin(
     *,
     backend: str | None = None,
     device: int | None = None,
+    memory: MemoryInfo | None = None,
     **args: Any,
 ) -> _Open | None:
-    """Start a span; returns None (and costs nothing else) when not recording."""
+    """Start a span; returns None (and costs nothing else) when not recording.
+
+    ``memory``: a reading the caller just made for ``device``, used instead of a new one.
+    """
     if not _enabled:
         return None
-    index, before = _memory(device)
+    index, before = _memory(device, memory)
     return _Open(name, kind, backend, index, time.time(), time.perf_counter(), before, args)
 
 
-def end(span: _Open | None, **args: Any) -> None:
-    """Finish a span from :func:`begin` and record it (None: nothing to do)."""
+def end(span: _Open | None, *, memory: MemoryInfo | None = None, **args: Any) -> None:
+    """Finish a span from :func:`begin` and record it (None: nothing to do).
+
+    ``memory``: a reading the caller just made for the span's device, used as is.
+    """
     if span is None:
         return
     duration = time.perf_counter() - span.clock
-    _, after = _memory(span.device)
+    _, after = _memory(span.device, memory)
     _TIMELINE.add(
         Event(
             name=span.name,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
+from hybridmem import switch as switch_module
 from hybridmem import timeline
 from tests.conftest import FakeTorch
 from tests.helpers import run_python
@@ -130,6 +131,39 @@ def test_switch_stages_are_recorded(fake_gpu: FakeTorch) -> None:
     assert stages[-1] == "stage:reload"
     phases = [e.name for e in hm.events() if e.kind == "phase"]
     assert phases == ["phase:weight_sync", "phase:wake_up", "phase:rollout", "phase:sleep"]
+
+
+def test_a_stage_reads_memory_once_per_boundary_for_report_and_event(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Engine:
+        def sleep(self, level: int) -> None: ...
+
+        def wake_up(self, tags: list[str]) -> None: ...
+
+    readings: list[str] = []
+    real = timeline.memory_info
+
+    def counting(device: int | None = None) -> hm.MemoryInfo:
+        readings.append("read")
+        return real(device)
+
+    monkeypatch.setattr(timeline, "memory_info", counting)
+    monkeypatch.setattr(switch_module, "memory_info", counting)
+    switch = hm.HybridSwitch(hm.VLLMEngine(Engine()), "vllm", barrier=None, confirm_timeout_s=0)
+    with hm.record(), switch.rollout():
+        pass
+    stages = [e for e in hm.events() if e.kind == "stage"]
+    reported = [s for r in switch.reports for s in r.stages]
+    assert [e.name for e in stages] == [f"stage:{s.name}" for s in reported]
+    for event, stage in zip(stages, reported, strict=True):
+        assert event.before["free"] == stage.free_before
+        assert event.after["free"] == stage.free_after
+        assert event.after["allocated"] == stage.allocated_after
+    # two readings per stage (start, end), shared by the report and the event; the
+    # phases and primitives inside the stages read for themselves
+    inner = [e for e in hm.events() if e.kind != "stage"]
+    assert len(readings) == 2 * len(stages) + 2 * len(inner)
 
 
 ENV_CHECK = """
