@@ -142,7 +142,7 @@ def test_a_stage_reads_memory_once_per_boundary_for_report_and_event(
         def wake_up(self, tags: list[str]) -> None: ...
 
     readings: list[str] = []
-    real = timeline.memory_info
+    real = hm.memory_info
 
     def counting(device: int | None = None) -> hm.MemoryInfo:
         readings.append("read")
