@@ -77,7 +77,34 @@ class EngineAdapter:
         return f"{type(self).__name__}({type(self.engine).__name__})"
 
 
-class VLLMEngine(EngineAdapter):
+class _StagedWake(EngineAdapter):
+    """An engine that wakes by tags when its resume method takes ``tags``.
+
+    Versions whose resume method takes none wake everything at the first call after
+    a sleep; the later stages of that wake-up are then no-ops.
+    """
+
+    def __init__(self, engine: object, methods: Sequence[str], resume: str) -> None:
+        super().__init__(engine, methods)
+        self._resume_name = resume
+        self._tags = _accepts(getattr(engine, resume), "tags")
+        self._awake = False
+
+    def _slept(self) -> None:
+        self._awake = False
+
+    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | None:
+        tags = _check_tags(tags)
+        resume = getattr(self.engine, self._resume_name)
+        if self._tags:
+            return resume(tags=tags)  # type: ignore[no-any-return]
+        if self._awake:
+            return None
+        self._awake = True
+        return resume()  # type: ignore[no-any-return]
+
+
+class VLLMEngine(_StagedWake):
     """vLLM: ``LLM.sleep(level)`` and ``LLM.wake_up(tags)``.
 
     Args:
@@ -92,28 +119,17 @@ class VLLMEngine(EngineAdapter):
     name = "vllm"
 
     def __init__(self, llm: object, *, level: int = 1) -> None:
-        super().__init__(llm, ("sleep", "wake_up"))
+        super().__init__(llm, ("sleep", "wake_up"), "wake_up")
         if level not in (1, 2) or isinstance(level, bool):
             raise ValueError(f"vLLM sleep level must be 1 or 2, got {level!r}")
         self.level = level
-        self._tags = _accepts(llm.wake_up, "tags")  # type: ignore[attr-defined]
-        self._awake = False
 
     def sleep(self) -> Awaitable[Any] | None:
-        self._awake = False
+        self._slept()
         return self.engine.sleep(level=self.level)  # type: ignore[attr-defined, no-any-return]
 
-    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | None:
-        tags = _check_tags(tags)
-        if self._tags:
-            return self.engine.wake_up(tags=tags)  # type: ignore[attr-defined, no-any-return]
-        if self._awake:
-            return None
-        self._awake = True
-        return self.engine.wake_up()  # type: ignore[attr-defined, no-any-return]
 
-
-class SGLangEngine(EngineAdapter):
+class SGLangEngine(_StagedWake):
     """SGLang: ``release_memory_occupation()`` and ``resume_memory_occupation(tags)``.
 
     Args:
@@ -127,19 +143,9 @@ class SGLangEngine(EngineAdapter):
     name = "sglang"
 
     def __init__(self, engine: object) -> None:
-        super().__init__(engine, ("release_memory_occupation", "resume_memory_occupation"))
-        self._tags = _accepts(engine.resume_memory_occupation, "tags")  # type: ignore[attr-defined]
-        self._awake = False
+        methods = ("release_memory_occupation", "resume_memory_occupation")
+        super().__init__(engine, methods, "resume_memory_occupation")
 
     def sleep(self) -> Awaitable[Any] | None:
-        self._awake = False
+        self._slept()
         return self.engine.release_memory_occupation()  # type: ignore[attr-defined, no-any-return]
-
-    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | None:
-        tags = _check_tags(tags)
-        if self._tags:
-            return self.engine.resume_memory_occupation(tags=tags)  # type: ignore[attr-defined, no-any-return]
-        if self._awake:
-            return None
-        self._awake = True
-        return self.engine.resume_memory_occupation()  # type: ignore[attr-defined, no-any-return]
