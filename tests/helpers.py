@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -30,3 +31,29 @@ def run_python(
         timeout=timeout,
         check=False,
     )
+
+
+class LoopTicker:
+    """Count event-loop turns while entered: awaited work that blocked the loop leaves 0.
+
+    >>> async with LoopTicker() as ticker:   # doctest: +SKIP
+    ...     await something()
+    >>> assert ticker.ticks > 0
+    """
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0)
+
+    async def __aenter__(self) -> LoopTicker:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
+from tests.helpers import LoopTicker
 
 KiB = 1024
 
@@ -70,6 +71,15 @@ def collect(conn: Connection, **kw: Any) -> Callable[[hm.BucketReceiver], dict[s
     return body
 
 
+def assert_same_tensors(got: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
+    """Same names in the same order, and each tensor's dtype, shape and bytes."""
+    assert list(got) == list(sent)
+    for name, tensor in sent.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
 def test_round_trip_with_split_tensors_and_every_dtype(
     cpu_as_device: list[int], pipe: tuple[Connection, Connection]
 ) -> None:
@@ -79,12 +89,7 @@ def test_round_trip_with_split_tensors_and_every_dtype(
         thread, result = run_receiver(bucket.handle, pipe[1], collect(pipe[1]))
         report = bucket.send(tensors, pipe[0])
         thread.join()
-    got = result["value"]
-    assert list(got) == list(tensors)
-    for name, tensor in tensors.items():
-        assert got[name].dtype == tensor.dtype
-        assert got[name].shape == tensor.shape
-        assert torch.equal(got[name], tensor), name
+    assert_same_tensors(result["value"], tensors)
     assert report.tensors == len(tensors)
     assert report.nbytes == sum(t.nbytes for t in tensors.values())
     assert report.batches >= 6  # 20400 bytes in 4 KiB buckets, plus the rest
@@ -201,23 +206,15 @@ def test_async_send_and_receive(
     async def main() -> tuple[hm.SyncReport, dict[str, torch.Tensor]]:
         bucket = hm.WeightBucket(4 * KiB)
         receiver = hm.BucketReceiver(bucket.handle)
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
 
         async def consume() -> dict[str, torch.Tensor]:
             return {n: t.clone() async for n, t in receiver.areceive(pipe[1])}
 
-        tick = asyncio.create_task(ticker())
-        report, got = await asyncio.gather(bucket.asend(tensors, pipe[0]), consume())
-        tick.cancel()
+        async with LoopTicker() as ticker:
+            report, got = await asyncio.gather(bucket.asend(tensors, pipe[0]), consume())
         receiver.close()
         bucket.close()
-        assert ticks > 0  # the loop kept running while both sides waited
+        assert ticker.ticks > 0  # the loop kept running while both sides waited
         return report, got
 
     report, got = asyncio.run(main())
@@ -423,10 +420,5 @@ def test_any_tensors_round_trip(
     finally:
         a.close()
         b.close()
-    got = result["value"]
-    assert list(got) == list(tensors)
-    for name, tensor in tensors.items():
-        assert got[name].dtype == tensor.dtype
-        assert got[name].shape == tensor.shape
-        assert torch.equal(got[name], tensor)
+    assert_same_tensors(result["value"], tensors)
     assert report.nbytes == sum(t.nbytes for t in tensors.values())

@@ -12,6 +12,7 @@ import pytest
 import hybridmem as hm
 from hybridmem import _torch, phases
 from tests.conftest import FakeTorch
+from tests.helpers import LoopTicker
 
 
 def expandable() -> bool:
@@ -194,19 +195,9 @@ def test_async_sleep_phase_polls_without_blocking(
     monkeypatch.setattr(_torch, "mem_get_info", mem_get_info)
 
     async def main() -> int:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(ticker())
-        async with hm.phase("sleep", backend="sglang"):
+        async with LoopTicker() as ticker, hm.phase("sleep", backend="sglang"):
             pass
-        task.cancel()
-        return ticks
+        return ticker.ticks
 
     assert asyncio.run(main()) > 0
     assert len(polls) >= 3  # settled after three equal readings
