@@ -169,8 +169,11 @@ class EngineClient(EngineAdapter):
         if "kv_cache" in tags:
             _, engine_allocated, engine_reserved = self.call("stats")
             torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            info = hm.memory_info()  # one reading: the allocator's counters and the device's
+            assert info.free is not None  # this process has a context: a full reading
+            assert info.total is not None
+            free, total = info.free, info.total
+            allocated, reserved = info.allocated, info.reserved
             live = allocated + engine_allocated
             # The contexts as they are now: lazily loaded kernels and library
             # workspaces grow them after the start, and no switch can free them.
