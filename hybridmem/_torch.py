@@ -57,7 +57,6 @@ __all__ = [
     "open_ipc_event",
     "pin_host_tensor",
     "process_rank",
-    "reads_generic_alloc_conf",
     "record_event",
     "runtime_allocator_backend",
     "set_allocator_settings",
@@ -167,11 +166,21 @@ def set_allocator_settings(settings: str) -> bool:
             warnings.simplefilter("ignore", FutureWarning)
             old(settings)
         return True
-    except (ValueError, RuntimeError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except _REFUSALS as exc:
         raise AllocatorSettingsError(
-            f"torch rejected the allocator settings {settings!r}: {reason}"
+            f"torch rejected the allocator settings {settings!r}: {_reason(exc)}"
         ) from exc
+
+
+# What torch's parser raises: ValueError (TORCH_CHECK_VALUE, 2.10+), RuntimeError
+# (TORCH_CHECK and INTERNAL ASSERT; all errors before 2.10), IndexError (a C++
+# std::out_of_range, e.g. stoull on "99999999999999999999").
+_REFUSALS = (ValueError, RuntimeError, IndexError)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def last_allocator_settings() -> str | None:
@@ -179,11 +188,19 @@ def last_allocator_settings() -> str | None:
 
     This is the env string at start-up or the last string given to the setter,
     not the effective configuration; hybridmem uses it to notice settings changed
-    behind its back.
+    behind its back. Its first call makes torch parse its env variable.
+
+    Raises:
+        AllocatorSettingsError: torch refused the env string on that first parse.
     """
     if _GETTER_FN is None:
         return None
-    value = _GETTER_FN()
+    try:
+        value = _GETTER_FN()
+    except _REFUSALS as exc:  # its first call parses the env, which may be malformed
+        raise AllocatorSettingsError(
+            f"torch refuses the allocator settings in its env: {_reason(exc)}"
+        ) from exc
     return value if isinstance(value, str) else None
 
 
@@ -218,15 +235,6 @@ def snapshot_allocator_settings() -> dict[str, Any] | None:
         return None
     settings = snap.get("allocator_settings")
     return dict(settings) if isinstance(settings, dict) else None
-
-
-def reads_generic_alloc_conf() -> bool:
-    """Return whether this torch reads ``PYTORCH_ALLOC_CONF`` for CUDA.
-
-    torch 2.10+ reads ``PYTORCH_ALLOC_CONF`` first and ``PYTORCH_CUDA_ALLOC_CONF``
-    as the deprecated fallback; 2.9.1 and older ignore the former for CUDA.
-    """
-    return _TORCH_VERSION >= (2, 10)
 
 
 def runtime_allocator_backend() -> str | None:

@@ -6,8 +6,15 @@ unless the same call repeats them, and leaves ``expandable_segments`` unchanged
 when the string omits it. So every hand-written ``set_expandable_segments`` drops
 the user's settings, and "restoring" by re-applying the env string leaves
 expandable segments on. hybridmem keeps one merged view (:class:`AllocatorConfig`:
-env, then process defaults, then active scopes) and always applies it whole, with
-``expandable_segments`` written explicitly.
+env, then process defaults, then active scopes) and always applies it whole,
+writing back explicitly every key torch would otherwise keep.
+
+torch's rules are the running version's own (:mod:`hybridmem._torch_rules`, a
+model of its parser checked against torch 2.4 - 2.13): which env variable it
+reads, what it accepts, what each call resets. Every string is run through that
+model before torch sees it, so a string torch would refuse is refused before
+anything is applied; if torch refuses one anyway, the settings before it are
+written back (torch keeps the part of a refused string it had read).
 
 Scope: allocator settings are process-global (every device, every thread). One
 re-entrant lock serialises changes. Scopes may exit in any order: the settings
@@ -18,6 +25,7 @@ two threads or tasks interleave, and a :class:`HybridMemWarning` names both.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -30,7 +38,14 @@ from hybridmem._decorate import ScopedContext
 from hybridmem._env import disabled
 from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
 from hybridmem._log import info_once, logger, warn_once
-from hybridmem._settings import KEYS, format_settings, normalize_value, parse_settings
+from hybridmem._settings import KEYS, format_settings, normalize_value
+from hybridmem._torch_rules import (
+    ALLOC_CONF,
+    CUDA_ALLOC_CONF,
+    Outcome,
+    TorchRules,
+    default_state,
+)
 from hybridmem._validate import check_bool
 from hybridmem.cache import drop_cached_blocks
 
@@ -46,10 +61,10 @@ __all__ = [
     "expandable_segments",
 ]
 
-#: The environment variables torch reads, in torch 2.10+'s order of precedence
-#: for accelerator-generic keys (device keys: the reverse).
-ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-_GENERIC_ENV, _CUDA_ENV = ENV_VARS
+#: The environment variables torch reads, in torch 2.10+'s order of precedence:
+#: the first one set is read whole and the other ignored (torch <= 2.9 reads only
+#: ``PYTORCH_CUDA_ALLOC_CONF`` for CUDA).
+ENV_VARS = (CUDA_ALLOC_CONF, ALLOC_CONF)
 
 Source = Literal["default", "env", "runtime"]
 
@@ -60,7 +75,8 @@ class Setting:
 
     Attributes:
         key: the setting name, as torch spells it.
-        value: the value in torch's syntax (``"True"``, ``"256"``, ``"[256:4,>:1]"``).
+        value: the value in torch's syntax (``"True"``, ``"256"``, ``"[256:4,>:1]"``),
+            as torch reads it (whitespace dropped).
         source: ``"default"``, ``"env"`` or ``"runtime"``.
         origin: the env variable, ``"configure_allocator"``, the scope that set
             it (e.g. ``"expandable_segments(True)"``), ``"set outside hybridmem"``
@@ -74,26 +90,44 @@ class Setting:
 
 
 class _Effective(dict[str, Setting]):
-    """Merged settings by key; never mutated once built, so its meaning is cached."""
+    """Merged settings by key; never mutated once built, so what it means is cached."""
 
-    __slots__ = ("_meaning", "children", "text")
+    __slots__ = ("_state", "children", "memo")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.text: tuple[int, str] | None = None  # (len(touched), settings string)
+        self._state: tuple[TorchRules, dict[str, Any]] | None = None
+        # (the view torch had, the string that takes torch from it to this one)
+        self.memo: tuple[_Effective, str] | None = None
         # overlays built on this view, by (changes, origin): a scope entered again
-        # and again (a decorated train_step) reuses its view, meaning and string
+        # and again (a decorated train_step) reuses its view, state and string
         self.children: dict[tuple[tuple[tuple[str, str], ...], str], _Effective] = {}
 
-    def meaning(self) -> dict[str, str]:
-        """The settings that differ from torch's defaults (what torch's state depends on)."""
-        try:
-            return self._meaning
-        except AttributeError:
-            self._meaning: dict[str, str] = {
-                k: s.value for k, s in self.items() if k not in KEYS or KEYS[k].default != s.value
-            }
-            return self._meaning
+    def items_for(self) -> list[tuple[str, str]]:
+        """What torch is given for this view: every runtime key with its value."""
+        return [
+            (k, s.value)
+            for k, s in self.items()
+            if k not in KEYS or KEYS[k].runtime  # "backend" is fixed at start-up
+        ]
+
+    def state(self, rules: TorchRules) -> dict[str, Any]:
+        """torch's settings once this view is applied (every other key at its default).
+
+        Raises:
+            AllocatorSettingsError: this torch refuses the view's settings together.
+        """
+        cached = self._state
+        if cached is not None and cached[0] == rules:
+            return cached[1]
+        outcome = rules.run(format_settings(self.items_for()))
+        if not outcome.accepted:
+            names = ", ".join(f"{k}={s.value} [{s.origin}]" for k, s in self.items())
+            raise AllocatorSettingsError(
+                f"{outcome.error}; these settings cannot hold together ({names})"
+            )
+        self._state = (rules, outcome.state)
+        return outcome.state
 
 
 @dataclass(frozen=True)
@@ -105,12 +139,16 @@ class AllocatorConfig:
     (:func:`expandable_segments`, :func:`allocator_settings`), in entry order.
 
     Attributes:
-        settings: every setting that is not at torch's default, by key.
+        settings: every setting that is set, by key.
         backend: ``"native"`` or ``"cudaMallocAsync"``.
         env: the raw env strings that are set, by variable name.
         applied: the last string hybridmem gave torch's setter (None: never).
         setter: the torch setter in use, or None when this build has none.
         scopes: descriptions of the active scopes, outermost first.
+        env_variable: the variable torch reads its settings from (None: neither
+            is set).
+        ignored_env: variables that are set but that this torch does not read.
+        torch: the torch whose rules apply (``"torch 2.11"``).
 
     Example:
         >>> cfg = hm.allocator_config()
@@ -124,6 +162,9 @@ class AllocatorConfig:
     applied: str | None
     setter: str | None
     scopes: tuple[str, ...] = field(default=())
+    env_variable: str | None = None
+    ignored_env: tuple[str, ...] = field(default=())
+    torch: str = ""
 
     def __getitem__(self, key: str) -> str:
         return self.get(key).value
@@ -164,8 +205,11 @@ class AllocatorConfig:
         """Return a JSON-ready dict, every known key included with its source."""
         keys = list(self.settings) + [k for k in KEYS if k not in self.settings]
         return {
+            "torch": self.torch,
             "backend": self.backend,
             "env": dict(self.env),
+            "env_variable": self.env_variable,
+            "ignored_env": list(self.ignored_env),
             "applied": self.applied,
             "setter": self.setter,
             "scopes": list(self.scopes),
@@ -177,7 +221,11 @@ class AllocatorConfig:
         }
 
     def __str__(self) -> str:
-        rows = [f"backend: {self.backend}"]
+        reads = self.env_variable or "no env variable (none is set)"
+        rows = [f"backend: {self.backend}   {self.torch} reads {reads}"]
+        rows += [
+            f"  ignored: {name} (set, but this torch does not read it)" for name in self.ignored_env
+        ]
         for key, item in self.as_dict()["settings"].items():
             rows.append(f"  {key:34} {item['value']:>18}  [{item['source']}: {item['origin']}]")
         if self.scopes:
@@ -211,8 +259,6 @@ def _same(base: _Effective, key: str, value: str) -> bool:
 
 
 _MAX_CHILDREN = 64
-#: Keys torch resets to their defaults on every setter call that omits them.
-_RESET_BY_TORCH = frozenset(k for k, spec in KEYS.items() if spec.default is None and spec.runtime)
 
 
 def _overlay(base: _Effective, changes: Mapping[str, str], origin: str) -> _Effective:
@@ -227,11 +273,40 @@ def _overlay(base: _Effective, changes: Mapping[str, str], origin: str) -> _Effe
         return merged
     merged = _Effective(base)
     for key, value in changes.items():
+        merged.pop(key, None)  # moves to the end: a later setting is written later
         merged[key] = Setting(key, value, "runtime", origin)
     if len(base.children) >= _MAX_CHILDREN:
         base.children.clear()
     base.children[cache_key] = merged
     return merged
+
+
+_SIZE_KEYS = frozenset(
+    {
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "large_segment_size_mb",
+        "pinned_num_register_threads",
+        "pinned_reserve_segment_size_mb",
+    }
+)
+_FLOAT_KEYS = frozenset({"garbage_collection_threshold", "per_process_memory_fraction"})
+
+
+def _misreads(outcome: Outcome) -> list[str]:
+    """Values in an env string that torch reads differently from how they look."""
+    found = list(outcome.notes)
+    for key, value in outcome.items:
+        if key in _SIZE_KEYS and not re.fullmatch(r"\d+", value):
+            read = outcome.state.get(key)
+            shown = "unlimited" if read is None or read >= 1 << 40 else read
+            found.append(f"{key}:{value} is read as {shown} (write a plain whole number)")
+        elif key in _FLOAT_KEYS:
+            try:
+                float(value)
+            except ValueError:
+                found.append(f"{key}:{value} is read as {outcome.state.get(key)}")
+    return found
 
 
 class _AllocatorState:
@@ -246,7 +321,10 @@ class _AllocatorState:
         with self.lock:
             self._env_key: tuple[str | None, ...] | None = None
             self._env_effective = _Effective()
-            self._env_explicit: dict[str, str] = {}  # key -> env var, across both vars
+            self._env_error: AllocatorSettingsError | None = None
+            self._env_variable: str | None = None
+            self._env_ignored: tuple[str, ...] = ()
+            self._env_explicit: dict[str, str] = {}  # key -> env var
             self._env_frozen = False
             self._env_expandable_false: str | None = None
             self._torch_env_text = ""  # what torch 2.12+'s getter says before any change
@@ -254,8 +332,20 @@ class _AllocatorState:
             self._layers: list[_Layer] = []
             self._applied: str | None = None
             self._current: _Effective | None = None  # what torch has; None = env state
-            self._touched: set[str] = set()
             self._can_apply_cache: bool | None = None
+            self._rules: TorchRules | None = None
+
+    # ------------------------------------------------------------------ #
+    # The rules of the torch at hand
+    # ------------------------------------------------------------------ #
+    def rules(self) -> TorchRules:
+        """torch's settings rules for this process's torch (version, build, backend)."""
+        version, built = _torch.torch_version(), _torch.cuda_built()
+        rules = self._rules
+        if rules is None or rules.version != version or rules.device != built:
+            running = _torch.runtime_allocator_backend() or "native"
+            rules = self._rules = TorchRules(version, built, running)
+        return rules
 
     # ------------------------------------------------------------------ #
     # Env
@@ -269,59 +359,66 @@ class _AllocatorState:
         # torch reads these variables once, when its allocator config is first
         # used; asking its getter (2.12+) makes it read them now. From then on
         # changes to os.environ affect neither torch nor hybridmem.
-        if _torch.last_allocator_settings() is not None or _torch.cuda_initialized():
+        if self._env_error is None and (
+            _torch.last_allocator_settings() is not None or _torch.cuda_initialized()
+        ):
             self._env_frozen = True
 
     def _parse_env(self, raw: tuple[str | None, ...]) -> None:
-        parsed: dict[str, dict[str, str]] = {}
-        for name, text in zip(ENV_VARS, raw):
-            if text is not None:
-                try:
-                    parsed[name] = parse_settings(text, origin=name)
-                except AllocatorSettingsError as exc:
-                    raise AllocatorSettingsError(
-                        f"{exc}. Fix or unset {name}; torch would refuse or misread it too."
-                    ) from None
+        rules = self.rules()
+        present = {name: text for name, text in zip(ENV_VARS, raw) if text is not None}
+        name, ignored = rules.env_variable(present)
+        text = present.get(name, "") if name is not None else ""
         effective = _Effective()
-        if _torch.reads_generic_alloc_conf():
-            # torch 2.10+: generic keys come from the first variable that is set,
-            # PYTORCH_ALLOC_CONF first; CUDA keys from the first of the reverse order.
-            generic = next((n for n in ENV_VARS if n in parsed), None)
-            device = next((n for n in reversed(ENV_VARS) if n in parsed), None)
-            for name in ENV_VARS:
-                for key, value in parsed.get(name, {}).items():
-                    spec = KEYS.get(key)
-                    wanted = device if spec is None or spec.device_key else generic
-                    if name == wanted:
-                        effective[key] = Setting(key, value, "env", name)
-            if len(parsed) == 2:
-                info_once(
-                    "env-both",
-                    f"both {_GENERIC_ENV} and {_CUDA_ENV} are set; torch takes generic keys "
-                    f"from {_GENERIC_ENV} and CUDA keys from {_CUDA_ENV}, and so does hybridmem",
-                )
-        else:
-            for key, value in parsed.get(_CUDA_ENV, {}).items():
-                effective[key] = Setting(key, value, "env", _CUDA_ENV)
-            if _GENERIC_ENV in parsed:
-                info_once(
-                    "env-ignored",
-                    f"torch {'.'.join(map(str, _torch.torch_version()))} ignores {_GENERIC_ENV} "
-                    f"for CUDA; set {_CUDA_ENV} instead (an explicit expandable_segments:False "
-                    f"there is still respected by hybridmem)",
-                )
         explicit: dict[str, str] = {}
-        for name in ENV_VARS:
-            for key in parsed.get(name, {}):
-                explicit.setdefault(key, name)
+        error: AllocatorSettingsError | None = None
+        notes: list[str] = []
+        if name is not None:
+            outcome = TorchRules(rules.version, rules.device, None).run(text)
+            if not outcome.accepted:
+                error = AllocatorSettingsError(
+                    f"{name}={text!r}: {outcome.error}. torch refuses this value (it raises "
+                    f"at its first CUDA allocation); fix it or unset {name} "
+                    "(`hybridmem doctor` shows how torch reads it)"
+                )
+            else:
+                for key, value in outcome.items:
+                    effective.pop(key, None)  # a later duplicate wins, as in torch
+                    effective[key] = Setting(key, value, "env", name)
+                    explicit[key] = name
+                notes = _misreads(outcome)
+        # State first, warnings last: under `-W error` a warning must not leave
+        # half-parsed state behind.
         self._env_key = raw
-        self._torch_env_text = next((text for text in raw if text is not None), "")
+        self._env_variable = name
+        self._env_ignored = tuple(ignored)
+        self._env_error = error
+        self._torch_env_text = text
         self._env_effective = effective
         self._env_explicit = explicit
-        self._env_expandable_false = next(
-            (n for n in ENV_VARS if parsed.get(n, {}).get("expandable_segments") == "False"),
-            None,
+        setting = effective.get("expandable_segments")
+        self._env_expandable_false = (
+            name if setting is not None and setting.value == "False" else None
         )
+        for other in ignored:
+            why = (
+                f"{name} is set, and torch reads only the first of {', '.join(ENV_VARS)} that is"
+                if name is not None
+                else f"{rules.label} reads only {CUDA_ALLOC_CONF} for CUDA"
+            )
+            warn_once(
+                f"env-ignored:{other}",
+                f"{other} is set but {rules.label} ignores it: {why}. hybridmem follows "
+                f"torch: {other}={present[other]!r} has no effect. Move what you need into "
+                f"{name or CUDA_ALLOC_CONF} (or unset {other}).",
+                stacklevel=5,
+            )
+        for note in notes:
+            warn_once(
+                f"env-misread:{name}:{note}",
+                f"{name}={text!r}: with {rules.label}, {note}; hybridmem reads it the same way",
+                stacklevel=5,
+            )
 
     # ------------------------------------------------------------------ #
     # Views
@@ -329,6 +426,8 @@ class _AllocatorState:
     def _base(self) -> _Effective:
         if not self._env_frozen:
             self._read_env()
+        if self._env_error is not None:
+            raise self._env_error
         return self._defaults if self._defaults is not None else self._env_effective
 
     def _top(self) -> _Effective:
@@ -348,7 +447,7 @@ class _AllocatorState:
 
     def env_explicit(self) -> dict[str, str]:
         with self.lock:
-            self._read_env()
+            self._base()
             return dict(self._env_explicit)
 
     def backend(self) -> str:
@@ -356,7 +455,8 @@ class _AllocatorState:
         if runtime is not None:
             return runtime
         with self.lock:
-            setting = self._base().get("backend")
+            self._read_env()
+            setting = self._env_effective.get("backend")
         return setting.value if setting is not None else "native"
 
     def classic_blocker(self) -> str | None:
@@ -389,6 +489,9 @@ class _AllocatorState:
                 applied=self._applied,
                 setter=_torch.settings_setter_name(),
                 scopes=tuple(layer.label for layer in self._layers),
+                env_variable=self._env_variable,
+                ignored_env=self._env_ignored,
+                torch=self.rules().label,
             )
 
     # ------------------------------------------------------------------ #
@@ -399,52 +502,68 @@ class _AllocatorState:
         last = _torch.last_allocator_settings()
         if last is None:
             return
+        self._base()  # the env first: torch reports the env string until a change
         expected = self._applied if self._applied is not None else self._torch_env_text
         if last == expected:
             return
-        try:
-            external = parse_settings(last, origin="settings set outside hybridmem")
-        except AllocatorSettingsError:
-            logger.warning("ignoring allocator settings set outside hybridmem: %r", last)
-            self._applied = last
+        rules = self.rules()
+        current = self._current if self._current is not None else self._env_effective
+        outcome = rules.run(last, current.state(rules))
+        self._applied = last
+        if not outcome.accepted:
+            logger.warning(
+                "allocator settings %r were given to torch outside hybridmem and refused by "
+                "it (%s); hybridmem keeps its own view",
+                last,
+                outcome.error,
+            )
             return
         logger.warning(
             "allocator settings were changed outside hybridmem to %r; hybridmem keeps "
             "every other setting and adopts these as the new process defaults",
             last,
         )
-        self._defaults = _overlay(self._base(), external, "set outside hybridmem")
-        self._applied = last
-        # Model what torch now has: its three reset keys went back to their defaults,
+        external = [(k, v) for k, v in outcome.items if k != "backend"]
+        self._defaults = _overlay(self._base(), dict(external), "set outside hybridmem")
+        # Model what torch now has: the keys it resets went back to their defaults,
         # the string's keys are set, every other key kept its value.
-        current = self._current if self._current is not None else self._env_effective
-        model = _Effective({k: v for k, v in current.items() if k not in _RESET_BY_TORCH})
-        for key, value in external.items():
+        model = _Effective({k: v for k, v in current.items() if k not in rules.reset_keys})
+        for key, value in external:
+            model.pop(key, None)
             model[key] = Setting(key, value, "runtime", "set outside hybridmem")
         self._current = model
         self._recompute()
 
-    def _settings_string(self, effective: _Effective) -> str:
-        # Write every key ever touched: torch keeps a key's last value when a
-        # string omits it (expandable_segments above all), except the three keys
-        # it resets to their defaults on every call.
-        if not self._touched.issuperset(effective):
-            self._touched.update(effective)
-        cached = effective.text
-        if cached is not None and cached[0] == len(self._touched):
-            return cached[1]
-        items: dict[str, str] = {"expandable_segments": KEYS["expandable_segments"].default or ""}
-        for key in self._touched:
-            default = KEYS[key].default if key in KEYS else None
-            if default is not None:
-                items[key] = default
-        for key, setting in effective.items():
-            spec = KEYS.get(key)
-            if spec is not None and not spec.runtime:
-                continue  # "backend" is fixed at start-up; never re-sent
-            items[key] = setting.value
-        text = format_settings(items.items())
-        effective.text = (len(self._touched), text)
+    def _settings_string(self, target: _Effective, current: _Effective) -> str:
+        """The string that takes torch from ``current``'s settings to ``target``'s.
+
+        Every key of ``target``, plus its default for each key torch keeps when a
+        string omits it and that ``current`` had changed (``expandable_segments``
+        above all). The three keys torch resets on every call need nothing.
+
+        Raises:
+            AllocatorSettingsError: a key must go back to a default torch refuses.
+        """
+        memo = target.memo
+        if memo is not None and memo[0] is current:
+            return memo[1]
+        rules = self.rules()
+        items = target.items_for()
+        named = {k for k, _ in items}
+        now, fresh = current.state(rules), default_state(rules.version, rules.device)
+        for key in sorted(rules.keys - rules.reset_keys - named - {"backend"}):
+            if now.get(key) == fresh.get(key):
+                continue
+            text = rules.default_text(key)
+            if text is None:
+                raise AllocatorSettingsError(
+                    f"{key} cannot go back to its default ({fresh.get(key)}): {rules.label} "
+                    f"refuses {key}:{fresh.get(key)}. Set {key} in {CUDA_ALLOC_CONF} or with "
+                    "hm.configure_allocator() instead of in a scope"
+                )
+            items.append((key, text))
+        text = format_settings(items)
+        target.memo = (current, text)
         return text
 
     def sync(self, *, release_cache: bool) -> None:
@@ -455,12 +574,18 @@ class _AllocatorState:
             current = self._current = self._env_effective
         if target is current:
             return
-        if target.meaning() == current.meaning():
+        rules = self.rules()
+        wanted = target.state(rules)  # refuses settings that cannot hold together
+        if wanted == current.state(rules):
             self._current = target  # same torch state; next time the identity check hits
             return
         if not self._can_apply():
             self._current = target
             return
+        text = self._settings_string(target, current)
+        outcome = rules.run(text, current.state(rules))
+        if not outcome.accepted:  # pragma: no cover - the view's own check runs first
+            raise AllocatorSettingsError(f"{outcome.error}; nothing was applied")
         if (
             release_cache
             and _torch.cuda_initialized()
@@ -468,21 +593,47 @@ class _AllocatorState:
         ):
             # Cached free blocks of the old kind would be reused by new tensors.
             drop_cached_blocks(_torch.initialized_devices())
-        text = self._settings_string(target)
         try:
             _torch.set_allocator_settings(text)
-        except AllocatorSettingsError:
-            # torch may have half-applied the string: put back what it had.
-            if self._applied is not None:
-                try:
-                    _torch.set_allocator_settings(self._applied)
-                except AllocatorSettingsError:  # pragma: no cover - it was accepted before
-                    logger.exception("could not restore allocator settings %r", self._applied)
+        except AllocatorSettingsError as exc:
+            self._roll_back(current, text, exc)
             raise
         self._env_frozen = True
         self._applied = text
         self._current = target
         logger.debug("allocator settings applied: %s", text)
+
+    def _roll_back(self, current: _Effective, refused: str, exc: AllocatorSettingsError) -> None:
+        """torch refused ``refused`` after reading part of it: write ``current`` back whole."""
+        rules = self.rules()
+        items = current.items_for()
+        named = {k for k, _ in items}
+        fresh = default_state(rules.version, rules.device)
+        tried = dict(rules.run(refused, current.state(rules)).items)
+        kept = []
+        for key in sorted(rules.keys - rules.reset_keys - named - {"backend"}):
+            text = rules.default_text(key)
+            if text is not None:
+                items.append((key, text))
+            elif key in tried:
+                kept.append(
+                    f"torch may keep {key}:{tried[key]} (its default {fresh.get(key)} "
+                    "cannot be written back)"
+                )
+        restore = format_settings(items)
+        try:
+            _torch.set_allocator_settings(restore)
+        except AllocatorSettingsError as again:
+            logger.error("could not put the allocator settings back to %r: %s", restore, again)
+            exc.args = (
+                f"{exc}. Putting the settings before it back failed too ({again}): torch "
+                "now has part of the refused string",
+            )
+            return
+        self._applied = restore
+        self._env_frozen = True
+        extra = f"; {'; '.join(kept)}" if kept else ""
+        exc.args = (f"{exc}. hybridmem put the settings before it back{extra}",)
 
     def _can_apply(self) -> bool:
         if self._can_apply_cache is None or not self._env_frozen:
@@ -513,8 +664,15 @@ class _AllocatorState:
             layers = self._layers
             top = layers[-1].effective if layers else self._base()
             layer = _Layer(changes, label, _overlay(top, changes, label))
+            if layer.effective is not top:
+                rules = self.rules()
+                # Refuse what torch would refuse, before anything is applied...
+                if layer.effective.state(rules) != top.state(rules):
+                    # ...including an exit that could not go back.
+                    self._settings_string(top, layer.effective)
             layers.append(layer)
-            if layer.effective is self._current:
+            current = self._current if self._current is not None else self._env_effective
+            if layer.effective is current:
                 return layer  # nothing to apply (the common "no change" entry)
             try:
                 self.sync(release_cache=release_cache)
@@ -537,25 +695,35 @@ class _AllocatorState:
             del layers[index]
             if later:
                 self._recompute(index)
-                names = ", ".join(f"{x.label} (thread {x.thread})" for x in later)
-                warnings.warn(
-                    f"{layer.label} (thread {layer.thread}) exited while {names}, "
-                    "entered after it, is still active: scopes exited out of order, as when "
-                    "two threads or tasks toggle the allocator at once. The settings are "
-                    "still correct (derived from the scopes still active), but each scope "
-                    "no longer sees only its own change.",
-                    HybridMemWarning,
-                    stacklevel=4,
-                )
             self._adopt_external()
+            # Apply first, warn after: under `-W error` the warning must not keep
+            # torch on the settings of a scope that has exited.
             self.sync(release_cache=release_cache)
+        if later:
+            names = ", ".join(f"{x.label} (thread {x.thread})" for x in later)
+            warnings.warn(
+                f"{layer.label} (thread {layer.thread}) exited while {names}, "
+                "entered after it, is still active: scopes exited out of order, as when "
+                "two threads or tasks toggle the allocator at once. The settings are "
+                "still correct (derived from the scopes still active), but each scope "
+                "no longer sees only its own change.",
+                HybridMemWarning,
+                stacklevel=4,
+            )
 
     def set_defaults(self, changes: dict[str, str], *, release_cache: bool) -> None:
         with self.lock:
             self._adopt_external()
+            previous = self._defaults
             self._defaults = _overlay(self._base(), changes, "configure_allocator")
-            self._recompute()
-            self.sync(release_cache=release_cache)
+            try:
+                self._defaults.state(self.rules())
+                self._recompute()
+                self.sync(release_cache=release_cache)
+            except BaseException:
+                self._defaults = previous
+                self._recompute()
+                raise
 
 
 def _expandable(effective: _Effective) -> bool:
@@ -569,16 +737,20 @@ _STATE = _AllocatorState()
 def allocator_config() -> AllocatorConfig:
     """Return the effective allocator settings and the source of each.
 
-    Reads ``PYTORCH_ALLOC_CONF`` and ``PYTORCH_CUDA_ALLOC_CONF`` the way this
-    torch does (2.10+: generic keys from the former when set, CUDA keys from the
-    latter when set; older: the latter only), merged with the process defaults
-    and the active scopes. Cheap: no CUDA call, no snapshot.
+    Reads the env the way this torch does: torch 2.10+ reads
+    ``PYTORCH_CUDA_ALLOC_CONF`` when it is set (even empty), else
+    ``PYTORCH_ALLOC_CONF``, and ignores the other (``ignored_env`` names it, and a
+    :class:`HybridMemWarning` says so once); torch <= 2.9 reads only
+    ``PYTORCH_CUDA_ALLOC_CONF``. Values are as torch reads them. Merged with the
+    process defaults and the active scopes. Cheap: no CUDA call, no snapshot.
 
     Returns:
         An immutable :class:`AllocatorConfig`.
 
     Raises:
-        AllocatorSettingsError: an env variable is malformed (the message names it).
+        AllocatorSettingsError: the env variable torch reads is malformed or holds
+            a value torch refuses (the message names the variable, the value and
+            the fix).
 
     Example:
         >>> print(hm.allocator_config())   # doctest: +SKIP
@@ -661,9 +833,9 @@ def _normalize(settings: Mapping[str, object], *, who: str) -> dict[str, str]:
         if spec is not None and not spec.runtime:
             raise ValueError(
                 f"{who}: {key!r} cannot change after start-up; set it in "
-                f"{_CUDA_ENV} before the process starts"
+                f"{CUDA_ALLOC_CONF} before the process starts"
             )
-        changes[key] = normalize_value(key, value)
+        changes[key] = normalize_value(key, value, _STATE.rules())
     return changes
 
 

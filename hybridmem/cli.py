@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import hybridmem
 from hybridmem import _probe_launch
 from hybridmem._env import DISABLE_ENV, disabled
-from hybridmem._errors import AllocatorSettingsError
+from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
 
 if TYPE_CHECKING:
     from hybridmem.capabilities import IpcCapabilities
@@ -123,7 +124,12 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         "torch_apis": _torch.api_report(),
     }
     try:
-        config = allocator_config()
+        # What hybridmem warns about once (an env variable torch ignores, a value it
+        # misreads) belongs in the report, not in a traceback-looking warning.
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", HybridMemWarning)
+            config = allocator_config()
+        notes.extend(str(w.message) for w in seen if issubclass(w.category, HybridMemWarning))
     except AllocatorSettingsError as exc:
         problems.append(str(exc))
         report["allocator"] = {
@@ -189,6 +195,10 @@ def _print_human(report: dict[str, Any]) -> None:
     if "error" in alloc:
         print(f"  ERROR: {alloc['error']}")
     else:
+        reads = alloc["env_variable"] or "neither (none is set)"
+        print(f"  {alloc['torch']} reads: {reads}")
+        for name in alloc["ignored_env"]:
+            print(f"  IGNORED: {name} is set, but this torch does not read it")
         print(f"  backend: {alloc['backend']}   setter: {alloc['setter'] or 'none'}")
         for key, item in alloc["settings"].items():
             print(f"  {key:34} {item['value']:>18}  [{item['source']}: {item['origin']}]")

@@ -13,6 +13,7 @@ import torch
 
 from hybridmem import _log, _probe_launch, _torch, backends, capabilities, ipc, timeline
 from hybridmem._settings import parse_settings
+from hybridmem._torch_rules import TorchRules, default_state
 from hybridmem.allocator import _reset_state_for_tests
 
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "HYBRIDMEM_DISABLE")
@@ -27,7 +28,10 @@ def _reset_real_torch_settings() -> None:
         # The CPU build keeps the parsed settings too: put its state back to
         # torch's defaults, then leave "" as the last string (what a fresh
         # process without env variables reports).
-        setter("expandable_segments:False,pinned_use_background_threads:False")
+        reset = "expandable_segments:False,pinned_use_background_threads:False"
+        if _torch.torch_version() >= (2, 11):
+            reset += ",large_segment_size_mb:20"
+        setter(reset)
         setter("")
 
 
@@ -92,15 +96,24 @@ class FakeTorch:
     backend: str = "native"
     has_setter: bool = True
     reject: set[str] = field(default_factory=set)
+    reject_next: int = 0  # refuse the next N strings, whatever they are
     gc_results: list[int] = field(default_factory=list)
     gc_frees: list[int] = field(default_factory=list)
     torch_state: dict[str, str] = field(default_factory=dict)  # simulated torch config
+    version: tuple[int, int] = field(default_factory=_torch.torch_version)
+    half_apply: bool = True  # a rejected string leaves its first item applied, as torch does
+    env_read: bool = False  # torch_state holds the env string (read on first use, as torch)
+
+    @property
+    def rules(self) -> TorchRules:
+        return TorchRules(self.version)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         patches: dict[str, Any] = {
             "set_allocator_settings": self.set_allocator_settings,
             "last_allocator_settings": self.last_allocator_settings,
             "settings_setter_name": lambda: "fake.setter" if self.has_setter else None,
+            "torch_version": lambda: self.version,
             "runtime_allocator_backend": lambda: self.backend,
             "cuda_initialized": lambda: self.initialized,
             "cuda_built": lambda: True,
@@ -120,33 +133,53 @@ class FakeTorch:
         monkeypatch.setattr(gc, "collect", self.gc_collect)
 
     def set_allocator_settings(self, text: str) -> bool:
+        """What torch's setter does, by the model of its parser (and ``reject`` on top)."""
         if not self.has_setter:
             return False
-        if text in self.reject:
-            from hybridmem import AllocatorSettingsError
+        from hybridmem import AllocatorSettingsError
 
+        self.read_env()
+        outcome = self.rules.run(text)
+        items = list(outcome.items)
+        rejected = text in self.reject or self.reject_next > 0
+        self.reject_next = max(self.reject_next - 1, 0)
+        refused = rejected or not outcome.accepted
+        if rejected and self.half_apply:
+            items = items[:1]  # torch had read part of the string when it stopped
+        elif refused:
+            items = items[: max(len(items) - 1, 0)]
+        self.last = text
+        for key in self.rules.reset_keys:
+            self.torch_state.pop(key, None)
+        for key, value in items:
+            self.torch_state[key] = value
+        if refused:
+            self.events.append(f"refused:{text}")
             raise AllocatorSettingsError(f"torch rejected the allocator settings {text!r}: fake")
         self.events.append(f"set:{text}")
         self.applied.append(text)
-        self.last = text
-        # What torch does with it: three keys reset to their defaults on every
-        # call, every other key keeps its value unless the string names it.
-        for key in (
-            "max_split_size_mb",
-            "garbage_collection_threshold",
-            "roundup_power2_divisions",
-        ):
-            self.torch_state.pop(key, None)
-        self.torch_state.update(parse_settings(text))
         return True
+
+    def meaning(self) -> dict[str, object]:
+        """What ``torch_state`` means to torch (defaults filled in; text-independent)."""
+        text = ",".join(f"{k}:{v}" for k, v in self.torch_state.items())
+        return self.rules.run(text).state
+
+    def read_env(self) -> None:
+        """Load the env string torch reads into ``torch_state`` (once, like torch)."""
+        if self.env_read:
+            return
+        self.env_read = True
+        name, _ = self.rules.env_variable(os.environ)
+        if name is not None and not self.torch_state:
+            outcome = self.rules.run(os.environ[name])
+            self.torch_state.update(dict(outcome.items))
 
     def last_allocator_settings(self) -> str:
         if self.last is not None:
             return self.last
-        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-            if name in os.environ:
-                return os.environ[name]
-        return ""
+        name, _ = self.rules.env_variable(os.environ)
+        return os.environ[name] if name is not None else ""
 
     def empty_cache(self) -> None:
         self.events.append("empty_cache")
@@ -216,3 +249,13 @@ def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     for name in ("is_device_tensor", "pin_host_tensor", "unpin_host_tensor"):
         monkeypatch.setattr(_torch, name, getattr(_torch, name))  # restored after the test
     return treat_cpu_as_device()
+
+
+def settings_of(text: str) -> dict[str, str]:
+    """``{key: value}`` of a settings string, as the torch here reads it."""
+    return parse_settings(text, TorchRules(_torch.torch_version()))
+
+
+def fresh_state() -> dict[str, object]:
+    """torch's default settings (this torch's version, a CUDA build)."""
+    return default_state(_torch.torch_version())

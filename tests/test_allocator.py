@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
-from hybridmem._settings import parse_settings
 from tests.conftest import FakeTorch
+from tests.conftest import settings_of as parse_settings
 
 USER_ENV = "max_split_size_mb:256,garbage_collection_threshold:0.6,roundup_power2_divisions:4"
 USER_KEYS = {
@@ -102,7 +102,7 @@ def test_allocator_settings_merge_and_restore(
         # a key that torch keeps when omitted is written back to its default
         assert last_applied(fake)["pinned_use_background_threads"] == "False"
         assert last_applied(fake)["max_split_size_mb"] == "256"
-    assert last_applied(fake) == {
+    assert fake.torch_state == {
         **USER_KEYS,
         "expandable_segments": "False",
         "pinned_use_background_threads": "False",
@@ -153,45 +153,104 @@ def test_force_overrides_and_disabling_is_always_allowed(
     assert last_applied(fake)["expandable_segments"] == "False"
 
 
-def test_env_precedence_on_torch_2_10_and_later(
+ISSUE_CUDA_ENV = "max_split_size_mb:512,garbage_collection_threshold:0.6"
+
+
+@pytest.mark.parametrize("version", [(2, 10), (2, 11), (2, 13)])
+def test_torch_2_10_and_later_read_only_the_cuda_variable_when_both_are_set(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, version: tuple[int, int]
+) -> None:
+    """The issue's H200 case: torch never had expandable segments on; hybridmem neither."""
+    fake.version = version
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", ISSUE_CUDA_ENV)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    fake.last = ISSUE_CUDA_ENV  # what torch read
+    fake.torch_state = {"max_split_size_mb": "512", "garbage_collection_threshold": "0.6"}
+    with pytest.warns(hm.HybridMemWarning, match="PYTORCH_ALLOC_CONF is set but torch") as seen:
+        cfg = hm.allocator_config()
+    assert len(seen) == 1
+    assert cfg.env_variable == "PYTORCH_CUDA_ALLOC_CONF"
+    assert cfg.ignored_env == ("PYTORCH_ALLOC_CONF",)
+    assert not cfg.expandable_segments
+    assert cfg.get("max_split_size_mb").origin == "PYTORCH_CUDA_ALLOC_CONF"
+    with hm.expandable_segments(False):
+        assert fake.torch_state == {
+            "max_split_size_mb": "512",
+            "garbage_collection_threshold": "0.6",
+        }
+    assert fake.applied == []  # nothing to change: torch had it off all along
+    with hm.expandable_segments(True):
+        assert fake.torch_state["expandable_segments"] == "True"
+    assert fake.torch_state == {
+        "max_split_size_mb": "512",
+        "garbage_collection_threshold": "0.6",
+        "expandable_segments": "False",
+    }
+    hm.allocator_config()  # warned once only
+
+
+def test_an_empty_cuda_variable_still_shadows_the_generic_one(
     fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_torch, "reads_generic_alloc_conf", lambda: True)
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
-    monkeypatch.setenv(
-        "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,release_lock_on_cudamalloc:True"
-    )
-    cfg = hm.allocator_config()
-    # generic keys come only from PYTORCH_ALLOC_CONF once it is set (torch ignores
-    # the CUDA variable's expandable_segments then); CUDA keys from the CUDA one.
-    assert cfg["max_split_size_mb"] == "128"
-    assert cfg.get("max_split_size_mb").origin == "PYTORCH_ALLOC_CONF"
-    assert not cfg.expandable_segments
-    assert cfg["release_lock_on_cudamalloc"] == "True"
-    assert cfg.get("release_lock_on_cudamalloc").origin == "PYTORCH_CUDA_ALLOC_CONF"
-    assert dict(cfg.env) == {
-        "PYTORCH_ALLOC_CONF": "max_split_size_mb:128",
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,release_lock_on_cudamalloc:True",
-    }
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    with pytest.warns(hm.HybridMemWarning, match="ignores it"):
+        cfg = hm.allocator_config()
+    assert cfg.env_variable == "PYTORCH_CUDA_ALLOC_CONF"
+    assert cfg.settings == {}
+    with hm.expandable_segments(True):  # torch ignores that False: so does hybridmem
+        assert hm.allocator_config().expandable_segments
 
 
-def test_env_on_older_torch_reads_only_the_cuda_variable(
-    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_generic_variable_alone_is_read_on_2_10_and_ignored_on_2_9(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_torch, "reads_generic_alloc_conf", lambda: False)
     monkeypatch.setattr(_torch, "last_allocator_settings", lambda: None)  # no getter before 2.12
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:False")
-    caplog.set_level(logging.INFO, logger="hybridmem")
+    fake.version = (2, 10)
     cfg = hm.allocator_config()
+    assert cfg["max_split_size_mb"] == "128"
+    assert cfg.env_variable == "PYTORCH_ALLOC_CONF"
+    _reset_state()
+    fake.version = (2, 9)
+    with pytest.warns(hm.HybridMemWarning, match="torch 2.9 reads only PYTORCH_CUDA_ALLOC_CONF"):
+        cfg = hm.allocator_config()
     assert "max_split_size_mb" not in cfg
-    assert any("ignores PYTORCH_ALLOC_CONF" in r.getMessage() for r in caplog.records)
-    with hm.expandable_segments(True):  # the explicit False is still respected
-        assert not hm.allocator_config().expandable_segments
+    assert cfg.env_variable is None
+    with hm.expandable_segments(True):  # 2.9 never read that False
+        assert hm.allocator_config().expandable_segments
+
+
+def test_env_values_torch_misreads_are_read_its_way_with_one_warning(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:25.5,garbage_collection_threshold:0.5x"
+    )
+    with pytest.warns(hm.HybridMemWarning) as seen:
+        cfg = hm.allocator_config()
+    messages = [str(w.message) for w in seen]
+    assert len(messages) == 2
+    assert "max_split_size_mb:25.5 is read as 25" in messages[0]
+    assert "garbage_collection_threshold:0.5x is read as 0.5" in messages[1]
+    assert cfg["max_split_size_mb"] == "25.5"  # written back as given: torch reads it the same
+    hm.allocator_config()
+
+
+def _reset_state() -> None:
+    from hybridmem import _log
+    from hybridmem.allocator import _reset_state_for_tests
+
+    _reset_state_for_tests()
+    _log.reset_once()
 
 
 def test_malformed_env_is_a_clear_error(fake: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:ten")
-    with pytest.raises(hm.AllocatorSettingsError, match=r"PYTORCH_CUDA_ALLOC_CONF.*Fix or unset"):
+    with pytest.raises(
+        hm.AllocatorSettingsError,
+        match=r"ALLOC_CONF='max_split_size_mb:ten': 'ten' is not a number.*fix it or unset",
+    ):
         hm.allocator_config()
     with pytest.raises(hm.AllocatorSettingsError), hm.expandable_segments(True):
         pass
@@ -292,9 +351,9 @@ def test_non_lifo_exit_warns_once_naming_both_and_ends_correct(fake: FakeTorch) 
     assert "expandable_segments(True)" in message
     assert "allocator_settings(max_split_size_mb=64)" in message
     # the outer change is gone, the inner one is still in force
-    assert last_applied(fake) == {"expandable_segments": "False", "max_split_size_mb": "64"}
+    assert fake.torch_state == {"expandable_segments": "False", "max_split_size_mb": "64"}
     inner.__exit__(None, None, None)
-    assert last_applied(fake) == {"expandable_segments": "False"}
+    assert fake.torch_state == {"expandable_segments": "False"}
     assert hm.allocator_config().scopes == ()
 
 
@@ -328,15 +387,63 @@ def test_two_threads_interleaving_end_in_the_right_state(fake: FakeTorch) -> Non
     assert hm.allocator_config().scopes == ()
 
 
-def test_setter_failure_restores_and_raises(fake: FakeTorch) -> None:
-    with hm.allocator_settings(max_split_size_mb=64):
-        fake.reject.add("expandable_segments:True,max_split_size_mb:64")
-        with pytest.raises(hm.AllocatorSettingsError, match="fake"), hm.expandable_segments(True):
-            pass
-        # the previous string was put back and the failed scope is not on the stack
-        assert fake.applied[-1] == "expandable_segments:False,max_split_size_mb:64"
-        assert hm.allocator_config().scopes == ("allocator_settings(max_split_size_mb=64)",)
-    assert last_applied(fake) == {"expandable_segments": "False"}
+def test_a_string_torch_refuses_after_reading_part_of_it_is_rolled_back(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch keeps part of a refused string: the settings before it are written back."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
+    with hm.allocator_settings(pinned_use_background_threads=True):
+        before = fake.meaning()
+        fake.reject_next = 1  # torch refuses the next string after taking its first item
+        with (
+            pytest.raises(hm.AllocatorSettingsError, match="put the settings before it back"),
+            hm.expandable_segments(True),
+        ):
+            pytest.fail("the scope must not be entered")
+        assert fake.events[-2].startswith("refused:")
+        assert fake.meaning() == before  # the half-applied string is gone
+        assert hm.allocator_config().scopes == (
+            "allocator_settings(pinned_use_background_threads=True)",
+        )
+        with hm.expandable_segments(True):  # and the next entry works
+            assert fake.torch_state["expandable_segments"] == "True"
+    assert fake.meaning() == fake.rules.run(USER_ENV).state
+
+
+def test_a_string_the_model_refuses_never_reaches_torch(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake.version = (2, 11)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "large_segment_size_mb:64")
+    with (
+        pytest.raises(
+            hm.AllocatorSettingsError,
+            match=r"max_split_size_mb:32: must be >= 64 \(large_segment_size_mb",
+        ),
+        hm.allocator_settings(max_split_size_mb=32),
+    ):
+        pytest.fail("the scope must not be entered")
+    assert fake.applied == []
+    assert hm.allocator_config().scopes == ()
+
+
+def test_a_default_torch_refuses_is_never_needed_at_an_exit(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pinned_reserve_segment_size_mb:0`` (its default) is refused by torch 2.10+."""
+    with (
+        pytest.raises(hm.AllocatorSettingsError, match="cannot go back to its default"),
+        hm.allocator_settings(pinned_reserve_segment_size_mb=64),
+    ):
+        pytest.fail("the scope must not be entered")
+    assert fake.applied == []
+    hm.configure_allocator(pinned_reserve_segment_size_mb=64)  # a process default may set it
+    with hm.allocator_settings(pinned_reserve_segment_size_mb=128):  # and scopes then vary it
+        assert fake.torch_state["pinned_reserve_segment_size_mb"] == "128"
+    assert fake.torch_state["pinned_reserve_segment_size_mb"] == "64"
+    with hm.expandable_segments(True):
+        pass
+    assert "pinned_reserve_segment_size_mb:0" not in ",".join(fake.applied)
 
 
 def test_settings_changed_outside_hybridmem_are_adopted(

@@ -76,11 +76,21 @@ def test_getter_only_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None
     assert _torch.last_allocator_settings() == "expandable_segments:True"
 
 
-def test_generic_env_variable_from_2_10(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_torch, "_TORCH_VERSION", (2, 9))
-    assert not _torch.reads_generic_alloc_conf()
-    monkeypatch.setattr(_torch, "_TORCH_VERSION", (2, 10))
-    assert _torch.reads_generic_alloc_conf()
+def test_torch_refusals_of_every_kind_become_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch raises ValueError, RuntimeError (INTERNAL ASSERT) or IndexError (out_of_range)."""
+    from hybridmem import AllocatorSettingsError
+
+    for error in (ValueError("bad"), RuntimeError("INTERNAL ASSERT FAILED"), IndexError("stoull")):
+
+        def refuse(text: str, error: Exception = error) -> None:
+            raise error
+
+        monkeypatch.setattr(_torch, "_new_setter", lambda refuse=refuse: refuse)
+        with pytest.raises(AllocatorSettingsError, match="torch rejected the allocator settings"):
+            _torch.set_allocator_settings("x:1")
+        monkeypatch.setattr(_torch, "_GETTER_FN", lambda refuse=refuse: refuse(""))
+        with pytest.raises(AllocatorSettingsError, match="torch refuses the allocator settings"):
+            _torch.last_allocator_settings()
 
 
 def test_cpu_build_state_never_touches_cuda() -> None:

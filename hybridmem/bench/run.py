@@ -44,6 +44,7 @@ def _model(p: BenchPlan, device: Any = "cuda") -> tuple[Any, str]:
     Raises:
         RuntimeError: ``p.model == "transformers"`` and transformers is missing.
     """
+    import importlib
     import importlib.util
 
     import torch
@@ -52,12 +53,16 @@ def _model(p: BenchPlan, device: Any = "cuda") -> tuple[Any, str]:
         p.model == "auto" and importlib.util.find_spec("transformers") is not None
     )
     if use_hf:
+        # transformers is optional (the `bench` extra): imported by name so that the
+        # package, and mypy --strict over it, never need it installed.
         try:
-            from transformers import LlamaConfig, LlamaForCausalLM
+            transformers: Any = importlib.import_module("transformers")
         except ImportError as exc:
             raise RuntimeError(
-                "the bench's --model transformers needs transformers: pip install transformers"
+                "the bench's --model transformers needs transformers: pip install transformers "
+                "(or pip install 'hybridmem[bench]')"
             ) from exc
+        LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
         config = LlamaConfig(
             hidden_size=p.d_model,
             num_hidden_layers=p.layers,

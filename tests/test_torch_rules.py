@@ -1,0 +1,210 @@
+"""The model of torch's allocator-settings parser against torch's own parsers.
+
+``tests/torch_parser/recorded.json`` holds what the parsers of torch 2.4.1 ...
+2.13.0 (each CUDA wheel's libc10, driven by ``tests/torch_parser/probe.cpp``, no
+GPU) answered for the curated and random cases of ``tests/torch_parser/corpus.py``:
+whether each env string and each setter string was taken, and torch's state after
+each, refused strings included (torch keeps the part it had read). Every answer
+must be the model's. The CPU build of torch installed here is checked live too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridmem import _torch
+from hybridmem._torch_rules import ALLOC_CONF, CUDA_ALLOC_CONF, TorchRules, default_state
+from tests.torch_parser.corpus import CURATED_STRINGS, corpus
+
+RECORDED = Path(__file__).parent / "torch_parser" / "recorded.json"
+
+
+@cache
+def recorded() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(RECORDED.read_text())
+    return data
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor, *_ = text.split(".")
+    return int(major), int(minor)
+
+
+def _as_probe(state: dict[str, Any]) -> dict[str, str | float]:
+    """The model's state in the probe's words (roundup as 16 numbers, bools as 0/1)."""
+    out: dict[str, str | float] = {}
+    for key, value in state.items():
+        if key == "roundup_power2_divisions":
+            out["roundup"] = ",".join(str(v) for v in value)
+        elif key == "max_split_size_mb":
+            out[key] = "inf" if value is None else str(value)
+        elif isinstance(value, bool):
+            out[key] = "1" if value else "0"
+        elif isinstance(value, float):
+            out[key] = value
+        else:
+            out[key] = str(value)
+    return out
+
+
+def _differences(model: dict[str, Any], base: dict[str, str], diff: dict[str, str]) -> list[str]:
+    expected = {**base, **diff}
+    ours = _as_probe(model)
+    wrong = []
+    for key, value in expected.items():
+        mine = ours.get(key)
+        if isinstance(mine, float):
+            theirs = float(value)
+            both_nan = math.isnan(mine) and math.isnan(theirs)
+            if not (both_nan or math.isclose(mine, theirs, rel_tol=1e-5, abs_tol=1e-12)):
+                wrong.append(f"{key}: model {mine}, torch {value}")
+        elif mine != value:
+            wrong.append(f"{key}: model {mine}, torch {value}")
+    return wrong
+
+
+def test_the_recording_covers_the_corpus_and_every_family() -> None:
+    data = recorded()
+    assert data["cases"] == corpus(), "corpus.py changed: re-record (tests/torch_parser/record.py)"
+    versions = sorted(data["results"], key=_version)
+    assert versions[0] == "2.4.1"
+    assert versions[-1] == "2.13.0"
+    assert len(versions) == 10
+    taken = sum(
+        1
+        for _, rows in data["results"].values()
+        for row in rows
+        if row["env"] != "refused"
+        for verdict, _ in row["sets"]
+        if verdict == "ok"
+    )
+    refused = sum(
+        1
+        for _, rows in data["results"].values()
+        for row in rows
+        if row["env"] != "refused"
+        for verdict, _ in row["sets"]
+        if verdict != "ok"
+    )
+    assert taken > 1500
+    assert refused > 1500
+
+
+RECORDED_VERSIONS: list[str] = sorted(json.loads(RECORDED.read_text())["results"], key=_version)
+
+
+@pytest.mark.parametrize("version", RECORDED_VERSIONS)
+def test_the_model_answers_as_torch_did(version: str) -> None:
+    data = recorded()
+    base, rows = data["results"][version]
+    rules = TorchRules(_version(version))
+    at_start = TorchRules(rules.version, backend=None)
+    mismatches: list[str] = []
+    for case, row in zip(data["cases"], rows, strict=True):
+        env, sets = case["env"], case["sets"]
+        name, _ = rules.env_variable(env)
+        state = default_state(rules.version)
+        if name is not None:
+            outcome = at_start.run(env[name], state)
+            if outcome.accepted != (row["env"] != "refused"):
+                mismatches.append(f"env {env}: model {outcome.error or 'takes it'}")
+                continue
+            state = outcome.state
+        elif row["env"] == "refused":
+            mismatches.append(f"env {env}: model reads nothing, torch refused")
+            continue
+        if row["env"] == "refused":
+            continue
+        wrong = _differences(state, base, row["env"])
+        if wrong:
+            mismatches.append(f"env {env}: {wrong}")
+            continue
+        for text, (verdict, after) in zip(sets, row["sets"]):
+            outcome = rules.run(text, state)
+            if verdict == "crash":  # torch's undefined behaviour: it never takes these
+                if outcome.accepted:
+                    mismatches.append(f"{text!r}: torch crashed, the model takes it")
+                break
+            if outcome.accepted != (verdict == "ok"):
+                mismatches.append(f"{text!r}: torch {verdict}, model {outcome.error or 'ok'}")
+                break
+            wrong = _differences(outcome.state, base, after)
+            if wrong:
+                mismatches.append(f"{text!r} ({verdict}): {wrong}")
+                break
+            state = outcome.state
+    assert not mismatches, "\n".join(mismatches[:20])
+
+
+@pytest.mark.parametrize(
+    ("version", "env", "reads", "ignored"),
+    [
+        ((2, 9), {CUDA_ALLOC_CONF: "a", ALLOC_CONF: "b"}, CUDA_ALLOC_CONF, [ALLOC_CONF]),
+        ((2, 9), {ALLOC_CONF: "b"}, None, [ALLOC_CONF]),
+        ((2, 10), {CUDA_ALLOC_CONF: "a", ALLOC_CONF: "b"}, CUDA_ALLOC_CONF, [ALLOC_CONF]),
+        ((2, 11), {CUDA_ALLOC_CONF: "", ALLOC_CONF: "b"}, CUDA_ALLOC_CONF, [ALLOC_CONF]),
+        ((2, 13), {ALLOC_CONF: "b"}, ALLOC_CONF, []),
+        ((2, 13), {}, None, []),
+    ],
+)
+def test_which_variable_torch_reads(
+    version: tuple[int, int], env: dict[str, str], reads: str | None, ignored: list[str]
+) -> None:
+    assert TorchRules(version).env_variable(env) == (reads, ignored)
+
+
+def test_documented_rules_by_example() -> None:
+    # What the issue reports, as the model says it (each also in the recording).
+    r211 = TorchRules((2, 11))
+    assert r211.run("roundup_power2_divisions:[256:4,>:1,]").accepted  # trailing comma in a list
+    refused = r211.run("large_segment_size_mb:64,max_split_size_mb:32")
+    assert refused.error == (
+        "torch 2.11 refuses max_split_size_mb:32: must be >= 64 (large_segment_size_mb)"
+    )
+    assert not r211.run("pinned_reserve_segment_size_mb:0").accepted
+    assert r211.default_text("pinned_reserve_segment_size_mb") is None  # cannot be put back
+    assert TorchRules((2, 9)).default_text("max_non_split_rounding_mb") is None  # must be > 20
+    assert not r211.run("a:b,,c:d").accepted  # empty items are refused with a CUDA parser
+    half = r211.run("garbage_collection_threshold:0.5,expandable_segments:True,max_split_size_mb:5")
+    assert not half.accepted
+    assert half.state["expandable_segments"] is True
+    lenient = r211.run("expandable_segments,True")  # separators are counted, not checked
+    assert lenient.accepted
+    assert lenient.state["expandable_segments"] is True
+    assert lenient.notes
+    assert r211.run("max_split_size_mb:25.5").state["max_split_size_mb"] == 25
+
+
+def test_the_cpu_build_here_agrees_with_the_model() -> None:
+    """This torch's real setter (CPU build: the generic parser, no CUDA parser)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None or _torch.cuda_built():
+        pytest.skip("needs a CPU-only torch 2.10+ (CI's)")
+    rules = TorchRules(_torch.torch_version(), device=False)
+    state = default_state(rules.version, device=False)
+    reset = "expandable_segments:False,pinned_use_background_threads:False"
+    if "large_segment_size_mb" in rules.keys:
+        reset += ",large_segment_size_mb:20"
+    setter(reset)  # torch's defaults, whatever earlier tests left
+    state = rules.run(reset, state).state
+    strings = list(CURATED_STRINGS) + [t for case in corpus() for t in case["sets"]]
+    wrong = []
+    for text in strings:  # in one process: what a call keeps from the last one counts
+        try:
+            setter(text)
+            took = True
+        except (ValueError, RuntimeError, IndexError):  # IndexError: std::out_of_range
+            took = False
+        outcome = rules.run(text, state)
+        if took != outcome.accepted:
+            wrong.append(f"{text!r}: torch {'takes' if took else 'refuses'} it, the model not")
+        state = outcome.state
+    setter(reset)
+    assert not wrong, "\n".join(wrong[:20])
