@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
+import warnings
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -733,3 +739,78 @@ def test_random_nesting_with_exceptions_restores(
     run(tree, base)
     assert torch_state() == _meaning(base)
     assert hm.allocator_config().scopes == ()
+
+
+# --------------------------------------------------------------------------- #
+# Issue #11: torch's rules exactly, and nothing said that is not so
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("first", ["allocator_config", "allocator_settings", "expandable_segments"])
+def test_plain_env_settings_are_not_reported_as_changed_outside_hybridmem(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, first: str
+) -> None:
+    """torch 2.12+'s getter reports the env string: that is the user's, not a change."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    if first == "allocator_config":  # the very first call of any kind
+        hm.allocator_config()
+    elif first == "allocator_settings":
+        with hm.allocator_settings(max_split_size_mb=512):
+            pass
+    else:
+        with hm.expandable_segments(True):
+            pass
+    hm.allocator_config()
+    assert not [r for r in caplog.records if "outside hybridmem" in r.getMessage()]
+
+
+def test_an_out_of_order_exit_applies_the_right_settings_before_it_warns(
+    fake: FakeTorch,
+) -> None:
+    outer, inner = hm.expandable_segments(True), hm.allocator_settings(max_split_size_mb=64)
+    outer.__enter__()
+    inner.__enter__()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hm.HybridMemWarning)  # as under `python -W error`
+        with pytest.raises(hm.HybridMemWarning, match="exited out of order"):
+            outer.__exit__(None, None, None)
+    # the warning came after torch was given the settings of the scope still active
+    assert fake.torch_state == {"expandable_segments": "False", "max_split_size_mb": "64"}
+    inner.__exit__(None, None, None)
+    assert fake.torch_state == {"expandable_segments": "False"}
+
+
+def test_the_real_torch_here_reads_the_variable_hybridmem_says(tmp_path: Path) -> None:
+    """A fresh interpreter, both variables set: this torch's getter against hybridmem."""
+    if _torch.last_allocator_settings() is None:
+        pytest.skip("needs torch 2.12+ (its getter says what torch read)")
+    script = (
+        "import warnings, logging, json, torch, hybridmem as hm\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    cfg = hm.allocator_config()\n"
+        "    with hm.expandable_segments(True):\n"
+        "        pass\n"
+        "print(json.dumps({'torch_read': torch._C._accelerator_getAllocatorSettings(),\n"
+        "    'variable': cfg.env_variable, 'ignored': cfg.ignored_env,\n"
+        "    'warnings': [str(w.message) for w in seen],\n"
+        "    'max_split': cfg['max_split_size_mb'], 'expandable': cfg.expandable_segments}))\n"
+    )
+    env = {
+        **os.environ,
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,garbage_collection_threshold:0.6",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["variable"] == "PYTORCH_CUDA_ALLOC_CONF"
+    assert out["ignored"] == ["PYTORCH_ALLOC_CONF"]
+    assert out["max_split"] == "512"
+    assert out["expandable"] is False  # torch never read the other variable
+    assert len(out["warnings"]) == 1
+    assert "PYTORCH_ALLOC_CONF is set but torch" in out["warnings"][0]
+    assert "outside hybridmem" not in done.stderr
