@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hybridmem._bucket_wire import BucketHandle, Channel
     from hybridmem._decorate import ScopedContext
-    from hybridmem._errors import AllocatorSettingsError, HybridMemWarning, IpcUnavailableError
+    from hybridmem._errors import (
+        AllocatorSettingsError,
+        HybridMemWarning,
+        IpcUnavailableError,
+        OffloadError,
+        SyncError,
+    )
     from hybridmem.allocator import (
         AllocatorConfig,
         AllocatorSettings,
@@ -89,6 +95,7 @@ _LAZY = {
     "IpcUnavailableError": "hybridmem._errors",
     "LeakWatch": "hybridmem.leakwatch",
     "MemoryInfo": "hybridmem.telemetry",
+    "OffloadError": "hybridmem._errors",
     "OffloadReport": "hybridmem.offload",
     "Offloaded": "hybridmem.offload",
     "Offloader": "hybridmem.offload",
@@ -102,6 +109,7 @@ _LAZY = {
     "StageReport": "hybridmem.switch",
     "Step": "hybridmem.backends",
     "SwitchReport": "hybridmem.switch",
+    "SyncError": "hybridmem._errors",
     "SyncReport": "hybridmem.bucket",
     "Timeline": "hybridmem.timeline",
     "VLLMEngine": "hybridmem.backends",
@@ -163,6 +171,7 @@ __all__ = [
     "IpcUnavailableError",
     "LeakWatch",
     "MemoryInfo",
+    "OffloadError",
     "OffloadReport",
     "Offloaded",
     "Offloader",
@@ -175,6 +184,7 @@ __all__ = [
     "StageReport",
     "Step",
     "SwitchReport",
+    "SyncError",
     "SyncReport",
     "Timeline",
     "VLLMEngine",

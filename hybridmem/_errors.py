@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["AllocatorSettingsError", "HybridMemWarning", "IpcUnavailableError"]
+__all__ = [
+    "AllocatorSettingsError",
+    "HybridMemWarning",
+    "IpcUnavailableError",
+    "OffloadError",
+    "SyncError",
+]
 
 
 class HybridMemWarning(UserWarning):
@@ -29,4 +35,31 @@ class IpcUnavailableError(RuntimeError):
 
     The message says why (allocator backend, probe result, pidfd denial) and what
     to do (usually ``fallback="host"`` or :func:`hybridmem.ipc_safe`).
+    """
+
+
+class OffloadError(RuntimeError):
+    """An offload or reload could not finish; the message says where the data is.
+
+    Nothing is lost when it is raised: either every target is back as it was (an
+    offload that failed), or the data stays in the host pool, every target still
+    offloaded, and a later :meth:`Offloader.reload` brings it back bit for bit (a
+    reload that found too little device memory: retry once the memory is free).
+    The error torch raised, an out-of-memory error say, is its ``__cause__``.
+
+    Attributes:
+        offloaded: the groups whose device storage is still freed (empty: nothing
+            was left offloaded by the failed call).
+    """
+
+    def __init__(self, message: str, *, offloaded: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.offloaded = offloaded
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed: the other side died, stopped answering, or broke the protocol.
+
+    The bucket (or receiver) stays usable for the next sync; the message says what
+    the other side did and how long was waited.
     """

@@ -33,6 +33,7 @@ __all__ = [
     "cuda_version",
     "current_device",
     "current_stream",
+    "dense_parts",
     "device_count",
     "device_index_by_uuid",
     "device_uuid",
@@ -58,11 +59,15 @@ __all__ = [
     "pin_host_tensor",
     "process_rank",
     "record_event",
+    "resize_storage",
     "runtime_allocator_backend",
     "set_allocator_settings",
     "settings_setter_name",
     "snapshot",
     "snapshot_allocator_settings",
+    "storage_key",
+    "storage_of",
+    "storage_resizable",
     "stream_scope",
     "synchronize",
     "synchronize_event",
@@ -372,6 +377,72 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         local = to_local()
     return local if isinstance(local, torch.Tensor) else tensor
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """Return ``tensor``'s untyped storage (what offload frees and restores).
+
+    Raises:
+        TypeError: the tensor has no storage of its own (a tensor subclass or a
+            layout without one); the message names its type and layout.
+    """
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError) as exc:
+        raise TypeError(
+            f"a {type(tensor).__name__} with layout {tensor.layout} has no storage that "
+            f"can be freed in place ({_reason(exc)})"
+        ) from None
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An id of the C++ storage behind ``storage`` (two Python objects may share one).
+
+    ``UntypedStorage._cdata`` (torch 1.x - 2.13): the address of the StorageImpl,
+    what torch itself compares for storage identity.
+    """
+    return int(storage._cdata)
+
+
+def storage_resizable(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` can be freed and reallocated in place (``resize_``).
+
+    False for memory this process does not own: imported through CUDA IPC or
+    DLPack, or wrapping an external buffer (``torch.frombuffer``).
+    """
+    return bool(storage.resizable())
+
+
+def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Free (``nbytes=0``) or reallocate a storage in place, keeping every view of it.
+
+    Raises:
+        torch.OutOfMemoryError: the reallocation did not fit.
+    """
+    storage.resize_(nbytes)
+
+
+def dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors that hold a tensor's data: itself, or a sparse one's pieces.
+
+    COO: indices and values (``_indices()``/``_values()``, torch 1.x - 2.13: the
+    public ``indices()`` refuses an uncoalesced tensor); CSR/CSC/BSR/BSC: their
+    compressed indices and values. Each piece shares its storage with the sparse
+    tensor, so freeing and restoring the piece's storage in place restores it.
+
+    Raises:
+        TypeError: a layout whose data is not in such pieces (the message names it).
+    """
+    layout = tensor.layout
+    if layout == torch.strided:
+        return [tensor]
+    if layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    raise TypeError(f"tensors with layout {layout} cannot be offloaded in place")
 
 
 def new_stream(device: torch.device) -> Any:

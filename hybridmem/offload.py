@@ -25,6 +25,7 @@ assumption). Not thread-safe: drive one Offloader from one thread.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -37,6 +38,7 @@ from hybridmem import _torch
 from hybridmem import timeline as _timeline
 from hybridmem._decorate import ScopedContext
 from hybridmem._env import disabled
+from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem._validate import check_bool
@@ -102,7 +104,7 @@ class _Slot:
 
     def __init__(self, storage: torch.UntypedStorage, name: str, group: Group) -> None:
         self.storage = storage
-        self.key = storage._cdata
+        self.key = _torch.storage_key(storage)
         self.nbytes = storage.nbytes()
         self.name = name
         self.group = group
@@ -259,17 +261,35 @@ class Offloader:
                 yield path, target, "tensors"
 
     def _storages(self) -> Iterator[tuple[str, torch.UntypedStorage, Group, torch.device]]:
-        """Each distinct device storage of the targets, in a stable order."""
+        """Each distinct device storage of the targets, in a stable order.
+
+        A sparse tensor (``nn.Embedding(sparse=True)``'s gradient) yields the
+        storages of its indices and values; a tensor with no storage of its own is
+        refused here, before anything is freed.
+
+        Raises:
+            TypeError: a target tensor has no storage that can be freed in place.
+        """
         seen: set[int] = set()
         for name, tensor, group in self._tensors():
             local = _torch.local_tensor(tensor)
             if not _torch.is_device_tensor(local):
                 continue
-            storage = local.untyped_storage()
-            if storage._cdata in seen:
-                continue
-            seen.add(storage._cdata)
-            yield name, storage, group, local.device
+            try:
+                parts = _torch.dense_parts(local)
+                storages = [_torch.storage_of(part) for part in parts]
+            except TypeError as exc:
+                raise TypeError(
+                    f"Offloader cannot offload {name}: {exc}. Leave it out of the targets "
+                    "(or, for a gradient, use grads='drop'); nothing was offloaded"
+                ) from None
+            for index, storage in enumerate(storages):
+                key = _torch.storage_key(storage)
+                if key in seen:
+                    continue
+                seen.add(key)
+                part = name if len(storages) == 1 else f"{name}[{local.layout} part {index}]"
+                yield part, storage, group, local.device
 
     def _collect(self) -> list[_Slot]:
         slots: list[_Slot] = []
@@ -372,6 +392,12 @@ class Offloader:
 
         Returns:
             An :class:`OffloadReport` (also logged at INFO).
+
+        Raises:
+            TypeError: a target tensor has no storage that can be freed in place.
+            ValueError: a target's memory is not this process's to free (imported
+                through CUDA IPC or DLPack); both are checked before anything is freed.
+            OffloadError: freeing failed midway; what was freed was put back.
         """
         wanted = self._groups(groups)
         check_bool("release_cache", release_cache)
@@ -400,14 +426,62 @@ class Offloader:
                         "bytes) while other groups were offloaded; reload everything before "
                         "changing targets"
                     )
+            self._check_freeable(todo)
             side, _ = self._copy(todo, to_host=True)
         _torch.synchronize_stream(side)  # no host read, no free, before the copies land
-        for slot in todo:
-            slot.storage.resize_(0)
+        if streamed is not None:
+            self._check_freeable(todo)
+        self._free(todo)
         self._offloaded.update(s.group for s in todo)
         if release_cache:
             _torch.empty_cache()
         return self._report("offload", wanted, todo, start, dropped)
+
+    @staticmethod
+    def _check_freeable(slots: Sequence[_Slot]) -> None:
+        """Refuse, before anything is freed, storages torch cannot free in place."""
+        for slot in slots:
+            if not _torch.storage_resizable(slot.storage):
+                raise ValueError(
+                    f"Offloader cannot free {slot.name}: its memory is not this process's "
+                    "to free (imported through CUDA IPC or DLPack, or wrapping an external "
+                    "buffer), so torch cannot resize its storage. Leave it out of the "
+                    "targets, or clone it into memory this process owns; nothing was offloaded"
+                )
+
+    def _free(self, slots: Sequence[_Slot]) -> None:
+        """Free the slots' device storage, all or none: a failure restores those freed."""
+        freed: list[_Slot] = []
+        try:
+            for slot in slots:
+                _torch.resize_storage(slot.storage, 0)
+                freed.append(slot)
+        except BaseException as exc:
+            failed = slots[len(freed)].name
+            try:
+                self._restore(freed)
+            except BaseException as again:
+                raise OffloadError(
+                    f"offload failed freeing {failed} ({exc!r}), and putting back the "
+                    f"{len(freed)} storages freed before it failed too ({again!r}); their "
+                    "data is in the host pool (Offloader.reload() retries)",
+                    offloaded=frozenset(s.group for s in freed),
+                ) from exc
+            raise OffloadError(
+                f"offload failed freeing {failed} ({exc!r}); the {len(freed)} storages freed "
+                "before it were put back from the host pool: every target is as it was"
+            ) from exc
+
+    def _restore(self, slots: Sequence[_Slot]) -> None:
+        """Reallocate and refill freed storages from the pool (blocking)."""
+        if not slots:
+            return
+        for slot in slots:
+            if slot.storage.nbytes() == 0:
+                _torch.resize_storage(slot.storage, slot.nbytes)
+        side, current = self._copy(slots, to_host=False)
+        _torch.wait_stream(current, side)
+        _torch.synchronize_stream(side)
 
     @_timeline.traced("reload", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def reload(
@@ -426,6 +500,9 @@ class Offloader:
             An :class:`OffloadReport` (also logged at INFO).
 
         Raises:
+            OffloadError: the device memory did not fit (the out-of-memory error is
+                its cause) or a copy failed: nothing was reloaded, the data is
+                intact in the host pool, and calling ``reload()`` again retries.
             RuntimeError: a storage was reallocated by someone else while offloaded
                 (reloading would overwrite it).
         """
@@ -441,14 +518,39 @@ class Offloader:
                     f"{slot.name} was reallocated while offloaded ({slot.storage.nbytes()} bytes); "
                     "refusing to overwrite it. Do not touch offloaded tensors before reload()."
                 )
-        for slot in todo:  # allocated on the current stream, where the tensors are used
-            slot.storage.resize_(slot.nbytes)
-        side, current = self._copy(todo, to_host=False)
-        _torch.wait_stream(current, side)  # device use waits for the data
-        if not non_blocking:
-            _torch.synchronize_stream(side)
+        allocated: list[_Slot] = []
+        try:
+            for slot in todo:  # allocated on the current stream, where the tensors are used
+                _torch.resize_storage(slot.storage, slot.nbytes)
+                allocated.append(slot)
+            side, current = self._copy(todo, to_host=False)
+            _torch.wait_stream(current, side)  # device use waits for the data
+            if not non_blocking:
+                _torch.synchronize_stream(side)
+        except BaseException as exc:
+            self._unallocate(allocated)
+            need = sum(s.nbytes for s in todo)
+            groups = sorted({s.group for s in todo}, key=GROUPS.index)
+            raise OffloadError(
+                f"reload of {', '.join(groups)} failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}) with "
+                f"{fmt_bytes(need)} to bring back to {self._device}: nothing was reloaded, the "
+                "data is intact in the host pool and still offloaded; call reload() again "
+                "once the device has room (the engine may not have let go yet)",
+                offloaded=frozenset(self._offloaded),
+            ) from exc
         self._offloaded.difference_update(s.group for s in todo)
         return self._report("reload", wanted, todo, start)
+
+    def _unallocate(self, slots: Sequence[_Slot]) -> None:
+        """Undo a reload's allocations, so that a retry starts from all-offloaded."""
+        with contextlib.suppress(Exception):  # copies queued before the failure must land
+            _torch.synchronize_stream(self._stream)
+        for slot in slots:
+            with contextlib.suppress(Exception):
+                _torch.resize_storage(slot.storage, 0)
+        with contextlib.suppress(Exception):
+            _torch.empty_cache()  # give the partial allocations back to the driver
 
     def _stream_to_host(self, wanted: list[Group]) -> tuple[list[_Slot], Any] | None:
         """Copy to the pool while walking the targets, if they still match the plan.
@@ -470,24 +572,29 @@ class Offloader:
         _torch.wait_stream(side, _torch.current_stream(self._device))
         planned = iter(self._slots)
         todo: list[_Slot] = []
-        with _torch.stream_scope(side):
-            for _, storage, group, _ in self._storages():
-                slot = next(planned, None)
-                if (
-                    slot is None
-                    or slot.key != storage._cdata
-                    or slot.group != group
-                    or slot.nbytes != storage.nbytes()
-                ):
-                    break
-                if group in wanted:
-                    self._copy_one(slot, to_host=True)
-                    todo.append(slot)
-            else:
-                if next(planned, None) is None:
-                    return (todo, side) if todo else None
-        # The copies in flight must land before a re-plan may free the pool.
-        _torch.synchronize_stream(side)
+        try:
+            with _torch.stream_scope(side):
+                for _, storage, group, _ in self._storages():
+                    slot = next(planned, None)
+                    if (
+                        slot is None
+                        or slot.key != _torch.storage_key(storage)
+                        or slot.group != group
+                        or slot.nbytes != storage.nbytes()
+                    ):
+                        break
+                    if group in wanted:
+                        self._copy_one(slot, to_host=True)
+                        todo.append(slot)
+                else:
+                    if next(planned, None) is None:
+                        return (todo, side) if todo else None
+        except BaseException:
+            # Nothing is freed yet; the copies in flight only write the pool, and
+            # must land before anything may reuse or free it.
+            _torch.synchronize_stream(side)
+            raise
+        _torch.synchronize_stream(side)  # a re-plan may free the pool
         return None
 
     def _copy_one(self, slot: _Slot, *, to_host: bool) -> None:
@@ -528,7 +635,11 @@ class Offloader:
                     if param.grad is not None:
                         local = _torch.local_tensor(param.grad)
                         if _torch.is_device_tensor(local):
-                            dropped += local.untyped_storage().nbytes()
+                            with contextlib.suppress(TypeError):  # counted where it can be
+                                dropped += sum(
+                                    _torch.storage_of(part).nbytes()
+                                    for part in _torch.dense_parts(local)
+                                )
                         param.grad = None
         return dropped
 

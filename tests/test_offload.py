@@ -10,9 +10,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
@@ -379,3 +383,248 @@ def test_changed_targets_stop_the_stream_and_replan(
     assert full == [True]  # fell back to planning and copying everything
     off.reload()
     assert_bitwise_equal(expected, snapshot(model, optimizer) + list(extra.values()))
+
+
+# --------------------------------------------------------------------------- #
+# Issue #11: transactional offload and reload, sparse state, injected faults
+# --------------------------------------------------------------------------- #
+
+
+def _frozen_tensor(values: torch.Tensor) -> torch.Tensor:
+    """A tensor over memory this process does not own (as DLPack/CUDA IPC imports are)."""
+    raw = bytearray(values.numpy().tobytes())
+    return torch.frombuffer(raw, dtype=values.dtype).view(values.shape)
+
+
+def test_a_target_whose_memory_cannot_be_freed_is_refused_before_anything_is_freed(
+    cpu_as_device: list[int],
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    imported = torch.nn.Parameter(_frozen_tensor(torch.arange(8.0)), requires_grad=False)
+    model.register_parameter("imported", imported)  # walked last: everything else first
+    off = hm.Offloader(model, optimizer)
+    with pytest.raises(ValueError, match=r"cannot free targets\[0\]\.imported.*nothing was"):
+        off.offload()
+    assert off.offloaded_groups == frozenset()
+    model.imported = None  # type: ignore[assignment]
+    assert_bitwise_equal(before, snapshot(model, optimizer))  # every other target intact
+
+
+def test_a_free_that_fails_midway_puts_back_what_it_freed(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    real = _torch.resize_storage
+    calls = {"n": 0}
+
+    def flaky(storage: torch.UntypedStorage, nbytes: int) -> None:
+        calls["n"] += 1
+        if nbytes == 0 and calls["n"] == 4:
+            raise RuntimeError("injected: the driver refused")
+        real(storage, nbytes)
+
+    monkeypatch.setattr(_torch, "resize_storage", flaky)
+    with pytest.raises(hm.OffloadError, match="were put back from the host pool") as info:
+        off.offload()
+    assert info.value.offloaded == frozenset()
+    assert off.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    monkeypatch.setattr(_torch, "resize_storage", real)
+    off.offload()  # and the Offloader still works
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_a_reload_that_runs_out_of_memory_is_retryable_with_identical_data(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    real = _torch.resize_storage
+    budget = {"left": 3}  # the engine still holds the memory: the fourth allocation fails
+
+    def tight(storage: torch.UntypedStorage, nbytes: int) -> None:
+        if nbytes:
+            if budget["left"] == 0:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            budget["left"] -= 1
+        real(storage, nbytes)
+
+    monkeypatch.setattr(_torch, "resize_storage", tight)
+    with pytest.raises(hm.OffloadError, match=r"nothing was reloaded.*again") as info:
+        off.reload()
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert info.value.offloaded == {"parameters", "buffers", "gradients", "optimizer"}
+    params = list(model.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)  # all still offloaded
+    budget["left"] = 10_000  # the engine let go
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_sparse_embedding_gradients_and_sparse_adam_state_round_trip(
+    cpu_as_device: list[int],
+) -> None:
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 8, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2, 3, 2])).sum().backward()
+    opt.step()  # type: ignore[no-untyped-call]
+    emb(torch.tensor([4, 4, 7])).sum().backward()  # an uncoalesced sparse gradient
+    grad = emb.weight.grad
+    assert grad is not None
+    assert grad.layout == torch.sparse_coo
+    dense_before = grad.to_dense().clone()
+    weight_before = emb.weight.detach().clone()
+    state_before = [
+        v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    off = hm.Offloader(emb, opt)
+    report = off.offload()
+    assert report.tensors >= 4  # weight, the gradient's indices and values, Adam's state
+    assert grad._values().untyped_storage().nbytes() == 0
+    off.reload()
+    assert emb.weight.grad is grad
+    assert torch.equal(grad.to_dense(), dense_before)
+    assert torch.equal(emb.weight.detach(), weight_before)
+    state_after = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert_bitwise_equal(state_before, state_after)
+    opt.step()  # type: ignore[no-untyped-call]  # and the optimizer carries on
+
+
+def test_a_tensor_without_a_storage_is_refused_before_anything_is_freed(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    odd = torch.ones(4)
+    real = _torch.dense_parts
+
+    def parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+        if tensor is odd:
+            raise TypeError("tensors with layout torch._mkldnn cannot be offloaded in place")
+        return real(tensor)
+
+    monkeypatch.setattr(_torch, "dense_parts", parts)
+    off = hm.Offloader(model, optimizer, {"odd": odd})
+    with pytest.raises(TypeError, match=r"cannot offload targets\[2\]\['odd'\].*nothing was"):
+        off.offload()
+    assert off.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+# A failure may be injected at any step of an offload or a reload; afterwards the
+# data is identical, or still retrievable: a reload without faults restores it bit
+# for bit. No call blocks (there is nothing to wait for on the CPU).
+_FAULT_POINTS = ["resize_storage", "synchronize_stream", "wait_stream", "copy", "empty_cache"]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["offload", "reload", "offload_params", "reload_optimizer"]),
+            st.sampled_from(_FAULT_POINTS),
+            st.integers(0, 12),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_injected_faults_never_lose_data(
+    cpu_as_device: list[int], plan: list[tuple[str, str, int]]
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    for action, point, after in plan:
+        faults = _Faults(point, after)
+        with faults.installed(off):
+            try:
+                if action == "offload":
+                    off.offload()
+                elif action == "offload_params":
+                    off.offload("parameters")
+                elif action == "reload":
+                    off.reload()
+                else:
+                    off.reload("optimizer")
+            except (hm.OffloadError, _Injected):
+                pass
+        _check_retrievable(off, model, optimizer, before)
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+class _Faults:
+    """Make the ``after``-th call of one seam function (or of a copy) fail once."""
+
+    def __init__(self, point: str, after: int) -> None:
+        self.point, self.after, self.calls = point, after, 0
+
+    def _maybe_fail(self) -> None:
+        self.calls += 1
+        if self.calls == self.after + 1:
+            raise _Injected(f"injected fault in {self.point}")
+
+    def installed(self, off: hm.Offloader) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def patch() -> Iterator[None]:
+            if self.point == "copy":
+                real_copy = off._copy_one
+
+                def copy(slot: Any, *, to_host: bool) -> None:
+                    self._maybe_fail()
+                    real_copy(slot, to_host=to_host)
+
+                off._copy_one = copy  # type: ignore[method-assign]
+                try:
+                    yield
+                finally:
+                    del off._copy_one
+                return
+            real = getattr(_torch, self.point)
+
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                self._maybe_fail()
+                return real(*args, **kwargs)
+
+            setattr(_torch, self.point, wrapped)
+            try:
+                yield
+            finally:
+                setattr(_torch, self.point, real)
+
+        return patch()
+
+
+def _check_retrievable(
+    off: hm.Offloader,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    before: list[torch.Tensor],
+) -> None:
+    """Every group is either resident with its data, or offloaded with its storage freed."""
+    offloaded = off.offloaded_groups
+    for p in model.parameters():
+        freed = p.untyped_storage().nbytes() == 0
+        assert freed == ("parameters" in offloaded)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if value.dim():  # Adam's step is a 0-dim tensor, moved like the rest
+                assert (value.untyped_storage().nbytes() == 0) == ("optimizer" in offloaded)
+    if not offloaded:
+        assert_bitwise_equal(before, snapshot(model, optimizer))

@@ -330,6 +330,82 @@ def offload_fsdp2() -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def offload_faults() -> dict[str, Any]:
+    """Issue #11: an unfreeable target, a reload out of memory, sparse state, on the GPU."""
+    from torch.utils.dlpack import from_dlpack
+
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    # (1) a parameter imported through DLPack: its storage cannot be freed by torch
+    model = _mlp(width=1024, depth=4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 1024, device="cuda")).sum().backward()
+    opt.step()
+    owner = torch.randn(1 << 20, device="cuda")
+    model.register_parameter(
+        "imported", torch.nn.Parameter(from_dlpack(owner.__dlpack__()), requires_grad=False)
+    )
+    reference = [t.detach().clone() for t in _state(model, opt)]
+    off = hm.Offloader(model, opt)
+    try:
+        off.offload()
+        out["unfreeable"] = "offloaded"
+    except ValueError as exc:
+        out["unfreeable"] = str(exc)
+    torch.cuda.synchronize()
+    out["unfreeable_intact"] = all(
+        torch.equal(a, b.detach()) for a, b in zip(reference, _state(model, opt))
+    )
+    with torch.no_grad():  # usable, no illegal memory access: nothing was freed
+        out["forward_after_refusal"] = bool(
+            torch.isfinite(model(torch.randn(8, 1024, device="cuda"))).all()
+        )
+    del model.imported
+
+    # (2) a reload while the "engine" still holds the memory: retryable, identical
+    off = hm.Offloader(model, opt)
+    reference = [t.detach().cpu().clone() for t in _state(model, opt)]
+    state_bytes = sum(t.untyped_storage().nbytes() for t in _state(model, opt))
+    off.offload()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - state_bytes // 2, dtype=torch.uint8, device="cuda")
+    try:
+        off.reload()
+        out["reload_oom"] = "reloaded"
+    except hm.OffloadError as exc:
+        out["reload_oom"] = str(exc)
+        out["reload_oom_cause"] = type(exc.__cause__).__name__
+        out["still_offloaded"] = sorted(off.offloaded_groups)
+    del hog
+    torch.cuda.empty_cache()
+    off.reload()
+    out["retry_equal"] = all(
+        torch.equal(a, b.detach().cpu()) for a, b in zip(reference, _state(model, opt))
+    )
+
+    # (3) a sparse embedding gradient and SparseAdam's state
+    emb = torch.nn.Embedding(100_000, 256, sparse=True).cuda()
+    sparse_opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-2)
+    emb(torch.randint(0, 100_000, (4096,), device="cuda")).sum().backward()
+    sparse_opt.step()  # type: ignore[no-untyped-call]
+    emb(torch.randint(0, 100_000, (4096,), device="cuda")).sum().backward()
+    grad = emb.weight.grad
+    assert grad is not None
+    dense = grad.to_dense().cpu()
+    weight = emb.weight.detach().cpu().clone()
+    sparse_off = hm.Offloader(emb, sparse_opt)
+    report = sparse_off.offload()
+    out["sparse_freed"] = grad._values().untyped_storage().nbytes() == 0
+    sparse_off.reload()
+    out["sparse_equal"] = bool(
+        torch.equal(grad.to_dense().cpu(), dense) and torch.equal(emb.weight.detach().cpu(), weight)
+    )
+    sparse_opt.step()  # type: ignore[no-untyped-call]
+    out["sparse_bytes"] = report.nbytes
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "segments": segments,
     "settings": settings,
@@ -340,6 +416,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "offload_cycles": offload_cycles,
     "offload_training": offload_training,
     "offload_fsdp2": offload_fsdp2,
+    "offload_faults": offload_faults,
 }
 
 if __name__ == "__main__":

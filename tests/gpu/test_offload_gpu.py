@@ -42,3 +42,18 @@ def test_fsdp2_local_shards() -> None:
     assert facts["freed"]
     assert facts["equal"]
     assert facts["bytes"] > 0
+
+
+def test_faults_lose_nothing_on_the_gpu() -> None:
+    """Issue #11: refused before anything is freed; a reload out of memory is retryable."""
+    facts = run_scenario("offload_faults")
+    print(f"\noffload faults: {facts}")
+    assert "its memory is not this process's to free" in facts["unfreeable"]
+    assert facts["unfreeable_intact"]
+    assert facts["forward_after_refusal"]
+    assert "nothing was reloaded" in facts["reload_oom"]
+    assert facts["reload_oom_cause"] == "OutOfMemoryError"
+    assert facts["still_offloaded"] == ["buffers", "gradients", "optimizer", "parameters"]
+    assert facts["retry_equal"]
+    assert facts["sparse_freed"]
+    assert facts["sparse_equal"]
