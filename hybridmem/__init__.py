@@ -67,7 +67,14 @@ if TYPE_CHECKING:
     from hybridmem.offload import Offloaded, Offloader, OffloadReport, offloaded
     from hybridmem.phases import Phase, phase
     from hybridmem.receiver import BucketReceiver
-    from hybridmem.switch import HybridSwitch, HybridSwitchError, StageReport, SwitchReport
+    from hybridmem.switch import (
+        HybridSwitch,
+        HybridSwitchError,
+        RankStatus,
+        RankSync,
+        StageReport,
+        SwitchReport,
+    )
     from hybridmem.telemetry import MemoryInfo, memory_info
     from hybridmem.timeline import Event, Recording, Timeline, events, get_timeline, record
 
@@ -101,6 +108,8 @@ _LAZY = {
     "Offloader": "hybridmem.offload",
     "PHASES": "hybridmem.backends",
     "Phase": "hybridmem.phases",
+    "RankStatus": "hybridmem.switch",
+    "RankSync": "hybridmem.switch",
     "Recording": "hybridmem.timeline",
     "ReleaseReport": "hybridmem.cache",
     "SGLangEngine": "hybridmem.backends",
@@ -176,6 +185,8 @@ __all__ = [
     "Offloaded",
     "Offloader",
     "Phase",
+    "RankStatus",
+    "RankSync",
     "Recording",
     "ReleaseReport",
     "SGLangEngine",

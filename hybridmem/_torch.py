@@ -37,6 +37,7 @@ __all__ = [
     "device_count",
     "device_index_by_uuid",
     "device_uuid",
+    "dist_all_gather_object",
     "dist_barrier",
     "dist_initialized",
     "dist_rank",
@@ -713,6 +714,22 @@ def dist_barrier() -> None:
         dist.barrier(device_ids=[int(torch.cuda.current_device())])
     else:
         dist.barrier()
+
+
+def dist_all_gather_object(obj: object, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``torch.distributed.all_gather_object``).
+
+    A collective: every rank of ``group`` (None: the default group) must call it.
+    With NCCL the objects travel through the current device, never device 0 by
+    assumption. It waits as long as the process group's timeout (set with
+    ``init_process_group(timeout=...)``), then raises.
+    """
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def api_report() -> dict[str, bool]:

@@ -50,6 +50,10 @@ Group = Literal["parameters", "buffers", "gradients", "optimizer", "tensors"]
 #: storage reached twice belongs to the first group that reaches it).
 GROUPS: tuple[Group, ...] = ("parameters", "buffers", "gradients", "optimizer", "tensors")
 _ALIGN = 512  # bytes; each storage starts on this boundary in the pinned pool
+# How the CUDA caching allocator rounds requests (c10/cuda/CUDACachingAllocator):
+# small ones (<= 1 MiB) to 512 B inside 2 MiB blocks, large ones to 2 MiB.
+_SMALL_SIZE, _SMALL_ROUND, _LARGE_ROUND = 1 << 20, 512, 2 << 20
+_HEADROOM = 20 << 20  # one large block for what rounding misses
 
 Target = Any  # nn.Module | Optimizer | Tensor | Mapping | Sequence of these
 
@@ -222,6 +226,22 @@ class Offloader:
     def offloaded_groups(self) -> frozenset[str]:
         """The groups whose device storage is currently freed."""
         return frozenset(self._offloaded)
+
+    def reload_bytes(self, groups: str | Iterable[str] | None = None) -> int:
+        """Device memory a reload of the offloaded ``groups`` needs, about (bytes).
+
+        The bytes offloaded, with each storage rounded as the caching allocator
+        rounds it (512 B for small ones, 2 MiB blocks for large ones), plus one
+        20 MiB block: what must be free before :meth:`reload` can fit. 0 when
+        nothing is offloaded.
+        """
+        wanted = self._groups(groups)
+        total = 0
+        for slot in self._slots:
+            if slot.group in wanted and slot.group in self._offloaded:
+                unit = _SMALL_ROUND if slot.nbytes <= _SMALL_SIZE else _LARGE_ROUND
+                total += -(-slot.nbytes // unit) * unit
+        return total + _HEADROOM if total else 0
 
     @property
     def device(self) -> torch.device | None:

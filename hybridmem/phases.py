@@ -20,7 +20,7 @@ from hybridmem.ipc import IpcSafe
 
 __all__ = ["Phase", "await_free", "await_free_async", "phase"]
 
-_POLL_S = 0.01
+POLL_S = 0.01  # how often free memory is read while waiting for it
 
 
 _TOLERANCE = 2 << 20
@@ -57,7 +57,7 @@ def await_free(
     started = time.perf_counter()
     free: list[int] = []
     for _ in _polls(index, timeout_s, tolerance, free):
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
     return free[-1], time.perf_counter() - started
 
 
@@ -67,7 +67,7 @@ async def await_free_async(device: int | None, timeout_s: float) -> None:
     if index is None:
         return
     for _ in _polls(index, timeout_s, _TOLERANCE, []):
-        await asyncio.sleep(_POLL_S)
+        await asyncio.sleep(POLL_S)
 
 
 def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: str) -> list[Step]:

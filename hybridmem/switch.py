@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 from hybridmem import _torch, phases
 from hybridmem import timeline as _timeline
@@ -30,15 +31,115 @@ from hybridmem.offload import Offloader
 from hybridmem.phases import Phase
 from hybridmem.telemetry import MemoryInfo, memory_info
 
-__all__ = ["HybridSwitch", "HybridSwitchError", "StageReport", "SwitchReport"]
+__all__ = [
+    "HybridSwitch",
+    "HybridSwitchError",
+    "RankStatus",
+    "RankSync",
+    "StageReport",
+    "SwitchReport",
+]
 
 Barrier = Callable[[], object]
+#: The stages where ranks meet: each carries every rank's status (torch.distributed).
+_SYNC_POINTS = frozenset({"barrier", "barrier_kv", "barrier_reload"})
 # Stages that block the host for long (copies, collectives): run off the event loop.
-_BLOCKING = frozenset({"offload", "reload", "barrier", "barrier_kv", "barrier_reload"})
+_BLOCKING = frozenset({"offload", "reload"}) | _SYNC_POINTS
 
 
 class HybridSwitchError(RuntimeError):
-    """A switch failed and could not put everything back; the message says what remains."""
+    """A switch failed: on another rank, or here without putting everything back.
+
+    The message says which rank failed at which stage and what remains (an engine
+    still awake, trainer state still offloaded and how to get it back).
+    """
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What one rank says at a sync point of a switch (picklable).
+
+    Attributes:
+        rank: the rank that says it.
+        cycle: its switch's cycle number (one per ``to_rollout``).
+        point: the sync point (``"barrier"``, ``"barrier_kv"``, ``"barrier_reload"``,
+            ``"to_rollout:end"``, ``"to_trainer:end"``, ``"recover"``).
+        ok: False once this rank's switch failed in this direction.
+        stage: where it failed.
+        error: what failed, as text.
+        asleep: whether its engine is asleep (nothing of it awake).
+    """
+
+    rank: int
+    cycle: int
+    point: str
+    ok: bool
+    stage: str | None = None
+    error: str | None = None
+    asleep: bool = True
+
+
+@runtime_checkable
+class RankSync(Protocol):
+    """How ranks meet: give every rank's :class:`RankStatus` for this rank's one.
+
+    Every rank calls :meth:`exchange` at the same points in the same order; the
+    default (``barrier="auto"``) does it with ``torch.distributed.all_gather_object``
+    on the default group, bounded by the process group's timeout.
+    """
+
+    def exchange(self, status: RankStatus) -> list[RankStatus]:
+        """Return every rank's status at this point, this rank's included."""
+
+
+class _DistRanks:
+    """Ranks meet through torch.distributed (the given group, or the default one)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def exchange(self, status: RankStatus) -> list[RankStatus]:
+        return list(_torch.dist_all_gather_object(status, self.group))
+
+    def __repr__(self) -> str:
+        return "torch.distributed" if self.group is None else f"torch.distributed({self.group})"
+
+
+class _PlainBarrier:
+    """A callable barrier: it makes ranks wait for each other but carries no status.
+
+    It is called at the three stage barriers only (never at the points where a
+    status would be needed), so every rank calls it equally often, failed or not.
+    """
+
+    def __init__(self, barrier: Barrier) -> None:
+        self.barrier = barrier
+
+    def exchange(self, status: RankStatus) -> list[RankStatus]:
+        if status.point in _SYNC_POINTS:
+            self.barrier()
+        return [status]
+
+
+@dataclass
+class _Failure:
+    """Where a switch failed and why (here, or on another rank)."""
+
+    stage: str
+    error: BaseException
+    remote: bool = False
+
+    def describe(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One operation of a direction, for a driver to run (in a thread if ``blocking``)."""
+
+    fn: Callable[[], object]
+    blocking: bool
+    name: str
 
 
 @dataclass(frozen=True)
@@ -135,12 +236,21 @@ class HybridSwitch:
         offloader: an :class:`Offloader` for the trainer state (None: nothing moves).
         sync_weights: called with the adapter inside the ``weight_sync`` phase, after
             the engine's weights woke (sync or ``async def``).
-        barrier: ``"auto"`` (the default group's ``torch.distributed`` barrier when one
-            is initialised, else none), None, or a callable; it runs before the engine
-            wakes, before the KV cache wakes and before the trainer reloads, so no rank
-            takes memory back while another on the node still holds it.
-        confirm_timeout_s: how long to wait for device free memory to settle after
-            the engine sleeps (SGLang can return before its memory is free).
+        barrier: how ranks meet before the engine wakes, before the KV cache wakes
+            and before the trainer reloads, so that no rank takes memory back while
+            another on the node still holds it. ``"auto"`` (default): through
+            ``torch.distributed`` when a default group exists (else no ranks),
+            carrying each rank's status, so that when one rank fails every rank's
+            switch for that cycle fails at the next point and recovers with it (the
+            error names the rank and stage). An :class:`RankSync` does the same its
+            own way. A plain callable only makes ranks wait (it cannot tell them of a
+            failure). None: a single rank.
+        confirm_timeout_s: how long to wait after the engine sleeps for device free
+            memory to settle (SGLang can return before its memory is free) and to
+            have room for the trainer state; past it the switch fails at
+            ``confirm`` saying how much is free and needed, and the trainer state
+            stays offloaded (intact, retrievable) rather than reloading into memory
+            that cannot hold it.
         collect_garbage: when releases run a ``gc.collect()`` pass: ``"once"``
             (default) in the first release of each direction (after the offload;
             after the engine sleeps), which frees what reference cycles held
@@ -168,7 +278,7 @@ class HybridSwitch:
         offloader: Offloader | None = None,
         *,
         sync_weights: Callable[[EngineAdapter], object] | None = None,
-        barrier: Barrier | Literal["auto"] | None = "auto",
+        barrier: Barrier | RankSync | Literal["auto"] | None = "auto",
         confirm_timeout_s: float = 5.0,
         device: DeviceArg = None,
         collect_garbage: bool | Literal["once"] = "once",
@@ -179,12 +289,20 @@ class HybridSwitch:
             raise TypeError(f"offloader must be an hm.Offloader or None, got {offloader!r}")
         if sync_weights is not None and not callable(sync_weights):
             raise TypeError(f"sync_weights must be callable or None, got {sync_weights!r}")
+        self._ranks: RankSync | None
         if barrier == "auto":
             self.barrier = _default_barrier()
-        elif barrier is None or callable(barrier):
-            self.barrier = barrier
+            self._ranks = _DistRanks() if self.barrier is not None else None
+        elif barrier is None:
+            self.barrier, self._ranks = None, None
+        elif isinstance(barrier, RankSync):
+            self.barrier, self._ranks = None, barrier
+        elif callable(barrier):
+            self.barrier, self._ranks = barrier, _PlainBarrier(barrier)
         else:
-            raise TypeError(f"barrier must be 'auto', None or a callable, got {barrier!r}")
+            raise TypeError(
+                f"barrier must be 'auto', None, a callable or an hm.RankSync, got {barrier!r}"
+            )
         if isinstance(confirm_timeout_s, bool) or not isinstance(confirm_timeout_s, int | float):
             raise TypeError(f"confirm_timeout_s must be a number, got {confirm_timeout_s!r}")
         if confirm_timeout_s < 0:
@@ -204,6 +322,8 @@ class HybridSwitch:
         self._state = _State()
         self._active = False
         self._async_mode = False
+        self._cycle = 0
+        self._out_of_step = False
 
     def __repr__(self) -> str:
         return f"HybridSwitch({self.engine!r}, backend={self.profile.name!r}, rank={self.rank})"
@@ -261,8 +381,7 @@ class HybridSwitch:
             self._state.offloaded = False
 
     def _barrier(self) -> None:
-        if self.barrier is not None:
-            self.barrier()
+        """Placeholder: the drivers run sync points as status exchanges."""
 
     def _wake(self, tag: str) -> Awaitable[Any] | None:
         # Counted as awake before the call: a failed wake may have taken memory.
@@ -324,8 +443,14 @@ class HybridSwitch:
     def _confirm(self) -> object:
         def settle() -> object:
             if self._async_mode:
-                return phases.await_free_async(self.device, self.confirm_timeout_s)
+
+                async def settle_async() -> None:
+                    await phases.await_free_async(self.device, self.confirm_timeout_s)
+                    await self._await_room_async()
+
+                return settle_async()
             phases.await_free(self.device, timeout_s=self.confirm_timeout_s)
+            self._await_room()
             return None
 
         return self._then(self._exit_phase(), settle)  # sleep: releases (SGLang: waits)
@@ -353,65 +478,215 @@ class HybridSwitch:
         ]
 
     # ------------------------------------------------------------------ #
-    # Recovery: back to the trainer phase, or say exactly what remains
+    # Ranks: every sync point carries each rank's status
     # ------------------------------------------------------------------ #
-    def _recover(
+    def _status(self, point: str, failure: _Failure | None) -> RankStatus:
+        return RankStatus(
+            rank=self.rank,
+            cycle=self._cycle,
+            point=point,
+            ok=failure is None,
+            stage=None if failure is None else failure.stage,
+            error=None if failure is None else failure.describe(),
+            asleep=not (self._state.weights or self._state.kv),
+        )
+
+    def _exchange(self, point: str, failure: _Failure | None) -> list[RankStatus]:
+        """Tell every rank this rank's status at ``point``; return every rank's.
+
+        A collective when the barrier is torch.distributed's: every rank passes the
+        same points in the same order, failed or not (a failed rank skips its
+        remaining work but never a point), so no point pairs with another.
+
+        Raises:
+            HybridSwitchError: the ranks are at different points (out of step).
+        """
+        status = self._status(point, failure)
+        if self._ranks is None or self._out_of_step:
+            return [status]
+        statuses = self._ranks.exchange(status)
+        where = {(s.cycle, s.point) for s in statuses}
+        if len(where) > 1:
+            self._out_of_step = True
+            listed = ", ".join(f"rank {s.rank} at {s.point!r} of cycle {s.cycle}" for s in statuses)
+            raise HybridSwitchError(
+                f"the ranks are out of step ({listed}): every rank must run the same "
+                "switches in the same order"
+            )
+        return statuses
+
+    def _remote(self, statuses: list[RankStatus]) -> _Failure | None:
+        failed = [s for s in statuses if not s.ok and s.rank != self.rank]
+        if not failed:
+            return None
+        first = failed[0]
+        return _Failure(
+            first.stage or "?",
+            HybridSwitchError(
+                "; ".join(f"rank {s.rank} failed at stage {s.stage!r} ({s.error})" for s in failed)
+            ),
+            remote=True,
+        )
+
+    # ------------------------------------------------------------------ #
+    # Room: the engine must have let go before the trainer state comes back
+    # ------------------------------------------------------------------ #
+    def _reload_need(self) -> int:
+        if self.offloader is None or not self._state.offloaded:
+            return 0
+        return self.offloader.reload_bytes()
+
+    def _room(self) -> tuple[bool, int | None, int]:
+        need = self._reload_need()
+        free = self._memory().free if need else None
+        return (free is None or free >= need), free, need
+
+    def _no_room(self, free: int | None, need: int) -> str:
+        return (
+            f"device free memory is {fmt_bytes(free or 0)} but the trainer state needs about "
+            f"{fmt_bytes(need)}: the engine has not let go of its memory (its sleep returned "
+            "before freeing it, or another process holds it)"
+        )
+
+    def _await_room(self) -> None:
+        deadline = time.monotonic() + self.confirm_timeout_s
+        while True:
+            fits, free, need = self._room()
+            if fits:
+                return
+            if time.monotonic() >= deadline:
+                raise HybridSwitchError(
+                    f"rank {self.rank}: {self._no_room(free, need)} after "
+                    f"{self.confirm_timeout_s:g} s (confirm_timeout_s); not reloading into "
+                    "memory that cannot hold it"
+                )
+            time.sleep(phases.POLL_S)
+
+    async def _await_room_async(self) -> None:
+        deadline = time.monotonic() + self.confirm_timeout_s
+        while True:
+            fits, free, need = self._room()
+            if fits:
+                return
+            if time.monotonic() >= deadline:
+                raise HybridSwitchError(
+                    f"rank {self.rank}: {self._no_room(free, need)} after "
+                    f"{self.confirm_timeout_s:g} s (confirm_timeout_s); not reloading into "
+                    "memory that cannot hold it"
+                )
+            await asyncio.sleep(phases.POLL_S)
+
+    # ------------------------------------------------------------------ #
+    # One direction, as calls for a sync or an async driver to run
+    # ------------------------------------------------------------------ #
+    def _direction(
         self,
-        failed: str,
-        exc: BaseException,
-        problems: list[str] | None = None,
-        *,
-        try_sleep: bool = True,
-    ) -> HybridSwitchError | None:
-        problems = [] if problems is None else problems
-        self._async_mode = False  # recovery runs to the end in one go
-        state = self._state
-        if (state.weights or state.kv) and try_sleep:
+        direction: Literal["to_rollout", "to_trainer"],
+        failure: _Failure | None = None,
+    ) -> Generator[_Call, object, SwitchReport]:
+        """The stages of one direction; after a failure, only the sync points.
+
+        Yields each operation as a :class:`_Call`; the driver sends back its result
+        or throws its exception in. Ends with an ``end`` point where every rank
+        learns whether any rank failed; then every rank recovers together.
+        """
+        report = SwitchReport(direction, self.rank)
+        for name, operation in self._stages(direction):
+            point = name in _SYNC_POINTS
+            if failure is not None and not point:
+                continue  # a failed rank does no more work, but still meets every point
+            stage = self._start_stage(name)
             try:
-                call_sync(self._sleep(), "engine.sleep()")
+                if point:
+                    statuses = yield _Call(partial(self._exchange, name, failure), True, name)
+                    failure = failure or self._remote(cast("list[RankStatus]", statuses))
+                else:
+                    yield _Call(operation, name in _BLOCKING, name)
+            except BaseException as exc:
+                _timeline.end(stage.span, error=repr(exc))
+                failure = failure or _Failure(name, exc)
+                continue
+            self._finish_stage(report, stage)
+        try:
+            statuses = yield _Call(
+                partial(self._exchange, f"{direction}:end", failure), True, "end"
+            )
+            failure = failure or self._remote(cast("list[RankStatus]", statuses))
+        except BaseException as exc:
+            failure = failure or _Failure("end", exc)
+        if failure is None:
+            return self._finish(report)
+        yield from self._recover(failure)
+        raise AssertionError("unreachable: recovery raises")  # pragma: no cover
+
+    def _recover(self, failure: _Failure) -> Generator[_Call, object, None]:
+        """Back to the trainer phase with every rank, or say exactly what remains; raises."""
+        problems: list[str] = []
+        state = self._state
+        if state.weights or state.kv:
+            try:
+                yield _Call(self._sleep, False, "recover:sleep")
             except Exception as error:
                 problems.append(self._still_awake(error))
         while state.phases:
             try:
-                self._exit_phase(exc)
+                yield _Call(partial(self._exit_phase, failure.error), False, "recover:phase")
             except Exception as error:
                 problems.append(f"leaving a phase failed: {error!r}")
         with contextlib.suppress(Exception):
-            self._release()
-        if state.offloaded and not (state.weights or state.kv):
-            try:
-                self._reload()
-            except Exception as error:
-                problems.append(f"the trainer state is still offloaded: reload failed: {error!r}")
-        elif state.offloaded:
-            problems.append(
-                "the trainer state is still offloaded (not reloaded: the engine is awake)"
-            )
+            yield _Call(self._release, False, "recover:release")
+        everyone_asleep = True
+        try:  # no rank reloads while another rank's engine may still hold memory
+            statuses = yield _Call(partial(self._exchange, "recover", failure), True, "recover")
+            awake = [s.rank for s in cast("list[RankStatus]", statuses) if not s.asleep]
+            everyone_asleep = not awake
+        except Exception as error:
+            awake, everyone_asleep = [], False
+            problems.append(f"the ranks could not agree on recovery: {error!r}")
+        if state.offloaded:
+            fits, free, need = self._room()
+            if state.weights or state.kv:
+                problems.append(
+                    "the trainer state is still offloaded (not reloaded: the engine is awake)"
+                )
+            elif not everyone_asleep:
+                ranks = ", ".join(map(str, awake)) or "some rank"
+                problems.append(
+                    f"the trainer state is still offloaded (not reloaded: the engine of rank "
+                    f"{ranks} is awake); call offloader.reload() once it sleeps"
+                )
+            elif not fits:
+                problems.append(
+                    f"the trainer state is still offloaded and intact: {self._no_room(free, need)}"
+                    "; call offloader.reload() once the memory is free"
+                )
+            else:
+                try:
+                    yield _Call(self._reload, True, "recover:reload")
+                except Exception as error:
+                    problems.append(
+                        f"the trainer state is still offloaded: reload failed: {error!r}"
+                    )
         self._active = False
-        if not problems:
+        where = f"stage {failure.stage!r}"
+        if not problems and not failure.remote:
             logger.warning(
-                "rank %d: switch failed at stage %r (%r); back in the trainer phase: engine "
-                "asleep, trainer state reloaded, allocator settings restored",
+                "rank %d: switch failed at %s (%r); back in the trainer phase: engine asleep, "
+                "trainer state reloaded, allocator settings restored",
                 self.rank,
-                failed,
-                exc,
+                where,
+                failure.error,
             )
-            return None
-        return HybridSwitchError(
-            f"rank {self.rank}: the switch failed at stage {failed!r} ({exc!r}) and could not "
-            f"restore everything: {'; '.join(problems)}. Allocator settings are restored."
+            raise failure.error
+        done = (
+            "could not restore everything: " + "; ".join(problems)
+            if problems
+            else ("every rank recovered: engine asleep, trainer state reloaded")
         )
-
-    async def _arecover(self, failed: str, exc: BaseException) -> HybridSwitchError | None:
-        problems: list[str] = []
-        if self._state.weights or self._state.kv:
-            try:
-                result = self._sleep()
-                if inspect.isawaitable(result):
-                    await result
-            except Exception as error:
-                problems.append(self._still_awake(error))
-        return self._recover(failed, exc, problems, try_sleep=False)
+        origin = f"{failure.error}" if failure.remote else f"failed at {where} ({failure.error!r})"
+        raise HybridSwitchError(
+            f"rank {self.rank}: the switch {origin}, and {done}. Allocator settings are restored."
+        ) from (None if failure.remote else failure.error)
 
     def _still_awake(self, error: Exception) -> str:
         on = (("weights", self._state.weights), ("kv_cache", self._state.kv))
@@ -459,42 +734,46 @@ class HybridSwitch:
         logger.info("%s", report)
         return report
 
-    def _run(self, direction: Literal["to_rollout", "to_trainer"]) -> SwitchReport:
-        report = SwitchReport(direction, self.rank)
-        for name, operation in self._stages(direction):
-            stage = self._start_stage(name)
-            try:
-                call_sync(operation(), f"stage {name!r}")
-            except BaseException as exc:
-                _timeline.end(stage.span, error=repr(exc))
-                error = self._recover(name, exc)
-                if error is not None:
-                    raise error from exc
-                raise
-            self._finish_stage(report, stage)
-        return self._finish(report)
+    def _drive(self, steps: Generator[_Call, object, SwitchReport]) -> SwitchReport:
+        """Run a direction's calls in this thread."""
+        self._async_mode = False
+        try:
+            call = next(steps)
+            while True:
+                try:
+                    result = call.fn()
+                    call_sync(result, f"stage {call.name!r}")
+                except BaseException as exc:
+                    call = steps.throw(exc)
+                else:
+                    call = steps.send(result)
+        except StopIteration as stop:
+            return cast(SwitchReport, stop.value)
 
-    async def _arun(self, direction: Literal["to_rollout", "to_trainer"]) -> SwitchReport:
+    async def _adrive(self, steps: Generator[_Call, object, SwitchReport]) -> SwitchReport:
+        """Run a direction's calls on the event loop; blocking ones in a worker thread.
+
+        A cancelled task still waits for a worker thread to finish (an offload
+        cannot be stopped midway) before recovery touches the same state; the
+        cancellation is raised once every rank has recovered.
+        """
         self._async_mode = True
         try:
-            report = SwitchReport(direction, self.rank)
-            for name, operation in self._stages(direction):
-                stage = self._start_stage(name)
+            call = next(steps)
+            while True:
                 try:
-                    if name in _BLOCKING:
-                        result = await asyncio.to_thread(operation)  # blocking: off the loop
+                    if call.blocking:
+                        result = await _in_thread(call.fn)
                     else:
-                        result = operation()
+                        result = call.fn()
                     if inspect.isawaitable(result):
-                        await result
+                        result = await result
                 except BaseException as exc:
-                    _timeline.end(stage.span, error=repr(exc))
-                    error = await self._arecover(name, exc)
-                    if error is not None:
-                        raise error from exc
-                    raise
-                self._finish_stage(report, stage)
-            return self._finish(report)
+                    call = steps.throw(exc)
+                else:
+                    call = steps.send(result)
+        except StopIteration as stop:
+            return cast(SwitchReport, stop.value)
         finally:
             self._async_mode = False
 
@@ -502,21 +781,29 @@ class HybridSwitch:
         if self._active:
             raise RuntimeError(f"{self!r} is already in a rollout; switches do not nest")
         self._active = True
+        self._cycle += 1
         self._state = _State()
 
     def to_rollout(self) -> SwitchReport:
-        """Trainer -> rollout: offload, release, wake weights, sync, wake KV cache."""
+        """Trainer -> rollout: offload, release, wake weights, sync, wake KV cache.
+
+        Raises:
+            HybridSwitchError: another rank failed this cycle (every rank recovered),
+                or recovery could not restore everything (the message says what).
+            Exception: this rank's own failure, after recovery put it back in the
+                trainer phase.
+        """
         if self.engine.is_async:
             raise TypeError(
                 f"{self.engine!r} is async: use the async API (`async with switch.rollout():`)"
             )
         self._begin()
-        return self._run("to_rollout")
+        return self._drive(self._direction("to_rollout"))
 
     def to_trainer(self) -> SwitchReport:
         """Rollout -> trainer: sleep, confirm memory came back, release, reload."""
         try:
-            return self._run("to_trainer")
+            return self._drive(self._direction("to_trainer"))
         finally:
             self._active = False
 
@@ -526,25 +813,29 @@ class HybridSwitch:
         try:
             yield self
         except BaseException as exc:
-            error = self._recover("rollout", exc)
-            if error is not None:
-                raise error from exc
-            raise
+            # Back to the trainer with every rank: the other ranks meet this one at
+            # the points of their way back, where they learn of the failure.
+            try:
+                self._drive(self._direction("to_trainer", _Failure("rollout", exc)))
+            finally:
+                self._active = False
+            raise  # pragma: no cover - recovery raises
         self.to_trainer()
 
     @contextlib.asynccontextmanager
     async def _async_rollout(self) -> AsyncIterator[HybridSwitch]:
         self._begin()
-        await self._arun("to_rollout")
+        await self._adrive(self._direction("to_rollout"))
         try:
             yield self
         except BaseException as exc:
-            error = await self._arecover("rollout", exc)
-            if error is not None:
-                raise error from exc
-            raise
+            try:
+                await self._adrive(self._direction("to_trainer", _Failure("rollout", exc)))
+            finally:
+                self._active = False
+            raise  # pragma: no cover - recovery raises
         try:
-            await self._arun("to_trainer")
+            await self._adrive(self._direction("to_trainer"))
         finally:
             self._active = False
 
@@ -552,9 +843,22 @@ class HybridSwitch:
         """``with switch.rollout():`` (or ``async with``): generate between the two switches.
 
         On an error in the block the engine is put to sleep and the trainer state
-        reloaded before the error propagates.
+        reloaded before the error propagates; other ranks learn of it at their next
+        sync point and recover too.
         """
         return _RolloutScope(self)
+
+
+async def _in_thread(fn: Callable[[], object]) -> object:
+    """``await`` ``fn()`` in a worker thread; if cancelled, wait for the thread to end first."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():  # the thread cannot be stopped: let it finish
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
+        raise
 
 
 class _RolloutScope:

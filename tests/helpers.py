@@ -11,17 +11,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_python(
-    *args: str, timeout: float = 300, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python ARGS`` from the repository root without the caller's allocator env.
+def clean_env(**env: str) -> dict[str, str]:
+    """This process's environment without allocator or hybridmem settings, plus ``env``.
 
     ``PYTORCH_*`` and ``HYBRIDMEM_*`` variables are dropped (each test states its
-    own), the repository is put on ``PYTHONPATH``, and ``env`` is added on top.
+    own), and the repository is put on ``PYTHONPATH``.
     """
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "HYBRIDMEM_"))}
     clean["PYTHONPATH"] = str(REPO)
-    clean.update(env or {})
+    clean.update(env)
+    return clean
+
+
+def run_python(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` from the repository root without the caller's allocator env (see
+    :func:`clean_env`), with ``env`` on top."""
+    clean = clean_env(**(env or {}))
     return subprocess.run(
         [sys.executable, *args],
         capture_output=True,

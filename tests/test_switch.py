@@ -49,9 +49,13 @@ class FakeVLLM:
 
 
 class FakeOffloader(hm.Offloader):
-    def __init__(self, log: list[str], fail: str = "") -> None:  # no targets needed
+    def __init__(self, log: list[str], fail: str = "", need: int = 0) -> None:  # no targets
         self.log = log
         self.fail = fail
+        self.need = need
+
+    def reload_bytes(self, groups: Any = None) -> int:
+        return self.need
 
     def offload(self, groups: Any = None, **kw: Any) -> Any:
         self.log.append("offload")
@@ -343,7 +347,7 @@ def test_auto_barrier_without_distributed(trainer: FakeTorch) -> None:
         ({"backend": "nope"}, ValueError, "unknown backend"),
         ({"offloader": "x"}, TypeError, "offloader must be an hm.Offloader"),
         ({"sync_weights": 3}, TypeError, "sync_weights must be callable"),
-        ({"barrier": "always"}, TypeError, "barrier must be 'auto', None or a callable"),
+        ({"barrier": "always"}, TypeError, "barrier must be 'auto', None, a callable or an hm."),
         ({"confirm_timeout_s": -1}, ValueError, "confirm_timeout_s must be >= 0"),
         ({"confirm_timeout_s": True}, TypeError, "confirm_timeout_s must be a number"),
     ],
@@ -438,3 +442,186 @@ def test_switch_collects_garbage_once_per_direction(trainer: FakeTorch) -> None:
         switch.to_trainer()
         assert trainer.events.count("gc") == 1
         assert trainer.events.index("gc") < trainer.events.index("empty_cache")
+
+
+# --------------------------------------------------------------------------- #
+# Issue #11: ranks fail together; cancellation; an engine that does not let go
+# --------------------------------------------------------------------------- #
+
+
+class ThreadRanks:
+    """A RankSync for ranks that are threads: every rank's status at each point."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world, timeout=10)
+        self.world = world
+        self.lock = threading.Lock()
+        self.slots: dict[int, hm.RankStatus] = {}
+        self.points: list[tuple[int, str]] = []
+
+    def exchange(self, status: hm.RankStatus) -> list[hm.RankStatus]:
+        with self.lock:
+            self.slots[status.rank] = status
+            self.points.append((status.rank, status.point))
+        self.barrier.wait()
+        with self.lock:
+            seen = [self.slots[r] for r in range(self.world)]
+        self.barrier.wait()  # nobody overwrites a slot before everyone read it
+        return seen
+
+
+class RankEngine(hm.EngineAdapter):
+    """Records (rank, cycle, event, time) of wakes and sleeps."""
+
+    def __init__(self, rank: int, events: list[tuple[int, int, str, float]]) -> None:
+        super().__init__(object(), ())
+        self.rank, self.events, self.cycle = rank, events, 0
+
+    def sleep(self) -> None:
+        self.events.append((self.rank, self.cycle, "sleep", time.monotonic()))
+
+    def wake_up(self, tags: Any) -> None:
+        self.events.append((self.rank, self.cycle, f"wake:{tags[0]}", time.monotonic()))
+
+
+def test_one_ranks_failure_fails_the_cycle_on_every_rank_then_all_succeed(
+    fake_gpu: FakeTorch,
+) -> None:
+    """Rank 1's weight sync fails in cycle 1 (after a slow start): rank 0 must not wake KV."""
+    plain = hm.BackendProfile("plain", "no allocator steps", {})
+    ranks = ThreadRanks(2)
+    events: list[tuple[int, int, str, float]] = []
+    outcomes: dict[int, list[str]] = {0: [], 1: []}
+
+    def rank(r: int) -> None:
+        engine = RankEngine(r, events)
+
+        def sync(adapter: hm.EngineAdapter) -> None:
+            events.append((r, engine.cycle, "sync", time.monotonic()))
+            if r == 1 and engine.cycle == 1:
+                time.sleep(0.05)  # rank 0 reaches barrier_kv first, and must wait there
+                raise Boom("weight sync lost a batch")
+
+        switch = hm.HybridSwitch(
+            engine, plain, FakeOffloader([]), sync_weights=sync, barrier=ranks, confirm_timeout_s=0
+        )
+        switch.rank = r
+        for cycle in range(3):
+            engine.cycle = cycle
+            try:
+                with switch.rollout():
+                    events.append((r, cycle, "generate", time.monotonic()))
+                outcomes[r].append("ok")
+            except Boom:
+                outcomes[r].append("Boom")
+            except hm.HybridSwitchError as exc:
+                outcomes[r].append(f"HybridSwitchError: {exc}")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert outcomes[1] == ["ok", "Boom", "ok"]
+    assert outcomes[0][0] == "ok"
+    assert outcomes[0][2] == "ok"
+    assert outcomes[0][1].startswith("HybridSwitchError: rank 0: the switch rank 1 failed at ")
+    assert "stage 'weight_sync' (Boom: weight sync lost a batch)" in outcomes[0][1]
+    assert "every rank recovered" in outcomes[0][1]
+    in_cycle_1 = [(r, e) for r, c, e, _ in events if c == 1]
+    assert (0, "wake:kv_cache") not in in_cycle_1  # the OOM the barriers exist to prevent
+    assert (0, "generate") not in in_cycle_1
+    assert (0, "sleep") in in_cycle_1  # rank 0's engine woke its weights: put back to sleep
+    # every rank met at the same points in the same order, failed or not
+    by_rank = {r: [p for rr, p in ranks.points if rr == r] for r in (0, 1)}
+    assert by_rank[0] == by_rank[1]
+
+
+def test_ranks_out_of_step_are_an_error_not_a_silent_pairing(fake_gpu: FakeTorch) -> None:
+    statuses: list[hm.RankStatus] = []
+
+    class Skewed:
+        def exchange(self, status: hm.RankStatus) -> list[hm.RankStatus]:
+            statuses.append(status)
+            other = hm.RankStatus(
+                1, status.cycle, "barrier_kv" if status.point == "barrier" else status.point, True
+            )
+            return [status, other]
+
+    log: list[str] = []
+    switch = hm.HybridSwitch(
+        hm.VLLMEngine(FakeVLLM(log, fake_gpu)), "vllm", FakeOffloader(log), barrier=Skewed()
+    )
+    with (
+        pytest.raises(hm.HybridSwitchError, match=r"out of step.*rank 1 at 'barrier_kv'"),
+        switch.rollout(),
+    ):
+        pytest.fail("never reached")
+    assert "wake:weights" not in log  # stopped at the mismatched point
+    assert log[-1] == "reload"
+
+
+def test_cancelling_an_async_switch_during_its_offload_waits_for_the_worker(
+    trainer: FakeTorch,
+) -> None:
+    """The offload runs in a worker thread; recovery must not start before it ends."""
+    started, release = threading.Event(), threading.Event()
+    log: list[str] = []
+
+    class SlowOffloader(FakeOffloader):
+        def offload(self, groups: Any = None, **kw: Any) -> Any:
+            log.append("offload:start")
+            started.set()
+            release.wait(5)
+            log.append("offload:end")
+
+    switch = hm.HybridSwitch(AsyncSGLang(log), "sglang", SlowOffloader(log), barrier=None)
+
+    async def main() -> None:
+        async def run() -> None:
+            async with switch.rollout():
+                log.append("generate")
+
+        task = asyncio.create_task(run())
+        await asyncio.to_thread(started.wait, 5)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert "reload" not in log  # still waiting for the worker
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert log.index("offload:end") < log.index("reload")  # recovery after the worker
+    assert "generate" not in log
+    assert hm.allocator_config().scopes == ()
+    assert not switch._active
+
+
+def test_an_engine_that_does_not_let_go_fails_the_switch_before_the_reload(
+    trainer: FakeTorch,
+) -> None:
+    log: list[str] = []
+    device = trainer.devices[0]
+
+    class Clingy(FakeVLLM):
+        def sleep(self, level: int = 1) -> None:
+            self.log.append(f"sleep:{level}")  # says it slept, frees nothing
+
+    need = device.free + (1 << 30)  # more than will be free while the engine holds on
+    switch = hm.HybridSwitch(
+        hm.VLLMEngine(Clingy(log, trainer)),
+        "vllm",
+        FakeOffloader(log, need=need),
+        barrier=None,
+        confirm_timeout_s=0.05,
+    )
+    with pytest.raises(hm.HybridSwitchError) as info, switch.rollout():
+        pass
+    message = str(info.value)
+    assert "failed at stage 'confirm'" in message
+    assert "has not let go of its memory" in message
+    assert "after 0.05 s (confirm_timeout_s)" in message
+    assert "still offloaded and intact" in message
+    assert "reload" not in log  # no reload into memory that cannot hold it

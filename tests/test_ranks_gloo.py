@@ -1,0 +1,106 @@
+"""Ranks fail together: two real processes over gloo (CPU; runs in CI).
+
+When one rank's switch fails, every rank's switch for that cycle fails at its next
+sync point and recovers; no rank wakes its KV cache while another is still waking
+weights or syncing; the next cycle succeeds everywhere; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, clean_env
+
+CYCLES = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(tmp_path: Path, fail: str, world: int = 2) -> list[list[dict[str, Any]]]:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = clean_env(
+            RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.gloo_ranks", str(tmp_path), fail],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            pytest.fail("a rank hung")
+        assert proc.returncode == 0, err[-3000:]
+    return [
+        [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(world)
+    ]
+
+
+def _outcomes(events: list[dict[str, Any]]) -> list[str]:
+    return [e["outcome"] for e in events if e["event"] == "outcome"]
+
+
+def test_a_failed_weight_sync_fails_the_cycle_on_both_ranks(tmp_path: Path) -> None:
+    ranks = run_ranks(tmp_path, "1:1:sync")
+    rank0, rank1 = ranks
+    assert _outcomes(rank1) == ["ok", "Boom: weight sync lost a batch", "ok", "ok"]
+    outcomes0 = _outcomes(rank0)
+    assert outcomes0[0] == outcomes0[2] == outcomes0[3] == "ok"
+    assert outcomes0[1].startswith("HybridSwitchError: rank 0: the switch rank 1 failed at stage")
+    assert "'weight_sync' (Boom: weight sync lost a batch)" in outcomes0[1]
+    cycle1 = [e["event"] for e in rank0 if e["cycle"] == 1]
+    assert "wake:kv_cache" not in cycle1  # rank 0 never woke KV while rank 1 was syncing
+    assert "generate" not in cycle1
+    assert cycle1.count("sleep") == 1  # its weights had woken: put back to sleep
+    # and in every cycle, KV woke only after every rank's sync ended
+    for cycle in (0, 2, 3):
+        sync_end = max(
+            e["t"] for r in ranks for e in r if e["cycle"] == cycle and e["event"] == "sync:end"
+        )
+        kv = min(
+            e["t"]
+            for r in ranks
+            for e in r
+            if e["cycle"] == cycle and e["event"] == "wake:kv_cache"
+        )
+        assert sync_end <= kv
+
+
+@pytest.mark.parametrize("fail", ["0:2:wake_kv_cache", "1:0:generate"])
+def test_a_failure_after_the_last_barrier_still_fails_every_rank(tmp_path: Path, fail: str) -> None:
+    ranks = run_ranks(tmp_path, fail)
+    failing, cycle = int(fail.split(":")[0]), int(fail.split(":")[1])
+    for rank, events in enumerate(ranks):
+        outcomes = _outcomes(events)
+        assert len(outcomes) == CYCLES
+        for c, outcome in enumerate(outcomes):
+            if c != cycle:
+                assert outcome == "ok", (rank, c, outcome)
+            elif rank == failing:
+                assert outcome.startswith("Boom"), outcome
+            else:
+                assert outcome.startswith(
+                    f"HybridSwitchError: rank {rank}: the switch rank {failing}"
+                )
