@@ -2,18 +2,29 @@
 
 Protocol over any channel with ``send(obj)`` / ``recv()`` (a
 ``multiprocessing.Pipe`` end, a wrapped ZMQ socket), every message tagged with the
-sync's number: ``("begin", sync)``; ``("events", sync, handles)`` once from a receiver
-that hands off on the device; ``("batch", sync, seq, buffer, entries)`` once a buffer
+sync's number: ``("begin", sync)``; ``("hello", sync, pid)`` from the receiver (so
+that the producer can tell when it dies); ``("events", sync, handles)`` once from a
+receiver that hands off on the device; ``("batch", sync, seq, buffer, entries)`` once a buffer
 is filled (its copy finished, or its interprocess event recorded); ``("ack", sync,
 seq)`` from the receiver once it no longer reads that buffer (or queued its reads);
-``("end", sync, seq, count, nbytes)``, acknowledged too; ``("abort", sync, why)`` from
-either side ends the sync with an error on the other. Messages of an earlier, aborted
-sync are skipped, so a failed sync does not poison the next one.
+``("end", sync, seq, count, nbytes)``, acknowledged too once the receiver checked
+that it got ``count`` tensors and ``nbytes`` bytes in batches numbered without a gap;
+``("abort", sync, why)`` from either side ends the sync with an error on the other.
+Messages of an earlier, aborted sync are skipped, so a failed sync does not poison the
+next one.
+
+Every wait for the other side is bounded (:func:`recv_within`): a channel with
+``poll(timeout)`` (a ``Pipe`` end) is polled in short slices, between which the other
+process's liveness is checked, so a peer that died is noticed within a slice even
+when this process still holds its end of the pipe (no EOF ever comes then).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import select
+import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Protocol, runtime_checkable
@@ -21,25 +32,35 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hybridmem import _torch
+from hybridmem._errors import SyncError
 from hybridmem.ipc import Transport
 
 __all__ = [
     "CPU",
+    "DEFAULT_TIMEOUT_S",
     "PROTOCOL",
     "UNITS",
     "BucketHandle",
     "Channel",
     "Entry",
+    "Peer",
     "PeerAborted",
     "attach_shm",
+    "byte_offset",
+    "check_timeout",
     "drop_host_buffers",
     "dtype_named",
     "flat_words",
     "host_buffer",
+    "recv_within",
     "word_unit",
 ]
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: the receiver says hello (its pid); the end is checked
+
+#: How long a sync waits for the other side by default, per message (seconds).
+DEFAULT_TIMEOUT_S = 60.0
+_SLICE_S = 0.1  # liveness is checked at least this often while waiting
 
 # (name, dtype, shape, start byte in the tensor, bytes, offset in the buffer, tensor bytes)
 Entry = tuple[str, str, tuple[int, ...], int, int, int, int]
@@ -99,16 +120,29 @@ UNITS: tuple[tuple[int, torch.dtype], ...] = (
 )
 
 
-def word_unit(nbytes: int) -> tuple[int, torch.dtype]:
-    """The widest copy unit that divides ``nbytes``."""
-    return next(u for u in UNITS if nbytes % u[0] == 0)
+def word_unit(nbytes: int, offset: int = 0) -> tuple[int, torch.dtype]:
+    """The widest copy unit that divides ``nbytes`` and a tensor's byte ``offset``.
+
+    A view as wider words needs the tensor's start in its storage on a word
+    boundary too: a bf16 view at an odd element of a flat buffer is moved as int16.
+    """
+    return next(u for u in UNITS if nbytes % u[0] == 0 and offset % u[0] == 0)
+
+
+def byte_offset(tensor: torch.Tensor) -> int:
+    """Where ``tensor`` starts in its storage, in bytes."""
+    return int(tensor.storage_offset()) * tensor.element_size()
 
 
 def flat_words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous tensor's bytes as a 1-D view of ``dtype`` words."""
     with torch.no_grad():
         flat = tensor.view(-1)
-        return flat if flat.dtype == dtype else flat.view(dtype)
+        if flat.dtype == dtype:
+            return flat
+        if flat.element_size() < torch.empty(0, dtype=dtype).element_size():
+            flat = flat.view(torch.uint8)  # bytes first: any dtype views as bytes
+        return flat.view(dtype)
 
 
 def dtype_named(name: str) -> torch.dtype:
@@ -153,3 +187,102 @@ def drop_host_buffers(
         with contextlib.suppress(BufferError):  # a tensor still maps it: freed at exit
             shm.close()
     shms.clear()
+
+
+def check_timeout(timeout: object) -> float | None:
+    """Validate a ``timeout=`` argument: seconds > 0, or None to wait without bound."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds (or None to wait forever), got {timeout}")
+    return float(timeout)
+
+
+class Peer:
+    """The process on the other end: its pid, and whether it is still alive.
+
+    Linux: a pidfd (``os.pidfd_open``) turns readable when the process exits, a
+    zombie included (a dead child the parent has not reaped yet still "exists" for
+    ``kill(pid, 0)``); elsewhere ``kill(pid, 0)``.
+    """
+
+    def __init__(self, pid: int | None, what: str) -> None:
+        self.what = what
+        self.pid: int | None = None
+        self._fd: int | None = None
+        self.track(pid)
+
+    def track(self, pid: int | None) -> None:
+        if pid is None or pid == self.pid or pid == os.getpid():
+            return
+        self.close()
+        self.pid = pid
+        opener = getattr(os, "pidfd_open", None)
+        if opener is not None:
+            with contextlib.suppress(OSError):  # gone already, or not permitted
+                self._fd = opener(pid)
+
+    def alive(self) -> bool:
+        if self.pid is None:
+            return True
+        if self._fd is not None:
+            readable, _, _ = select.select([self._fd], [], [], 0)
+            return not readable
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # exists, owned by someone else
+            return True
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd = None
+
+
+def recv_within(channel: Channel, timeout: float | None, peer: Peer, waiting_for: str) -> Any:
+    """``channel.recv()``, but never longer than ``timeout`` and never from a dead peer.
+
+    Args:
+        channel: the channel; one with ``poll(seconds)`` is waited on in slices.
+        timeout: seconds (None: as long as it takes).
+        peer: the other process, checked between slices.
+        waiting_for: what the message is, for the error.
+
+    Raises:
+        SyncError: the peer died, closed the channel, or said nothing for ``timeout``.
+    """
+    poll = getattr(channel, "poll", None)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if poll is not None:
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise SyncError(
+                    f"the {peer.what} (pid {peer.pid or '?'}) sent no {waiting_for} for "
+                    f"{timeout:g} s (timeout=): it is stuck or gone"
+                )
+            try:
+                if poll(_SLICE_S if left is None else min(left, _SLICE_S)):
+                    break
+            except (EOFError, OSError) as exc:
+                raise SyncError(
+                    f"the {peer.what}'s end of the channel is closed ({exc!r}): it exited"
+                ) from exc
+            if not peer.alive():
+                raise SyncError(
+                    f"the {peer.what} (pid {peer.pid}) died while this side waited for "
+                    f"{waiting_for}"
+                )
+    try:
+        return channel.recv()
+    except (EOFError, OSError) as exc:
+        raise SyncError(
+            f"the {peer.what}'s end of the channel is closed ({exc!r}) while this side waited "
+            f"for {waiting_for}: it exited"
+        ) from exc

@@ -30,14 +30,19 @@ from hybridmem import _torch
 from hybridmem import timeline as _timeline
 from hybridmem._bucket_wire import (
     CPU,
+    DEFAULT_TIMEOUT_S,
     UNITS,
     BucketHandle,
     Channel,
     Entry,
+    Peer,
     PeerAborted,
+    byte_offset,
+    check_timeout,
     drop_host_buffers,
     flat_words,
     host_buffer,
+    recv_within,
     word_unit,
 )
 from hybridmem._devices import DeviceArg, device_index
@@ -161,6 +166,7 @@ class WeightBucket:
         self._pads: dict[torch.dtype, torch.Tensor] = {}
         self._filled: list[Any] = []  # interprocess events, recorded after each fill
         self._drained: list[Any] | None = None  # the receiver's, once it sent them
+        self._peer = Peer(None, "receiver")  # learnt from its hello
         exports = self._allocate()
         self.handle = BucketHandle(
             transport=self.transport,
@@ -268,6 +274,23 @@ class WeightBucket:
             raise ValueError(f"{name!r} has layout {tensor.layout}; only dense tensors ship")
         if not tensor.is_contiguous():
             raise ValueError(f"{name!r} is not contiguous; pass tensor.contiguous() instead")
+        if tensor.is_quantized:
+            raise TypeError(
+                f"{name!r} is a quantized tensor; send tensor.int_repr() and its scale and "
+                "zero point as tensors of their own"
+            )
+        if tensor.is_conj() or tensor.is_neg():
+            raise TypeError(
+                f"{name!r} is a lazily conjugated or negated view; send tensor.resolve_conj() "
+                "(or .resolve_neg()) instead"
+            )
+        # Any contiguous tensor ships, wherever it starts in its storage (a bf16 view at
+        # an odd element of a flat parameter buffer moves as int16 words); this checks
+        # here, before anything is sent, that it can be read as such words.
+        try:
+            flat_words(tensor, word_unit(tensor.nbytes, byte_offset(tensor))[1])
+        except RuntimeError as exc:
+            raise TypeError(f"{name!r} cannot be read as raw bytes ({exc}); send a copy") from None
         return tensor
 
     def _side_stream(self) -> Any:
@@ -275,12 +298,15 @@ class WeightBucket:
             self._stream = _torch.new_stream(self.device)
         return self._stream
 
-    def _wait_ack(self, channel: Channel, seq: int) -> None:
+    def _wait_ack(self, channel: Channel, seq: int, timeout: float | None) -> None:
         while self._acked < seq:
-            message = channel.recv()
+            message = recv_within(channel, timeout, self._peer, f"an ack of batch {seq}")
             if not (isinstance(message, tuple) and len(message) >= 3):
                 raise RuntimeError(f"unexpected message from the receiver: {message!r}")
             kind, sync = message[0], message[1]
+            if kind == "hello":  # the receiver's pid: its death is noticed while waiting
+                self._peer.track(int(message[2]))
+                continue
             if kind == "events":  # the receiver drains on the device and says so with these
                 self._drained = [_torch.open_ipc_event(self._index, h) for h in message[2]]
                 continue
@@ -295,7 +321,7 @@ class WeightBucket:
 
     def _make_plan(self, items: list[tuple[str, torch.Tensor]]) -> _Plan:
         """Pack the tensors' layout; cached while names, dtypes and shapes repeat."""
-        key = tuple((name, t.dtype, t.shape) for name, t in items)
+        key = tuple((name, t.dtype, t.shape, byte_offset(t) % 8) for name, t in items)
         if self._plan is not None and key == self._plan_key:
             return self._plan
         sizes = [t.nbytes for _, t in items]
@@ -315,7 +341,7 @@ class WeightBucket:
             )
             for batch in batches
         )
-        units = tuple(word_unit(n) for n in sizes)
+        units = tuple(word_unit(t.nbytes, byte_offset(t)) for _, t in items)
         batch_units = tuple(
             min((units[p.index] for p in batch.pieces), default=UNITS[-1]) for batch in batches
         )
@@ -379,6 +405,20 @@ class WeightBucket:
         else:  # host transport: device-to-host copies into the pinned buffer
             _torch.copy_many(dsts, srcs)
 
+    def _forget_receiver(self, caller: Any, stream: Any) -> None:
+        """After a failed sync: wait for this side's copies, and expect a fresh receiver.
+
+        The bucket stays usable: the next sync starts from a clean slate (a new
+        receiver sends its own hello and events; this one's are never waited on).
+        """
+        with contextlib.suppress(Exception):
+            _torch.synchronize_stream(stream)  # our fills of the buffers are done
+            _torch.wait_stream(caller, stream)
+        self._drained = None
+        self._acked = self._seq
+        self._peer.close()
+        self._peer = Peer(None, "receiver")  # the next receiver says hello anew
+
     def _pad(self, dtype: torch.dtype) -> torch.Tensor:
         pad = self._pads.get(dtype)
         if pad is None:
@@ -386,7 +426,11 @@ class WeightBucket:
         return pad
 
     def _send(
-        self, items: list[tuple[str, torch.Tensor]], channel: Channel, caller: Any
+        self,
+        items: list[tuple[str, torch.Tensor]],
+        channel: Channel,
+        caller: Any,
+        timeout: float | None,
     ) -> SyncReport:
         if self._closed:
             raise RuntimeError("this WeightBucket is closed")
@@ -403,7 +447,7 @@ class WeightBucket:
             channel.send(("begin", sync))
             for number in range(len(plan.batches)):
                 buffer = number % self._buffers_count
-                self._wait_ack(channel, occupied[buffer])
+                self._wait_ack(channel, occupied[buffer], timeout)
                 if self._drained is not None:  # the receiver's copies out of it come first
                     _torch.wait_event(stream, self._drained[buffer])
                 with _torch.stream_scope(stream):
@@ -419,13 +463,15 @@ class WeightBucket:
                 occupied[buffer] = self._seq
             self._seq += 1
             channel.send(("end", sync, self._seq, len(items), total))
-            self._wait_ack(channel, self._seq)
+            self._wait_ack(channel, self._seq, timeout)
             _torch.wait_stream(caller, stream)  # later writes to the sources come after
         except PeerAborted:
+            self._forget_receiver(caller, stream)
             raise
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 channel.send(("abort", sync, f"{type(exc).__name__}: {exc}"))
+            self._forget_receiver(caller, stream)
             raise
         report = SyncReport(
             tensors=len(items),
@@ -438,7 +484,13 @@ class WeightBucket:
         return report
 
     @_timeline.traced("weight_sync.send", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
-    def send(self, named_tensors: NamedTensors, channel: Channel) -> SyncReport:
+    def send(
+        self,
+        named_tensors: NamedTensors,
+        channel: Channel,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> SyncReport:
         """Ship ``named_tensors`` to the receiver on the other end of ``channel``.
 
         Returns when the receiver has taken every tensor (it acknowledged the end;
@@ -452,23 +504,38 @@ class WeightBucket:
                 ``(name, tensor)`` pairs (``named_parameters()``): contiguous,
                 dense, on the bucket's device, unique names.
             channel: the producer's end of a two-way channel (see :class:`Channel`).
+            timeout: the longest wait for any one answer of the receiver, in seconds
+                (None: no bound). With a ``Pipe`` end (a channel with ``poll()``) the
+                receiver's process is also watched: its death ends the wait within
+                0.1 s, even when this process still holds the receiver's end of the
+                pipe (which then never reports EOF).
 
         Returns:
             A :class:`SyncReport`.
 
         Raises:
-            TypeError, ValueError: a bad name or tensor (the message names it);
-                nothing was sent.
+            TypeError, ValueError: a bad name, tensor or timeout (the message names
+                it); nothing was sent.
+            SyncError: the receiver died, closed the channel or did not answer in
+                time; the bucket stays usable for the next sync.
             RuntimeError: the receiver aborted or answered out of protocol.
         """
+        wait = check_timeout(timeout)
         items = self._validate(named_tensors)
-        return self._send(items, channel, _torch.current_stream(self.device))
+        return self._send(items, channel, _torch.current_stream(self.device), wait)
 
-    async def asend(self, named_tensors: NamedTensors, channel: Channel) -> SyncReport:
+    async def asend(
+        self,
+        named_tensors: NamedTensors,
+        channel: Channel,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> SyncReport:
         """Async :meth:`send`: the blocking waits run in a worker thread, not the loop."""
+        wait = check_timeout(timeout)
         items = self._validate(named_tensors)
         caller = _torch.current_stream(self.device)
-        return await asyncio.to_thread(self._send, items, channel, caller)
+        return await asyncio.to_thread(self._send, items, channel, caller, wait)
 
     # ------------------------------------------------------------------ #
     # Closing
@@ -484,6 +551,7 @@ class WeightBucket:
         self._closed = True
         self._views.clear()
         self._word_views.clear()
+        self._peer.close()
         drop_host_buffers(self._pinned, self._shms, unlink=True)
         if self.transport == "cuda" and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Generator, Mapping
 from multiprocessing import shared_memory
 from types import TracebackType
@@ -14,19 +15,24 @@ import torch
 from hybridmem import _torch
 from hybridmem._bucket_wire import (
     CPU,
+    DEFAULT_TIMEOUT_S,
     PROTOCOL,
     BucketHandle,
     Channel,
     Entry,
+    Peer,
     attach_shm,
+    byte_offset,
+    check_timeout,
     drop_host_buffers,
     dtype_named,
     flat_words,
     host_buffer,
+    recv_within,
     word_unit,
 )
 from hybridmem._devices import DeviceArg, device_index
-from hybridmem._errors import IpcUnavailableError
+from hybridmem._errors import IpcUnavailableError, SyncError
 
 __all__ = ["BucketReceiver"]
 
@@ -65,6 +71,7 @@ class BucketReceiver:
                 "run the same hybridmem version on both sides"
             )
         self.handle = handle
+        self._peer = Peer(handle.producer_pid, "producer")
         self._shms: list[shared_memory.SharedMemory] = []
         self._pinned: list[int] = []
         self._buffers: list[torch.Tensor] = []
@@ -202,7 +209,7 @@ class BucketReceiver:
             if dest is None:
                 dest = self._target(entry, out, dtype)
             if nbytes:
-                size, unit = word_unit(total)
+                size, unit = word_unit(total, byte_offset(dest))
                 words = self._words(buffer, unit)
                 flat = flat_words(dest, unit)
                 srcs.append(words[offset // size : (offset + nbytes) // size])
@@ -230,6 +237,7 @@ class BucketReceiver:
         *,
         out: Mapping[str, torch.Tensor] | None = None,
         views: bool = False,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yield ``(name, tensor)`` for every tensor of one sync, as batches arrive.
 
@@ -241,6 +249,9 @@ class BucketReceiver:
                 memory). A view is valid only until the iterator moves past its
                 batch: copy what you keep. Tensors split across batches (larger
                 than the bucket) are always assembled into copies.
+            timeout: the longest wait for any one message of the producer, in
+                seconds (None: no bound); with a ``Pipe`` end the producer's process
+                is watched too, so its death ends the wait within 0.1 s.
 
         Yields:
             ``(name, tensor)`` in the producer's order (a split tensor when its last
@@ -250,22 +261,29 @@ class BucketReceiver:
 
         Raises:
             ValueError: a dtype/shape mismatch with ``out`` (the producer is told).
+            SyncError: the producer died, closed the channel or went silent for
+                ``timeout``; or the sync ended with fewer tensors or bytes than the
+                producer sent (a batch was lost): nothing of it may be trusted.
             RuntimeError: the producer aborted, or a message broke the protocol.
         """
         if self._closed:
             raise RuntimeError("this BucketReceiver is closed")
+        wait = check_timeout(timeout)
         caller = _torch.current_stream(self.device)
         partial: dict[str, tuple[torch.Tensor, int]] = {}
         finished = False
         aborted_by_peer = False
-        sync = self._begin(channel)
+        sync = self._begin(channel, wait)
+        channel.send(("hello", sync, os.getpid()))
         if self._drained and not self._events_sent:
             handles = [_torch.ipc_event_handle(e) for e in self._drained]
             channel.send(("events", sync, handles))
             self._events_sent = True
+        count = nbytes = 0
+        last_seq: int | None = None
         try:
             while True:
-                message = channel.recv()
+                message = recv_within(channel, wait, self._peer, "the next batch")
                 if not (isinstance(message, tuple) and len(message) >= 3):
                     raise RuntimeError(f"unexpected message from the producer: {message!r}")
                 kind = message[0]
@@ -275,15 +293,22 @@ class BucketReceiver:
                     aborted_by_peer = True
                     raise RuntimeError(f"the producer stopped the weight sync: {message[2]}")
                 if kind == "end":
-                    if partial:
-                        raise RuntimeError(f"sync ended with incomplete tensors {sorted(partial)}")
+                    self._check_end(message, partial, count, nbytes, last_seq)
                     finished = True
                     channel.send(("ack", sync, message[2]))
                     return
                 if kind != "batch" or len(message) != 5:
                     raise RuntimeError(f"unexpected message from the producer: {message!r}")
                 seq = int(message[2])
+                if last_seq is not None and seq != last_seq + 1:
+                    raise SyncError(
+                        f"batch {seq} came after batch {last_seq}: {seq - last_seq - 1} "
+                        "batch(es) of this sync were lost"
+                    )
+                last_seq = seq
                 ready = self._take(message, out, views, partial, caller)
+                count += len(ready)
+                nbytes += sum(e[4] for e in message[4])
                 if not views or out is not None:
                     channel.send(("ack", sync, seq))  # copies made: the producer may refill it
                     yield from ready
@@ -298,10 +323,31 @@ class BucketReceiver:
                     channel.send(("abort", sync, "the receiver stopped before the end"))
 
     @staticmethod
-    def _begin(channel: Channel) -> int:
+    def _check_end(
+        message: Any,
+        partial: dict[str, tuple[torch.Tensor, int]],
+        count: int,
+        nbytes: int,
+        last_seq: int | None,
+    ) -> None:
+        """The end says how many tensors and bytes were sent: all must have arrived."""
+        if partial:
+            raise SyncError(f"the sync ended with incomplete tensors {sorted(partial)}")
+        if len(message) >= 5:
+            sent, sent_bytes = int(message[3]), int(message[4])
+            if (count, nbytes) != (sent, sent_bytes):
+                raise SyncError(
+                    f"the producer sent {sent} tensors ({sent_bytes} bytes) but {count} "
+                    f"({nbytes} bytes) arrived: a batch was lost"
+                )
+        end_seq = int(message[2])
+        if last_seq is not None and end_seq != last_seq + 1:
+            raise SyncError(f"the sync ended at message {end_seq} after batch {last_seq}: lost")
+
+    def _begin(self, channel: Channel, timeout: float | None) -> int:
         """Wait for the next sync's ``begin``, skipping leftovers of an aborted one."""
         while True:
-            message = channel.recv()
+            message = recv_within(channel, timeout, self._peer, "the start of a sync")
             if isinstance(message, tuple) and len(message) == 2 and message[0] == "begin":
                 return int(message[1])
 
@@ -311,9 +357,10 @@ class BucketReceiver:
         *,
         out: Mapping[str, torch.Tensor] | None = None,
         views: bool = False,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Async :meth:`receive`: each blocking step runs in a worker thread."""
-        iterator = self.receive(channel, out=out, views=views)
+        iterator = self.receive(channel, out=out, views=views, timeout=timeout)
         try:
             while True:
                 item = await asyncio.to_thread(next, iterator, _END)
@@ -330,6 +377,7 @@ class BucketReceiver:
         self._closed = True
         self._buffers.clear()
         self._word_views.clear()
+        self._peer.close()
         drop_host_buffers(self._pinned, self._shms, unlink=False)
 
     def __enter__(self) -> BucketReceiver:

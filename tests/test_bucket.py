@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -340,7 +342,8 @@ def test_protocol_garbage_is_an_error(cpu_as_device: list[int]) -> None:
         channel = Garbage([("begin", 5), ("bogus", 5, 1)])
         with pytest.raises(RuntimeError, match="unexpected message from the producer"):
             list(receiver.receive(channel))
-        assert channel.sent == [("abort", 5, "the receiver stopped before the end")]
+        assert channel.sent[0][:2] == ("hello", 5)  # its pid: the producer watches it
+        assert channel.sent[1:] == [("abort", 5, "the receiver stopped before the end")]
         receiver.close()
 
 
@@ -422,3 +425,250 @@ def test_any_tensors_round_trip(
         b.close()
     assert_same_tensors(result["value"], tensors)
     assert report.nbytes == sum(t.nbytes for t in tensors.values())
+
+
+# --------------------------------------------------------------------------- #
+# Issue #11: never hang, never lie
+# --------------------------------------------------------------------------- #
+
+
+def _child_that_dies(conn: Connection) -> None:
+    from tests.conftest import treat_cpu_as_device
+
+    treat_cpu_as_device()
+    receiver = hm.BucketReceiver(conn.recv())
+    for _ in receiver.receive(conn):  # the first tensor arrives, then the process dies
+        os._exit(3)
+
+
+def _child_that_syncs(conn: Connection) -> None:
+    from tests.conftest import treat_cpu_as_device
+
+    treat_cpu_as_device()
+    with hm.BucketReceiver(conn.recv()) as receiver:
+        sums = {name: float(t.double().sum()) for name, t in receiver.receive(conn)}
+        conn.send(("sums", sums))
+
+
+def test_a_receiver_that_dies_mid_sync_fails_the_send_and_the_bucket_carries_on(
+    cpu_as_device: list[int],
+) -> None:
+    """The parent keeps the child's pipe end (the usual pattern): no EOF ever comes."""
+    ctx = mp.get_context("spawn")
+    tensors = model_tensors()
+    with hm.WeightBucket(4 * KiB) as bucket:
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_child_that_dies, args=(child,))
+        process.start()
+        parent.send(bucket.handle)
+        with pytest.raises(hm.SyncError, match=r"the receiver \(pid \d+\) died"):
+            bucket.send(tensors, parent, timeout=120)  # liveness, not the timeout, ends it
+        process.join(30)
+        assert process.exitcode == 3
+        # the same bucket, a new receiver: the next sync is complete and exact
+        parent2, child2 = ctx.Pipe()
+        process2 = ctx.Process(target=_child_that_syncs, args=(child2,))
+        process2.start()
+        parent2.send(bucket.handle)
+        bucket.send(tensors, parent2)
+        _, sums = parent2.recv()
+        assert sums == {n: float(t.double().sum()) for n, t in tensors.items()}
+        process2.join(30)
+        assert process2.exitcode == 0
+    child.close()
+
+
+class _Silent:
+    """A channel that polls but never answers (a receiver stuck elsewhere)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, obj: Any) -> None:
+        self.sent.append(obj)
+
+    def recv(self) -> Any:  # pragma: no cover - poll never says there is a message
+        raise AssertionError("recv without a message")
+
+    def poll(self, timeout: float) -> bool:
+        return False
+
+
+def test_a_silent_receiver_times_out_with_a_clear_error(cpu_as_device: list[int]) -> None:
+    with hm.WeightBucket(4 * KiB) as bucket:
+        silent = _Silent()
+        with pytest.raises(hm.SyncError, match=r"sent no an ack.* for 0.2 s \(timeout=\)"):
+            bucket.send(model_tensors(), silent, timeout=0.2)
+        assert silent.sent[-1][0] == "abort"
+    receiver_side = _Silent()
+    with hm.WeightBucket(4 * KiB) as bucket:
+        receiver = hm.BucketReceiver(bucket.handle)
+        with pytest.raises(hm.SyncError, match="start of a sync"):
+            list(receiver.receive(receiver_side, timeout=0.2))
+        receiver.close()
+    for bad, error in ((0, ValueError), (-1, ValueError), ("1", TypeError), (True, TypeError)):
+        with hm.WeightBucket(4 * KiB) as bucket, pytest.raises(error, match="timeout"):
+            bucket.send({"w": torch.ones(2)}, _Silent(), timeout=bad)  # type: ignore[arg-type]
+
+
+def test_views_at_any_storage_offset_ship_exactly(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    """bf16/fp16/int8 views at odd offsets of one flat buffer (as FSDP flat params are)."""
+    flat = torch.randn(1001).to(torch.bfloat16)
+    raw = torch.randint(-100, 100, (999,), dtype=torch.int8)
+    tensors = {
+        "a": flat[1:301].view(20, 15),  # 2-byte offset
+        "b": flat[301:1001],
+        "c": raw[3:99],  # 3-byte offset
+        "d": flat.view(torch.float16)[7:8],
+    }
+    a, b = pipe
+    with hm.WeightBucket(1 * KiB) as bucket:
+        thread, result = run_receiver(bucket.handle, b, collect(b))
+        bucket.send(tensors, a)
+        thread.join()
+        assert_same_tensors(result["value"], tensors)
+        # and into existing tensors that sit at odd offsets themselves
+        into = torch.zeros(1001, dtype=torch.bfloat16)
+        out = {"a": into[3:303].view(20, 15), "b": into[301:1001]}
+        sent = {"a": tensors["a"], "b": torch.randn(700).to(torch.bfloat16)}
+
+        def body(receiver: hm.BucketReceiver) -> list[str]:
+            return [name for name, _ in receiver.receive(b, out=out)]
+
+        thread, result = run_receiver(bucket.handle, b, body)
+        bucket.send(sent, a)
+        thread.join()
+        assert result["value"] == ["a", "b"]
+        assert torch.equal(into[301:1001], sent["b"])
+
+
+def test_tensors_that_cannot_ship_as_is_are_refused_before_anything_is_sent(
+    cpu_as_device: list[int],
+) -> None:
+    channel = _Silent()
+    complex_view = torch.randn(4, dtype=torch.complex64).conj()
+    with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with hm.WeightBucket(4 * KiB) as bucket:
+        for name, tensor, match in (
+            ("conj", complex_view, "lazily conjugated"),
+            ("q", quantized, "quantized"),
+        ):
+            with pytest.raises(TypeError, match=match):
+                bucket.send({"ok": torch.ones(3), name: tensor}, channel)
+        assert channel.sent == []  # nothing went out: the channel is as it was
+
+
+class _Scripted:
+    """A producer's side played from a script, to feed a receiver odd syncs."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        self.messages = messages
+        self.sent: list[Any] = []
+
+    def send(self, obj: Any) -> None:
+        self.sent.append(obj)
+
+    def recv(self) -> Any:
+        return self.messages.pop(0)
+
+    def poll(self, timeout: float) -> bool:
+        return bool(self.messages)
+
+
+def test_a_lost_batch_fails_the_sync_on_the_receiver(cpu_as_device: list[int]) -> None:
+    tensors = {"x": torch.arange(8, dtype=torch.int64), "y": torch.arange(4, dtype=torch.int64)}
+    with hm.WeightBucket(64, buffers=2) as bucket:
+        # record what a real sync sends, then replay it with one batch missing
+        recorded: list[Any] = []
+
+        class Recorder(_Scripted):
+            def send(self, obj: Any) -> None:
+                recorded.append(obj)
+                if obj[0] == "batch" or obj[0] == "end":
+                    self.messages.append(("ack", obj[1], obj[2]))
+
+        bucket.send(tensors, Recorder([]))
+        batches = [m for m in recorded if m[0] == "batch"]
+        assert len(batches) == 2
+        end = next(m for m in recorded if m[0] == "end")
+        receiver = hm.BucketReceiver(bucket.handle)
+        gap = _Scripted([recorded[0], batches[1], end])  # batch 1 never arrives
+        with pytest.raises(hm.SyncError, match="lost"):
+            list(receiver.receive(gap))
+        short = _Scripted([recorded[0], batches[0], (*end[:3], 3, end[4])])  # says 3 tensors
+        with pytest.raises(hm.SyncError, match=r"sent 3 tensors .* but 1"):
+            list(receiver.receive(short))
+        assert short.sent[-1][0] == "abort"
+        receiver.close()
+
+
+# A fault at any point of a sync (a message dropped, the channel closed, an error
+# while copying, a receiver that stops reading): the sync fails with an error
+# within its timeout on both sides, nothing blocks, and the next sync through the
+# same bucket with a fresh receiver is complete and exact.
+class _FaultyEnd:
+    def __init__(self, conn: Connection, fault: str, at: int) -> None:
+        self.conn, self.fault, self.at, self.count = conn, fault, at, 0
+
+    def send(self, obj: Any) -> None:
+        self.count += 1
+        if self.count == self.at:
+            if self.fault == "drop":
+                return
+            if self.fault == "close":
+                self.conn.close()
+                raise OSError("closed on purpose")
+            if self.fault == "error":
+                raise RuntimeError("injected send failure")
+        self.conn.send(obj)
+
+    def recv(self) -> Any:
+        return self.conn.recv()
+
+    def poll(self, timeout: float) -> bool:
+        return self.conn.poll(timeout)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    side=st.sampled_from(["producer", "receiver"]),
+    fault=st.sampled_from(["drop", "close", "error"]),
+    at=st.integers(1, 8),
+)
+def test_injected_sync_faults_never_hang_and_never_poison_the_next_sync(
+    cpu_as_device: list[int], side: str, fault: str, at: int
+) -> None:
+    tensors = model_tensors()
+    with hm.WeightBucket(4 * KiB) as bucket:
+        a, b = mp.Pipe()
+        producer_end: Any = _FaultyEnd(a, fault, at) if side == "producer" else a
+        receiver_end: Any = _FaultyEnd(b, fault, at) if side == "receiver" else b
+
+        def body(receiver: hm.BucketReceiver) -> dict[str, torch.Tensor]:
+            return {n: t.clone() for n, t in receiver.receive(receiver_end, timeout=0.5)}
+
+        thread, result = run_receiver(bucket.handle, b, body)
+        try:
+            report: Any = bucket.send(tensors, producer_end, timeout=0.5)
+        except (hm.SyncError, RuntimeError, OSError) as exc:
+            report = exc
+        thread.join(10)
+        assert not thread.is_alive(), "the receiver blocked past its timeout"
+        if not isinstance(report, Exception) and "value" in result:
+            assert_same_tensors(result["value"], tensors)  # a sync that succeeds is exact
+        for end in (a, b):
+            end.close()
+        # the next sync: a fresh pipe and receiver, the same bucket
+        c, d = mp.Pipe()
+        thread, result = run_receiver(bucket.handle, d, collect(d))
+        bucket.send(tensors, c, timeout=5)
+        thread.join(10)
+        assert_same_tensors(result["value"], tensors)
+        c.close()
+        d.close()

@@ -284,12 +284,66 @@ def uuid_mapping() -> dict[str, Any]:
     }
 
 
+def _consumer_dies(conn: Connection) -> None:
+    _restrict()
+    _init_cuda()
+    receiver = hm.BucketReceiver(conn.recv())
+    for _ in receiver.receive(conn):
+        os._exit(3)  # dies holding the first batch
+
+
+def _consumer_once(conn: Connection) -> None:
+    _restrict()
+    _init_cuda()
+    with hm.BucketReceiver(conn.recv()) as receiver:
+        got = {name: _checksum(t) for name, t in receiver.receive(conn)}
+    conn.send(got)
+
+
+def bucket_faults() -> dict[str, Any]:
+    """Issue #11 on CUDA buffers: a dying consumer; bf16 views at odd offsets; no hang."""
+    _init_cuda()
+    out: dict[str, Any] = {}
+    flat = torch.randn(64 * MiB + 1, device="cuda").to(torch.bfloat16)  # one flat buffer
+    tensors = {
+        "a": flat[1 : 16 * MiB + 1].view(4096, -1),  # starts 2 bytes in: moved as int16
+        "b": flat[16 * MiB + 1 : 48 * MiB + 1],
+        "c": flat[48 * MiB + 1 :],
+    }
+    with hm.WeightBucket(32 * MiB) as bucket:
+        out["transport"] = bucket.transport
+        conn, child = _ctx.Pipe()
+        consumer = _ctx.Process(target=_consumer_dies, args=(child,))
+        consumer.start()
+        conn.send(bucket.handle)
+        started = time.monotonic()
+        try:
+            bucket.send(tensors, conn, timeout=120)
+            out["dying"] = "returned"
+        except hm.SyncError as exc:
+            out["dying"] = str(exc)
+        out["dying_seconds"] = time.monotonic() - started
+        consumer.join(60)
+        out["dying_exit"] = consumer.exitcode
+        conn2, child2 = _ctx.Pipe()
+        consumer2 = _ctx.Process(target=_consumer_once, args=(child2,))
+        consumer2.start()
+        conn2.send(bucket.handle)
+        bucket.send(tensors, conn2)
+        out["next_sync_intact"] = conn2.recv() == {n: _checksum(t) for n, t in tensors.items()}
+        consumer2.join(60)
+        out["next_exit"] = consumer2.exitcode
+    child.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "sharing": sharing,
     "bucket_syncs": bucket_syncs,
     "capabilities": capabilities,
     "host_fallback": host_fallback,
     "uuid_mapping": uuid_mapping,
+    "bucket_faults": bucket_faults,
 }
 
 if __name__ == "__main__":

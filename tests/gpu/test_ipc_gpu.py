@@ -91,3 +91,15 @@ def test_receiver_finds_the_gpu_by_uuid_not_index() -> None:
     assert facts["bad"] == 0
     assert facts["context_on_0"] is False
     assert facts["exit"] == 0
+
+
+def test_bucket_faults_never_hang_and_odd_offsets_ship() -> None:
+    """Issue #11: a consumer dying mid-sync (its pipe end still open here) fails the send
+    quickly; the bucket carries on; bf16 views at odd offsets arrive exactly."""
+    facts = run_scenario("bucket_faults", MODULE)
+    print(f"\nbucket faults: {facts}")
+    assert facts["transport"] == "cuda"
+    assert "died" in facts["dying"]
+    assert facts["dying_exit"] == 3
+    assert facts["next_sync_intact"]
+    assert facts["next_exit"] == 0
