@@ -18,16 +18,19 @@ has every piece of ``contextlib2``; hybridmem needs neither.)
 from __future__ import annotations
 
 import abc
+import asyncio
 import asyncio.events
 import copy
 import functools
 import inspect
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+import types
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from hybridmem._env import disabled
+from hybridmem._log import warn_once
 
 __all__ = ["ScopedContext"]
 
@@ -35,6 +38,8 @@ _Self = TypeVar("_Self", bound="ScopedContext")
 _T = TypeVar("_T")
 
 _DISABLED = object()  # token of an entry made while the kill switch was on
+# What a plain function may return whose work runs after the call returned.
+_DEFERRED = (types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType, asyncio.Future)
 _fallback_lock = threading.Lock()
 
 
@@ -165,9 +170,22 @@ class ScopedContext(abc.ABC):
     # Decorator protocol
     # ------------------------------------------------------------------ #
     def __call__(self, target: _T) -> _T:
-        """Decorate a function, coroutine/generator/async-generator function or CM class."""
+        """Decorate a function, coroutine/generator/async-generator function or CM class.
+
+        Also a ``staticmethod`` or ``classmethod`` object (the function inside is
+        wrapped, and wrapped again the same way), and an object whose ``__call__``
+        is ``async def`` (the scope spans the awaited body). A plain function that
+        returns a coroutine (a sync wrapper of an ``async def``) gets the scope
+        around the awaited coroutine too.
+        """
         if isinstance(target, type):
             return cast(_T, self._decorate_class(target))
+        if isinstance(target, (staticmethod, classmethod)):
+            # Wrapping the descriptor itself would turn it into a plain function,
+            # which a class then binds as an instance method.
+            return cast(_T, type(target)(self(target.__func__)))
+        if not inspect.isroutine(target) and _is_async_callable(target):
+            return cast(_T, self._wrap_coroutine(cast(Callable[..., Awaitable[Any]], target)))
         if not callable(target):
             raise TypeError(
                 f"{self!r} decorates functions, coroutine functions, generator functions "
@@ -187,9 +205,29 @@ class ScopedContext(abc.ABC):
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> _T:
             with self._recreate():
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+            if not isinstance(result, _DEFERRED):  # the common case: one type check
+                return result
+            if isinstance(result, types.CoroutineType):
+                # A sync function that hands back a coroutine (a wrapper of an async
+                # def): its body runs when awaited, so the scope must be there then.
+                return cast(_T, self._span(result))
+            name = getattr(fn, "__qualname__", repr(fn))
+            warn_once(
+                f"decorated-returns:{name}",
+                f"{self!r} decorates {name!r}, which returned a {type(result).__name__}: "
+                "the scope covered only the call that made it, not the work it does "
+                "later. Decorate the async def or generator function itself, or use "
+                "`with` / `async with` where the work runs.",
+                stacklevel=3,
+            )
+            return result
 
         return wrapper
+
+    async def _span(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        async with self._recreate():
+            return await coroutine
 
     def _wrap_coroutine(self, fn: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
         @functools.wraps(fn)
@@ -269,79 +307,149 @@ class ScopedContext(abc.ABC):
                 "is not. Decorate its methods instead."
             )
         stacks = _InstanceStacks()
-        if has_sync:
-            self._patch_sync(cls, stacks)
-        if has_async:
-            self._patch_async(cls, stacks)
+        self._patch_level(cls, stacks, force=True)
+        # A subclass that overrides __enter__/__exit__ (calling super() or not) is
+        # wrapped too, so every `with` statement enters the scope exactly once.
+        template = self
+        owner: Any = cls
+        previous = cls.__dict__.get("__init_subclass__")
+
+        def __init_subclass__(sub: Any, /, **kwargs: Any) -> None:
+            if previous is not None:
+                previous.__get__(None, sub)(**kwargs)
+            else:
+                super(owner, sub).__init_subclass__(**kwargs)
+            template._patch_level(sub, stacks, force=False)
+
+        owner.__init_subclass__ = classmethod(__init_subclass__)
         return cls
 
-    def _patch_sync(self, cls: type, stacks: _InstanceStacks) -> None:
+    def _patch_level(self, cls: type, stacks: _InstanceStacks, *, force: bool) -> None:
+        """Wrap the context-manager methods this class level defines (all, if ``force``)."""
+        own = cls.__dict__
+        for enter, exit_, is_async in (
+            ("__enter__", "__exit__", False),
+            ("__aenter__", "__aexit__", True),
+        ):
+            if not (callable(getattr(cls, enter, None)) and callable(getattr(cls, exit_, None))):
+                continue
+            if force or enter in own:
+                setattr(cls, enter, self._wrapped_enter(getattr(cls, enter), stacks, is_async))
+            if force or exit_ in own:
+                setattr(cls, exit_, self._wrapped_exit(getattr(cls, exit_), stacks, is_async))
+
+    def _wrapped_enter(self, original: Any, stacks: _InstanceStacks, is_async: bool) -> Any:
         template = self
-        original_enter = cls.__enter__  # type: ignore[attr-defined]
-        original_exit = cls.__exit__  # type: ignore[attr-defined]
+        if getattr(original, "__hybridmem_scope__", None) is stacks:
+            return original  # this level already wraps it (inherited wrapper)
+        if not is_async:
 
-        @functools.wraps(original_enter)
-        def __enter__(instance: Any) -> Any:
-            ctx = template._recreate()
-            ctx.__enter__()
-            try:
-                result = original_enter(instance)
-            except BaseException as exc:
-                ctx.__exit__(type(exc), exc, exc.__traceback__)
-                raise
-            stacks.push(instance, ctx)
-            return result
+            @functools.wraps(original)
+            def __enter__(instance: Any) -> Any:
+                if not stacks.begin_call(instance, "enter"):  # inside a super() chain
+                    try:
+                        return original(instance)
+                    finally:
+                        stacks.end_call(instance, "enter")
+                try:
+                    ctx = template._recreate()
+                    ctx.__enter__()
+                    try:
+                        result = original(instance)
+                    except BaseException as exc:
+                        ctx.__exit__(type(exc), exc, exc.__traceback__)
+                        raise
+                    stacks.push(instance, ctx)
+                    return result
+                finally:
+                    stacks.end_call(instance, "enter")
 
-        @functools.wraps(original_exit)
-        def __exit__(instance: Any, et: Any, ev: Any, tb: Any) -> Any:
-            ctx = stacks.pop(instance)
-            try:
-                suppress = original_exit(instance, et, ev, tb)
-            except BaseException as exc:
-                ctx.__exit__(type(exc), exc, exc.__traceback__)
-                raise
-            if suppress:
-                ctx.__exit__(None, None, None)
-            else:
-                ctx.__exit__(et, ev, tb)
-            return suppress
+            __enter__.__hybridmem_scope__ = stacks  # type: ignore[attr-defined]
+            return __enter__
 
-        cls.__enter__ = __enter__  # type: ignore[attr-defined]
-        cls.__exit__ = __exit__  # type: ignore[attr-defined]
-
-    def _patch_async(self, cls: type, stacks: _InstanceStacks) -> None:
-        template = self
-        original_aenter = cls.__aenter__  # type: ignore[attr-defined]
-        original_aexit = cls.__aexit__  # type: ignore[attr-defined]
-
-        @functools.wraps(original_aenter)
+        @functools.wraps(original)
         async def __aenter__(instance: Any) -> Any:
-            ctx = template._recreate()
-            await ctx.__aenter__()
+            if not stacks.begin_call(instance, "aenter"):
+                try:
+                    return await original(instance)
+                finally:
+                    stacks.end_call(instance, "aenter")
             try:
-                result = await original_aenter(instance)
-            except BaseException as exc:
-                await ctx.__aexit__(type(exc), exc, exc.__traceback__)
-                raise
-            stacks.push(instance, ctx)
-            return result
+                ctx = template._recreate()
+                await ctx.__aenter__()
+                try:
+                    result = await original(instance)
+                except BaseException as exc:
+                    await ctx.__aexit__(type(exc), exc, exc.__traceback__)
+                    raise
+                stacks.push(instance, ctx)
+                return result
+            finally:
+                stacks.end_call(instance, "aenter")
 
-        @functools.wraps(original_aexit)
+        __aenter__.__hybridmem_scope__ = stacks  # type: ignore[attr-defined]
+        return __aenter__
+
+    def _wrapped_exit(self, original: Any, stacks: _InstanceStacks, is_async: bool) -> Any:
+        if getattr(original, "__hybridmem_scope__", None) is stacks:
+            return original
+        if not is_async:
+
+            @functools.wraps(original)
+            def __exit__(instance: Any, et: Any, ev: Any, tb: Any) -> Any:
+                if not stacks.begin_call(instance, "exit"):
+                    try:
+                        return original(instance, et, ev, tb)
+                    finally:
+                        stacks.end_call(instance, "exit")
+                try:
+                    ctx = stacks.pop(instance)
+                    try:
+                        suppress = original(instance, et, ev, tb)
+                    except BaseException as exc:
+                        ctx.__exit__(type(exc), exc, exc.__traceback__)
+                        raise
+                    if suppress:
+                        ctx.__exit__(None, None, None)
+                    else:
+                        ctx.__exit__(et, ev, tb)
+                    return suppress
+                finally:
+                    stacks.end_call(instance, "exit")
+
+            __exit__.__hybridmem_scope__ = stacks  # type: ignore[attr-defined]
+            return __exit__
+
+        @functools.wraps(original)
         async def __aexit__(instance: Any, et: Any, ev: Any, tb: Any) -> Any:
-            ctx = stacks.pop(instance)
+            if not stacks.begin_call(instance, "aexit"):
+                try:
+                    return await original(instance, et, ev, tb)
+                finally:
+                    stacks.end_call(instance, "aexit")
             try:
-                suppress = await original_aexit(instance, et, ev, tb)
-            except BaseException as exc:
-                await ctx.__aexit__(type(exc), exc, exc.__traceback__)
-                raise
-            if suppress:
-                await ctx.__aexit__(None, None, None)
-            else:
-                await ctx.__aexit__(et, ev, tb)
-            return suppress
+                ctx = stacks.pop(instance)
+                try:
+                    suppress = await original(instance, et, ev, tb)
+                except BaseException as exc:
+                    await ctx.__aexit__(type(exc), exc, exc.__traceback__)
+                    raise
+                if suppress:
+                    await ctx.__aexit__(None, None, None)
+                else:
+                    await ctx.__aexit__(et, ev, tb)
+                return suppress
+            finally:
+                stacks.end_call(instance, "aexit")
 
-        cls.__aenter__ = __aenter__  # type: ignore[attr-defined]
-        cls.__aexit__ = __aexit__  # type: ignore[attr-defined]
+        __aexit__.__hybridmem_scope__ = stacks  # type: ignore[attr-defined]
+        return __aexit__
+
+
+def _is_async_callable(target: object) -> bool:
+    """An object whose ``__call__`` is ``async def`` (a class with an async __call__)."""
+    call = getattr(type(target), "__call__", None)  # noqa: B004 - the method itself is needed
+    return call is not None and inspect.iscoroutinefunction(call)
 
 
 class _InstanceStacks:
@@ -353,7 +461,29 @@ class _InstanceStacks:
 
     def __init__(self) -> None:
         self._stacks: dict[int, list[ScopedContext]] = {}
+        self._calls: dict[tuple[int, str], int] = {}  # calls in progress, by (instance, kind)
         self._lock = threading.Lock()
+
+    def begin_call(self, instance: object, kind: str) -> bool:
+        """Count a call of ``kind`` on ``instance``; True if it is the outermost one.
+
+        A subclass's ``__enter__`` calling ``super().__enter__()`` runs two wrapped
+        levels in one call: only the outermost enters (or exits) the scope.
+        """
+        key = (id(instance), kind)
+        with self._lock:
+            depth = self._calls.get(key, 0)
+            self._calls[key] = depth + 1
+            return depth == 0
+
+    def end_call(self, instance: object, kind: str) -> None:
+        key = (id(instance), kind)
+        with self._lock:
+            depth = self._calls.get(key, 1) - 1
+            if depth:
+                self._calls[key] = depth
+            else:
+                self._calls.pop(key, None)
 
     def push(self, instance: object, ctx: ScopedContext) -> None:
         with self._lock:

@@ -502,3 +502,144 @@ def test_unrecognised_kill_switch_value_warns_once(monkeypatch: pytest.MonkeyPat
     with pytest.warns(HybridMemWarning, match="HYBRIDMEM_DISABLE='maybe'"), Recorder(log):
         pass
     assert log == ["enter r1", "exit r1 -"]  # treated as off
+
+
+# --------------------------------------------------------------------------- #
+# Issue #11: callables that return coroutines, descriptors, subclasses
+# --------------------------------------------------------------------------- #
+
+
+def test_a_sync_wrapper_of_an_async_def_gets_the_scope_around_the_awaited_body() -> None:
+    log: list[str] = []
+    recorder = Recorder(log)
+
+    async def body() -> int:
+        await asyncio.sleep(0)
+        log.append(f"body inside={inside(log)}")
+        return 7
+
+    def wrapper() -> Any:  # a sync function handing back a coroutine
+        return body()
+
+    decorated = recorder(wrapper)
+    assert asyncio.run(decorated()) == 7
+    assert "body inside=1" in log
+    assert inside(log) == 0
+
+
+def test_an_object_with_an_async_call_is_decorated_as_a_coroutine() -> None:
+    log: list[str] = []
+
+    class Handler:
+        async def __call__(self, x: int) -> int:
+            await asyncio.sleep(0)
+            log.append(f"call inside={inside(log)}")
+            return x + 1
+
+    decorated = Recorder(log)(Handler())
+    assert asyncio.run(decorated(1)) == 2
+    assert log == ["enter r1", "call inside=1", "exit r1 -"]
+
+
+def test_a_function_returning_a_generator_or_future_warns_once() -> None:
+    log: list[str] = []
+
+    def gen_maker() -> Any:
+        return (i for i in range(3))
+
+    decorated = Recorder(log)(gen_maker)
+    with pytest.warns(HybridMemWarning, match="covered only the call that made it"):
+        assert list(decorated()) == [0, 1, 2]
+    list(decorated())  # once only (the test config turns a second warning into an error)
+
+
+def test_staticmethod_and_classmethod_objects_can_be_decorated() -> None:
+    log: list[str] = []
+
+    class Trainer:
+        @Recorder(log)
+        @staticmethod
+        def step(x: int) -> int:
+            log.append(f"step inside={inside(log)}")
+            return x * 2
+
+        @Recorder(log)
+        @classmethod
+        def make(cls, x: int) -> tuple[type, int]:
+            log.append(f"make inside={inside(log)}")
+            return cls, x
+
+    assert Trainer.step(3) == 6
+    assert Trainer().step(4) == 8  # no instance is bound
+    assert Trainer.make(1) == (Trainer, 1)
+    assert Trainer().make(2) == (Trainer, 2)
+    assert log.count("step inside=1") == 2
+    assert log.count("make inside=1") == 2
+    assert inside(log) == 0
+
+
+@pytest.mark.parametrize(
+    "calls_super", [(True, True), (True, False), (False, True), (False, False)]
+)
+def test_a_subclass_overriding_enter_and_exit_keeps_the_scope_balanced(
+    calls_super: tuple[bool, bool],
+) -> None:
+    log: list[str] = []
+    enter_super, exit_super = calls_super
+
+    @Recorder(log)
+    class Manager:
+        def __enter__(self) -> Any:
+            log.append("base enter")
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            log.append("base exit")
+
+    class Sub(Manager):
+        def __enter__(self) -> Any:
+            log.append(f"sub enter inside={inside(log)}")
+            return super().__enter__() if enter_super else self
+
+        def __exit__(self, *exc: object) -> None:
+            log.append("sub exit")
+            if exit_super:
+                super().__exit__(*exc)
+
+    for _ in range(2):
+        with Sub():
+            assert inside(log) == 1  # entered once, however the chain runs
+        assert inside(log) == 0
+    with pytest.raises(KeyError), Sub():
+        raise KeyError("body")
+    assert inside(log) == 0
+    with Manager():  # the base class alone still works
+        assert inside(log) == 1
+    assert inside(log) == 0
+    assert "sub enter inside=1" in log  # the scope is on before the subclass's own code
+
+
+def test_a_subclass_of_a_decorated_async_manager_stays_balanced() -> None:
+    log: list[str] = []
+
+    @Recorder(log)
+    class Manager:
+        async def __aenter__(self) -> Any:
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    class Sub(Manager):
+        async def __aenter__(self) -> Any:
+            return await super().__aenter__()
+
+        async def __aexit__(self, *exc: object) -> None:  # does not call super()
+            return None
+
+    async def main() -> None:
+        async with Sub():
+            assert inside(log) == 1
+        assert inside(log) == 0
+
+    asyncio.run(main())
