@@ -37,6 +37,7 @@ import hybridmem
 from hybridmem import _probe_launch
 from hybridmem._env import DISABLE_ENV, disabled
 from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
+from hybridmem._files import FileProblem, timeline_env_problem
 
 if TYPE_CHECKING:
     from hybridmem.capabilities import IpcCapabilities
@@ -302,9 +303,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "bench" and args.cycles is not None and args.cycles < 2:
+        parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
+    problem = timeline_env_problem()
+    if problem is not None:  # checked before any work, not when the process exits
+        print(f"hybridmem: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except (FileProblem, AllocatorSettingsError) as exc:  # misuse: one line, no traceback
+        print(f"hybridmem {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
-        if args.cycles is not None and args.cycles < 2:
-            parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
         from hybridmem.bench.run import bench as run_bench
         from hybridmem.bench.run import report as bench_report
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hybridmem._files import FileProblem, check_writable, describe
 from hybridmem.timeline import iter_jsonl
 
 __all__ = ["MAX_TIME_CYCLES", "PlotError", "load_events", "plot_timeline", "view"]
@@ -27,14 +28,40 @@ class PlotError(RuntimeError):
     """The timeline cannot be plotted (missing matplotlib, no events, bad file)."""
 
 
+_EVENT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "start": (int, float),
+    "duration": (int, float),
+}
+
+
 def load_events(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
-    """Read events from JSON-lines timeline files (several ranks may be given)."""
+    """Read events from JSON-lines timeline files (several ranks may be given).
+
+    Raises:
+        PlotError: a file cannot be read or is not a hybridmem timeline (the
+            message names the file and the first line that is not an event).
+    """
     events: list[dict[str, Any]] = []
     for path in paths:
         try:
-            events.extend(iter_jsonl(path))
-        except (OSError, ValueError) as exc:
-            raise PlotError(f"cannot read timeline {path}: {exc}") from exc
+            for number, event in enumerate(iter_jsonl(path), start=1):
+                if not (
+                    isinstance(event, dict)
+                    and all(isinstance(event.get(k), t) for k, t in _EVENT_FIELDS.items())
+                ):
+                    raise PlotError(
+                        f"{path} is not a hybridmem timeline: line {number} is not an event "
+                        "(write one with hm.record(path) or HYBRIDMEM_TIMELINE=path; saved "
+                        "bench results go to `hybridmem bench --from-json`)"
+                    )
+                events.append(event)
+        except OSError as exc:
+            raise PlotError(f"cannot read timeline {path}: {describe(exc)}") from None
+        except ValueError as exc:  # not JSON lines (a PNG, a whole-file JSON, text)
+            raise PlotError(
+                f"{path} is not a hybridmem timeline (JSON lines of events): {exc}"
+            ) from None
     if not events:
         raise PlotError("the timeline has no events (was anything recorded?)")
     return sorted(events, key=lambda e: e["start"])
@@ -67,8 +94,13 @@ def plot_timeline(
     number, where drift and leaks show as slopes.
 
     Raises:
-        PlotError: matplotlib is missing or the timeline is empty or unreadable.
+        PlotError: matplotlib is missing, the timeline is empty, unreadable or not
+            a timeline, or ``output`` cannot be written (checked before drawing).
     """
+    try:
+        check_writable(output, "the plot")
+    except FileProblem as exc:
+        raise PlotError(str(exc)) from None
     try:
         import matplotlib
 
@@ -176,7 +208,11 @@ def _save(fig: Any, plt: Any, output: str | os.PathLike[str], title: str) -> Pat
     fig.suptitle(title)
     fig.tight_layout()
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except (OSError, ValueError) as exc:  # ValueError: an extension matplotlib lacks
+        raise PlotError(f"cannot write the plot {str(out)!r}: {exc}") from None
+    finally:
+        plt.close(fig)
     return out

@@ -24,7 +24,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from hybridmem import _torch
 from hybridmem._decorate import ScopedContext
-from hybridmem._log import logger
+from hybridmem._files import TIMELINE_ENV, FileProblem, check_writable, timeline_env_problem
+from hybridmem._log import logger, warn_once
 from hybridmem.telemetry import MemoryInfo, memory_info
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-TIMELINE_ENV = "HYBRIDMEM_TIMELINE"
 MEMORY_KEYS = ("allocated", "reserved", "free", "used")
 
 
@@ -333,6 +333,12 @@ class Recording(ScopedContext):
 
     def _enter(self) -> object:
         global _enabled, _depth
+        if self.path is not None:
+            for target in _TIMELINE.paths(self.path):  # checked now, not at the exit
+                try:
+                    check_writable(target, "the timeline")
+                except FileProblem as exc:
+                    raise ValueError(f"{self!r}: {exc}; give a path that can be written") from None
         with _state_lock:
             _depth += 1
             _enabled = True
@@ -344,7 +350,12 @@ class Recording(ScopedContext):
             _depth -= 1
             _enabled = _depth > 0 or _env_path is not None
         if self.path is not None:
-            _TIMELINE.save(self.path)
+            try:
+                _TIMELINE.save(self.path)
+            except OSError as error:  # the path was checked at entry: a full disk, say
+                logger.error("%r: could not write the timeline: %s", self, error)
+                if exc is None:  # never hide the block's own exception behind this one
+                    raise ValueError(f"{self!r}: could not write the timeline: {error}") from None
 
 
 def record(path: str | os.PathLike[str] | None = None) -> Recording:
@@ -378,10 +389,23 @@ def _save_from_env() -> None:
             logger.warning("could not write the timeline to %s: %s", _env_path, exc)
 
 
-_env_path = os.environ.get(TIMELINE_ENV) or None
-if _env_path is not None:
+def _start_from_env() -> None:
+    """Recording from the env starts at import: its path is checked then, not at exit."""
+    global _env_path, _enabled
+    raw = os.environ.get(TIMELINE_ENV) or None
+    if raw is None:
+        return
+    problem = timeline_env_problem(raw)
+    if problem is not None:
+        warn_once("timeline-env", f"{problem}; nothing is recorded", stacklevel=2)
+        return
+    _env_path = raw
     _enabled = True
     atexit.register(_save_from_env)
+
+
+_env_path: str | None = None
+_start_from_env()
 
 
 def _reset_for_tests() -> None:

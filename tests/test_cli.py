@@ -276,3 +276,106 @@ def test_plot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit) as exit_info:
         main(["plot", str(empty)])  # -o is required
     assert exit_info.value.code == 2
+
+
+# --------------------------------------------------------------------------- #
+# Issue #11: wrong files, unwritable paths, a bad HYBRIDMEM_TIMELINE: one line
+# --------------------------------------------------------------------------- #
+
+
+def _one_clear_line(capsys: pytest.CaptureFixture[str], *expected: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def _wrong_files(tmp_path: Path) -> dict[str, Path]:
+    png = tmp_path / "picture.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    bench_json = tmp_path / "results.json"
+    bench_json.write_text(json.dumps({"results": {"naive": {"summary": {}}}}, indent=2))
+    not_events = tmp_path / "other.jsonl"
+    not_events.write_text('{"a": 1}\n{"b": 2}\n')
+    timeline = tmp_path / "timeline.jsonl"
+    event = {"name": "phase:train", "start": 1.0, "duration": 0.5, "kind": "phase"}
+    timeline.write_text(json.dumps(event) + "\n")
+    return {
+        "png": png,
+        "bench_json": bench_json,
+        "not_events": not_events,
+        "timeline": timeline,
+        "folder": tmp_path,
+        "missing": tmp_path / "missing.jsonl",
+    }
+
+
+@pytest.mark.parametrize("kind", ["png", "bench_json", "not_events", "folder", "missing"])
+def test_plot_on_the_wrong_kind_of_file_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    pytest.importorskip("matplotlib")
+    files = _wrong_files(tmp_path)
+    assert main(["plot", str(files[kind]), "-o", str(tmp_path / "out.png")]) == 1
+    _one_clear_line(capsys, "hybridmem plot:", str(files[kind]))
+
+
+@pytest.mark.parametrize("kind", ["png", "timeline", "not_events", "folder", "missing"])
+def test_bench_from_json_on_the_wrong_kind_of_file_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    files = _wrong_files(tmp_path)
+    assert main(["bench", "--from-json", str(files[kind])]) == 2
+    _one_clear_line(capsys, "hybridmem bench:", str(files[kind]))
+
+
+def test_unwritable_outputs_are_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    unwritable = str(blocker / "out.png")  # its "folder" is a file: even root cannot
+    files = _wrong_files(tmp_path)
+    assert main(["plot", str(files["timeline"]), "-o", unwritable]) == 1
+    _one_clear_line(capsys, "hybridmem plot:", "cannot make its folder")
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"results": {"hybridmem": {"summary": {"cycles": 2}}}}))
+    for flag in ("--json", "--plot"):
+        assert main(["bench", "--from-json", str(saved), flag, unwritable]) == 2
+        _one_clear_line(capsys, "hybridmem bench:", flag, "cannot make its folder")
+    assert main(["bench", "--quick", "--timeline", str(blocker / "t")]) == 2
+    _one_clear_line(capsys, "--timeline", "cannot make its folder")
+    assert main(["plot", str(files["timeline"]), "-o", str(tmp_path)]) == 1
+    _one_clear_line(capsys, "is a folder")
+
+
+def test_a_bad_timeline_env_path_is_one_line_at_the_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("HYBRIDMEM_TIMELINE", str(blocker / "timeline"))
+    assert main(["doctor", "--no-probe"]) == 2
+    _one_clear_line(capsys, "HYBRIDMEM_TIMELINE=", "fix or unset HYBRIDMEM_TIMELINE")
+    # a library user: checked when recording starts (at import), one warning, no traceback
+    done = run_python(
+        "-c",
+        "import hybridmem.timeline as t; print(t.recording())",
+        env={"HYBRIDMEM_TIMELINE": str(blocker / "timeline")},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+    assert "Traceback" not in done.stderr
+    assert "HybridMemWarning" in done.stderr
+    assert "nothing is recorded" in done.stderr
+
+
+def test_record_to_an_unwritable_path_fails_at_entry(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="cannot make its folder"), hm.record(blocker / "t"):
+        pytest.fail("the block must not run")
+    assert not hm.timeline.recording()

@@ -18,6 +18,7 @@ from typing import Any
 
 import hybridmem as hm
 from hybridmem import timeline as _timeline
+from hybridmem._files import FileProblem, check_writable, describe
 from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, plan
 
 __all__ = ["TABLE_KEYS", "TARGETS", "bench", "format_table", "report", "run_strategy"]
@@ -313,16 +314,69 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
-    """hybridmem's figures against issue #5's targets and against each baseline."""
+# A difference smaller than this is noise even when the cycles agree closely:
+# (absolute, relative) per figure. Above it, the cycles' own spread is the noise.
+_NOISE_FLOOR: dict[str, tuple[float, float]] = {
+    "kv_obtained_gib": (0.05, 0.0),
+    "handback": (0.0005, 0.0),
+    "to_rollout_s": (0.005, 0.05),
+    "to_trainer_s": (0.005, 0.05),
+    "offload_gbps": (0.0, 0.02),
+    "peak_reserved_over_allocated": (0.002, 0.0),
+    "drift_mib_per_cycle": (0.5, 0.0),
+}
+# The per-cycle values behind a figure, where the results carry them (raw).
+_PER_CYCLE: dict[str, Callable[[dict[str, Any]], list[float]]] = {
+    "kv_obtained_gib": lambda raw: [k / GiB for k in raw.get("kv_obtained", [])],
+    "handback": lambda raw: list(raw.get("handback", [])),
+    "to_rollout_s": lambda raw: list(raw.get("to_rollout_s", [])),
+    "to_trainer_s": lambda raw: list(raw.get("to_trainer_s", [])),
+    "offload_gbps": lambda raw: list(raw.get("offload_gbps", [])),
+    "peak_reserved_over_allocated": lambda raw: [
+        r / a for r, a in zip(raw.get("peak_reserved", []), raw.get("peak_allocated", [])) if a
+    ],
+}
+
+
+def _spread(values: list[float]) -> float:
+    """Half the interquartile range: how far a typical cycle is from the median."""
+    if len(values) < 4:
+        return 0.0
+    ordered = sorted(values)
+    return (ordered[(3 * len(ordered)) // 4] - ordered[len(ordered) // 4]) / 2
+
+
+def noise(key: str, mine: float, other: float, raws: tuple[Any, Any] = (None, None)) -> float:
+    """How big a difference between two strategies' ``key`` must be to mean anything."""
+    absolute, relative = _NOISE_FLOOR.get(key, (0.0, 0.02))
+    floor = max(absolute, relative * max(abs(mine), abs(other)))
+    per_cycle = _PER_CYCLE.get(key)
+    spread = 0.0
+    if per_cycle is not None:
+        spread = sum(_spread(per_cycle(raw)) for raw in raws if isinstance(raw, dict))
+    return max(floor, spread)
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float | int) else "-"
+
+
+def _verdicts(rows: dict[str, dict[str, Any]], raws: dict[str, Any] | None = None) -> list[str]:
+    """hybridmem's figures against issue #5's targets and against each baseline.
+
+    Figures are rounded to 4 significant digits; hybridmem is called worse than a
+    baseline only when the difference exceeds the noise (:func:`noise`: the
+    cycles' spread, at least a floor per figure); a smaller one is "within noise".
+    """
     if "hybridmem" not in rows:
         return ["no verdicts: hybridmem was not run (combine saved runs with --from-json)"]
+    raws = raws or {}
     ours = rows["hybridmem"]
     lines = []
     for key, (op, target) in TARGETS.items():
         value = ours.get(key)
         met = value is not None and (value >= target if op == ">=" else value <= target)
-        lines.append(f"{key}: {value!r} (target {op} {target}): {'met' if met else 'NOT met'}")
+        lines.append(f"{key}: {_fmt(value)} (target {op} {target}): {'met' if met else 'NOT met'}")
     for key in (
         "kv_obtained_gib",
         "handback",
@@ -337,12 +391,23 @@ def _verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
         if mine is None or not others or any(o is None for o in others.values()):
             continue
         higher = key in _BETTER_HIGHER
-        worse = [s for s, o in others.items() if (mine < o if higher else mine > o)]
-        lines.append(
-            f"{key}: hybridmem worse than {' and '.join(worse)}"
-            if worse
-            else f"{key}: hybridmem at least as good as {' and '.join(others)}"
-        )
+        worse: list[str] = []
+        within: list[str] = []
+        for name, other in others.items():
+            assert other is not None  # checked above
+            behind = (other - mine) if higher else (mine - other)
+            if behind <= 0:
+                continue
+            margin = noise(key, mine, other, (raws.get("hybridmem"), raws.get(name)))
+            (worse if behind > margin else within).append(f"{name} {_fmt(other)}")
+        values = f"hybridmem {_fmt(mine)}"
+        if worse:
+            lines.append(f"{key}: {values}, worse than {' and '.join(worse)} (beyond noise)")
+        elif within:
+            lines.append(f"{key}: {values}, within noise of {' and '.join(within)}")
+        else:
+            listed = ", ".join(f"{n} {_fmt(o)}" for n, o in others.items())
+            lines.append(f"{key}: {values}, at least as good as {listed}")
     return lines
 
 
@@ -373,6 +438,10 @@ def bench(
     if plot_path and not _has_matplotlib():
         print(_NO_MATPLOTLIB, file=sys.stderr)
         return 2
+    problem = _outputs_problem(json_path, plot_path, timeline)
+    if problem:  # before a run of minutes, not after it
+        print(f"hybridmem bench: {problem}", file=sys.stderr)
+        return 2
     if not _torch.cuda_available():
         print("hybridmem bench needs a CUDA GPU (none is visible here)", file=sys.stderr)
         return 2
@@ -393,7 +462,7 @@ def bench(
     results = {name: _child(name, p, timeline) for name in strategies}
     rows = {name: r["summary"] for name, r in results.items()}
     print("\n" + "\n".join(format_table(rows)))
-    verdicts = _verdicts(rows)
+    verdicts = _verdicts(rows, {name: r.get("raw") for name, r in results.items()})
     print("\n" + "\n".join(verdicts))
     print(f"\nbench took {time.perf_counter() - started:.0f} s")
     if json_path:
@@ -403,6 +472,49 @@ def bench(
     if plot_path:
         _plot(rows, plot_path)
     return 0
+
+
+def load_results(path: str) -> dict[str, Any]:
+    """Read results saved with ``hybridmem bench --json``.
+
+    Raises:
+        FileProblem: the file cannot be read, is not JSON, or is not bench results
+            (the message names the file and what is missing).
+    """
+    try:
+        saved = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise FileProblem(f"cannot read results from {path}: {describe(exc)}") from None
+    except ValueError as exc:  # not JSON (a PNG, a JSON-lines timeline, ...)
+        raise FileProblem(
+            f"{path} is not saved bench results (hybridmem bench --json writes them): {exc}"
+        ) from None
+    found = saved.get("results") if isinstance(saved, dict) else None
+    if not (
+        isinstance(found, dict)
+        and found
+        and all(isinstance(r, dict) and isinstance(r.get("summary"), dict) for r in found.values())
+    ):
+        raise FileProblem(
+            f"{path} is not saved bench results: it has no 'results' with a 'summary' per "
+            "strategy (hybridmem bench --json writes them; a timeline goes to hybridmem plot)"
+        )
+    result: dict[str, Any] = saved
+    return result
+
+
+def _outputs_problem(json_path: str | None, plot_path: str | None, timeline: str | None) -> str:
+    """What is wrong with the output paths, checked before any work ('' if nothing)."""
+    try:
+        if json_path:
+            check_writable(json_path, "--json")
+        if plot_path:
+            check_writable(plot_path, "--plot")
+        if timeline:
+            check_writable(f"{timeline}.hybridmem.jsonl", "--timeline")
+    except FileProblem as exc:
+        return str(exc)
+    return ""
 
 
 _NO_MATPLOTLIB = (
@@ -427,16 +539,19 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
     if plot_path and not _has_matplotlib():
         print(_NO_MATPLOTLIB, file=sys.stderr)
         return 2
+    problem = _outputs_problem(json_path, plot_path, None)
+    if problem:
+        print(f"hybridmem bench: {problem}", file=sys.stderr)
+        return 2
     results: dict[str, Any] = {}
     plans: dict[str, Any] = {}
     for path in paths:
         try:
-            saved = json.loads(Path(path).read_text())
-            found = saved["results"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"hybridmem bench: cannot read results from {path}: {exc!r}", file=sys.stderr)
+            saved = load_results(path)
+        except FileProblem as exc:
+            print(f"hybridmem bench: {exc}", file=sys.stderr)
             return 2
-        for name, result in found.items():
+        for name, result in saved["results"].items():
             results[name] = result
             plans[name] = saved.get("plan")
     rows = {name: results[name]["summary"] for name in STRATEGIES if name in results}
@@ -447,7 +562,7 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
             f"{name}: {row.get('cycles')} cycles, {p.get('params', 0) / 1e6:.0f} M parameters"
             + model
         )
-    verdicts = _verdicts(rows)
+    verdicts = _verdicts(rows, {name: results[name].get("raw") for name in rows})
     print("\n" + "\n".join(format_table(rows)))
     print("\n" + "\n".join(verdicts))
     if json_path:
