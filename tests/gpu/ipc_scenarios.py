@@ -330,7 +330,8 @@ def bucket_faults() -> dict[str, Any]:
         consumer2.start()
         conn2.send(bucket.handle)
         bucket.send(tensors, conn2)
-        out["next_sync_intact"] = conn2.recv() == {n: _checksum(t) for n, t in tensors.items()}
+        sent = {n: _checksum(t.clone()) for n, t in tensors.items()}  # clones: aligned
+        out["next_sync_intact"] = conn2.recv() == sent
         consumer2.join(60)
         out["next_exit"] = consumer2.exitcode
     child.close()
