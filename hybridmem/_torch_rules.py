@@ -441,21 +441,7 @@ class _StrictParse:
             i += 2
             if divisions != 0 and not _pow2(divisions):
                 raise r.refuse(key, t[i], "the divisions must be 0 or a power of 2")
-            if boundary == ">":
-                for j in range(last, _INTERVALS):
-                    out[j] = divisions
-                self.state[key] = tuple(out)
-            else:
-                size = _stoull(boundary)
-                if not _pow2(size):
-                    raise r.refuse(key, boundary, "the intervals must be powers of 2 (MB)")
-                index = min(size.bit_length() - 1, _INTERVALS - 1)
-                if first:
-                    for j in range(index):
-                        out[j] = divisions
-                    first = False
-                out[index] = divisions
-                last = index
+            first, last = _roundup_item(r, out, boundary, divisions, first, last, after=0)
             self.state[key] = tuple(out)  # torch fills its vector in place
             if i + 1 >= len(t):
                 raise r.refuse(key, "[...", "the list has no closing ']'")
@@ -580,21 +566,8 @@ class _TokenParse:
             i += 2
             if divisions != 0 and not _pow2(divisions):
                 raise r.refuse(key, t[i], "the divisions must be 0 or a power of 2")
-            if t[at] == ">":
-                for j in range(last + 1, _INTERVALS):
-                    out[j] = divisions
-                self.state[key] = tuple(out)
-            else:
-                size = _stoull(t[at])
-                if not _pow2(size):
-                    raise r.refuse(key, t[at], "the intervals must be powers of 2 (MB)")
-                index = min(size.bit_length() - 1, _INTERVALS - 1)
-                if first:
-                    for j in range(index):
-                        out[j] = divisions
-                    first = False
-                out[index] = divisions
-                last = index
+            # 2.10+ fills ">" from the interval after the last one named (<= 2.9: from it)
+            first, last = _roundup_item(r, out, t[at], divisions, first, last, after=1)
             self.state[key] = tuple(out)  # torch fills its vector in place
             if self._at(i + 1) != "]":
                 i += 1
@@ -608,6 +581,38 @@ class _TokenParse:
 # --------------------------------------------------------------------------- #
 # Shared pieces
 # --------------------------------------------------------------------------- #
+
+
+def _roundup_item(
+    rules: TorchRules,
+    out: list[int],
+    boundary: str,
+    divisions: int,
+    first: bool,
+    last: int,
+    *,
+    after: int,
+) -> tuple[bool, int]:
+    """Apply one ``SIZE_MB:DIVISIONS`` (or ``>:DIVISIONS``) of a roundup list to ``out``.
+
+    The first sized item also fills every interval below it; ``>`` fills from
+    ``last + after`` up. Returns the new ``(first, last)``.
+    """
+    if boundary == ">":
+        for j in range(last + after, _INTERVALS):
+            out[j] = divisions
+        return first, last
+    size = _stoull(boundary)
+    if not _pow2(size):
+        raise rules.refuse(
+            "roundup_power2_divisions", boundary, "the intervals must be powers of 2 (MB)"
+        )
+    index = min(size.bit_length() - 1, _INTERVALS - 1)
+    if first:
+        for j in range(index):
+            out[j] = divisions
+    out[index] = divisions
+    return False, index
 
 
 def _split(text: str, *, spaces_only: bool) -> list[str]:

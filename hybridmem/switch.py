@@ -548,7 +548,12 @@ class HybridSwitch:
             "before freeing it, or another process holds it)"
         )
 
-    def _await_room(self) -> None:
+    def _room_polls(self) -> Iterator[None]:
+        """Yield while the trainer state does not fit yet; raise once the time is up.
+
+        Raises:
+            HybridSwitchError: no room after ``confirm_timeout_s``.
+        """
         deadline = time.monotonic() + self.confirm_timeout_s
         while True:
             fits, free, need = self._room()
@@ -560,20 +565,14 @@ class HybridSwitch:
                     f"{self.confirm_timeout_s:g} s (confirm_timeout_s); not reloading into "
                     "memory that cannot hold it"
                 )
+            yield
+
+    def _await_room(self) -> None:
+        for _ in self._room_polls():
             time.sleep(phases.POLL_S)
 
     async def _await_room_async(self) -> None:
-        deadline = time.monotonic() + self.confirm_timeout_s
-        while True:
-            fits, free, need = self._room()
-            if fits:
-                return
-            if time.monotonic() >= deadline:
-                raise HybridSwitchError(
-                    f"rank {self.rank}: {self._no_room(free, need)} after "
-                    f"{self.confirm_timeout_s:g} s (confirm_timeout_s); not reloading into "
-                    "memory that cannot hold it"
-                )
+        for _ in self._room_polls():
             await asyncio.sleep(phases.POLL_S)
 
     # ------------------------------------------------------------------ #

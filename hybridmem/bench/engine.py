@@ -17,9 +17,36 @@ import torch
 
 import hybridmem as hm
 from hybridmem import _torch
+from hybridmem._bucket_wire import Peer, recv_within
 from hybridmem.backends.engines import EngineAdapter
 
-__all__ = ["EngineClient", "serve"]
+__all__ = ["BoundedConn", "EngineClient", "serve"]
+
+#: The longest the trainer waits for one answer of the engine process (seconds).
+ENGINE_TIMEOUT_S = 600.0
+
+
+class BoundedConn:
+    """The trainer's pipe end to the engine: no wait outlasts the engine or a timeout.
+
+    The trainer holds the engine's end of the pipe too (it made the pipe), so an engine
+    that dies never produces EOF; each wait polls and watches the engine's pid.
+    """
+
+    def __init__(self, conn: Connection, pid: int | None, timeout: float = ENGINE_TIMEOUT_S):
+        self.conn = conn
+        self.peer = Peer(pid, "bench engine")
+        self.timeout = timeout
+
+    def send(self, obj: Any) -> None:
+        self.conn.send(obj)
+
+    def poll(self, timeout: float) -> bool:
+        return self.conn.poll(timeout)
+
+    def recv(self) -> Any:
+        return recv_within(self.conn, self.timeout, self.peer, "an answer")
+
 
 GiB = 2**30
 Weights = dict[str, torch.Tensor]
@@ -145,7 +172,7 @@ class EngineClient(EngineAdapter):
 
     name = "bench"
 
-    def __init__(self, conn: Connection, context_bytes: int, total_bytes: int) -> None:
+    def __init__(self, conn: BoundedConn, context_bytes: int, total_bytes: int) -> None:
         super().__init__(conn, ())
         self.conn = conn
         self.context_bytes = context_bytes

@@ -111,7 +111,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     import torch
     import torch.multiprocessing as mp
 
-    from hybridmem.bench.engine import EngineClient, serve
+    from hybridmem.bench.engine import BoundedConn, EngineClient, serve
     from hybridmem.bench.strategies import make_strategy
 
     torch.manual_seed(0)
@@ -133,11 +133,12 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
         target=serve, args=(child, device, int(total * p.kv_fraction), shapes)
     )
     engine_process.start()
-    _, engine_reserved = conn.recv()
+    bounded = BoundedConn(conn, engine_process.pid)
+    _, engine_reserved = bounded.recv()
     torch.cuda.synchronize()
     free = torch.cuda.mem_get_info()[0]
     context = total - free - torch.cuda.memory_reserved() - engine_reserved
-    engine = EngineClient(conn, context, total)
+    engine = EngineClient(bounded, context, total)
 
     def train() -> None:
         for _ in range(p.train_steps):
@@ -173,8 +174,8 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
             print(f"progress {cycle} {p.cycles}", file=sys.stderr, flush=True)
             _cycle(cycle, p, strategy, engine, train, figures)
     print(f"progress {p.cycles} {p.cycles}", file=sys.stderr, flush=True)
-    conn.send(("stop",))
-    conn.recv()
+    bounded.send(("stop",))
+    bounded.recv()
     engine_process.join(timeout=60)
     return {"summary": figures.summary(), "raw": figures.__dict__}
 
