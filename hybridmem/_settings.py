@@ -137,7 +137,8 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
         key: a known setting name (see :data:`KEYS`).
         value: bool for switches, int for sizes and counts, float (or int) for
             fractions, an int or a ``{size_mb | ">": divisions}`` mapping for
-            ``roundup_power2_divisions``; a string in torch's syntax always works.
+            ``roundup_power2_divisions``; a string in torch's syntax where it has that
+            type (``"512"`` for a size, never ``"25.5"``).
         rules: the torch that will read it.
 
     Raises:

@@ -542,7 +542,8 @@ class _AllocatorState:
         above all). The three keys torch resets on every call need nothing.
 
         Raises:
-            AllocatorSettingsError: a key must go back to a default torch refuses.
+            AllocatorSettingsError: a key must go back to a default torch refuses, or
+                torch would refuse the string.
         """
         memo = target.memo
         if memo is not None and memo[0] is current:
@@ -563,7 +564,10 @@ class _AllocatorState:
                 )
             items.append((key, text))
         text = format_settings(items)
-        target.memo = (current, text)
+        outcome = rules.run(text, now)  # never give torch a string it would refuse
+        if not outcome.accepted:  # pragma: no cover - the view's own check runs first
+            raise AllocatorSettingsError(f"{outcome.error}; nothing was applied")
+        target.memo = (current, text)  # a toggle entered again reuses the checked string
         return text
 
     def sync(self, *, release_cache: bool) -> None:
@@ -582,10 +586,7 @@ class _AllocatorState:
         if not self._can_apply():
             self._current = target
             return
-        text = self._settings_string(target, current)
-        outcome = rules.run(text, current.state(rules))
-        if not outcome.accepted:  # pragma: no cover - the view's own check runs first
-            raise AllocatorSettingsError(f"{outcome.error}; nothing was applied")
+        text = self._settings_string(target, current)  # checked by the model of torch
         if (
             release_cache
             and _torch.cuda_initialized()
@@ -885,10 +886,14 @@ def allocator_settings(**settings: object) -> AllocatorSettings:
     Values: bool for switches (``expandable_segments``, ``release_lock_on_cudamalloc``
     ...), int MB for sizes (``max_split_size_mb`` >= 20), float in (0, 1) for
     ``garbage_collection_threshold``, an int or ``{size_mb | ">": divisions}`` for
-    ``roundup_power2_divisions``; a string in torch's syntax always works.
-    An enable of ``expandable_segments`` respects an explicit env False (use
-    :func:`expandable_segments` with ``force=True`` to override). Cached blocks
-    are released when the expandable mode changes.
+    ``roundup_power2_divisions``; a string in torch's syntax where it has that type.
+    Each value is judged by the running torch's rules here, and all of them together
+    (with the env's) on entry, before anything is applied; a key whose default torch
+    refuses to take back (``pinned_reserve_segment_size_mb``) may only be scoped where
+    the env or :func:`configure_allocator` sets it. An enable of
+    ``expandable_segments`` respects an explicit env False (use
+    :func:`expandable_segments` with ``force=True`` to override). Cached blocks are
+    released when the expandable mode changes.
 
     Scope: process-global; re-entrant; nests; restores on any exception.
 
@@ -899,8 +904,9 @@ def allocator_settings(**settings: object) -> AllocatorSettings:
         An :class:`AllocatorSettings` context/decorator.
 
     Raises:
-        ValueError: unknown setting (the message lists the known ones), a bad
-            value, or ``backend`` (fixed at start-up).
+        ValueError: unknown setting (the message lists the known ones), a key this
+            torch lacks, a value it refuses (:class:`AllocatorSettingsError`, here
+            or on entry), or ``backend`` (fixed at start-up).
         TypeError: a value of the wrong type.
 
     Example:
