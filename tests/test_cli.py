@@ -379,3 +379,19 @@ def test_record_to_an_unwritable_path_fails_at_entry(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot make its folder"), hm.record(blocker / "t"):
         pytest.fail("the block must not run")
     assert not hm.timeline.recording()
+
+
+def test_doctor_names_the_variable_torch_ignores(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert main(["doctor", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"torch \d+\.\d+ reads: PYTORCH_CUDA_ALLOC_CONF", out)
+    assert "IGNORED: PYTORCH_ALLOC_CONF is set, but this torch does not read it" in out
+    assert "PYTORCH_ALLOC_CONF is set but torch" in out  # the warning, as a note
+    assert main(["doctor", "--no-probe", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["allocator"]["ignored_env"] == ["PYTORCH_ALLOC_CONF"]
+    assert report["allocator"]["settings"]["expandable_segments"]["value"] == "False"

@@ -1,0 +1,97 @@
+"""Every import outside the standard library is torch, or optional and declared.
+
+The family of defect behind issue #11's red CI: `hybridmem/bench/run.py` imported
+transformers, which nothing declared, and mypy passed only where someone had installed
+it by hand. Here: the package imports nothing at module level but torch; anything else
+is imported inside a function (or by name through importlib) and belongs to an extra;
+tests and benchmarks use only what the `dev` extra installs.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ALWAYS = {"torch", "hybridmem", "tests", "benchmarks", "examples", "__future__"}
+
+
+def _extras() -> dict[str, set[str]]:
+    """``[project.optional-dependencies]`` of pyproject.toml: extra -> distribution names.
+
+    Read with a pattern, not tomllib (Python 3.11+; the project supports 3.10): each
+    extra is one ``name = [...]`` line there.
+    """
+    text = (REPO / "pyproject.toml").read_text()
+    block = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras: dict[str, set[str]] = {}
+    for name, listed in re.findall(r"^(\w+)\s*=\s*\[(.*)\]\s*$", block, re.M):
+        requirements = re.findall(r'"([^"]+)"', listed)
+        extras[name] = {
+            re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("-", "_")
+            for r in requirements
+        }
+    return extras
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(top-level module, imported at module level?) for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[str, bool]] = []
+    top_level = {id(node) for node in tree.body}
+    guarded = set()
+    for statement in tree.body:  # `if TYPE_CHECKING:` blocks only serve the type checker
+        if isinstance(statement, ast.If) and "TYPE_CHECKING" in ast.unparse(statement.test):
+            guarded |= {id(n) for n in ast.walk(statement)}
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            found.append((name.split(".")[0], id(node) in top_level))
+    return found
+
+
+def _third_party(module: str) -> bool:
+    return module not in sys.stdlib_module_names and module not in ALWAYS
+
+
+def test_the_package_needs_only_torch_and_declares_the_rest() -> None:
+    extras = _extras()
+    optional = set().union(*(v for k, v in extras.items() if k != "dev"))
+    problems = []
+    for path in sorted((REPO / "hybridmem").rglob("*.py")):
+        for module, at_top in _imports(path):
+            if not _third_party(module):
+                continue
+            where = path.relative_to(REPO)
+            if at_top:
+                problems.append(f"{where}: imports {module} at module level (only torch may)")
+            if module not in optional:
+                problems.append(f"{where}: imports {module}, which no extra declares")
+    assert not problems, "\n".join(problems)
+
+
+def test_tests_and_benchmarks_use_only_the_dev_extra() -> None:
+    dev = _extras()["dev"] | {"pytest", "hypothesis", "xdist", "matplotlib"}
+    problems = []
+    for folder in ("tests", "benchmarks", "examples"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for module, _ in _imports(path):
+                if _third_party(module) and module not in dev:
+                    problems.append(f"{path.relative_to(REPO)}: imports {module} (not in dev)")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_bench_model_imports_transformers_by_name_only() -> None:
+    text = (REPO / "hybridmem" / "bench" / "run.py").read_text()
+    assert 'importlib.import_module("transformers")' in text
+    assert "bench" in _extras()
+    assert "transformers" in _extras()["bench"]
