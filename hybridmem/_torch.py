@@ -114,9 +114,14 @@ _NEW_SETTER = "_accelerator_setAllocatorSettings"
 _GETTER = "_accelerator_getAllocatorSettings"
 
 
-def _new_setter() -> Callable[[str], None] | None:
-    fn = getattr(torch._C, _NEW_SETTER, None)
-    return cast(Callable[[str], None], fn) if callable(fn) else None
+# Called on every real toggle: no typing constructs at run time (a ``cast`` to a
+# subscripted Callable builds a new alias object on each call).
+_SetterFn = Callable[[str], None]
+
+
+def _new_setter() -> _SetterFn | None:
+    fn: Any = getattr(torch._C, _NEW_SETTER, None)
+    return fn if callable(fn) else None
 
 
 def _old_setter() -> Callable[[str], None] | None:

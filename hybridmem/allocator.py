@@ -118,7 +118,7 @@ class _Effective(dict[str, Setting]):
             AllocatorSettingsError: this torch refuses the view's settings together.
         """
         cached = self._state
-        if cached is not None and cached[0] == rules:
+        if cached is not None and cached[0] is rules:  # one TorchRules per torch
             return cached[1]
         outcome = rules.run(format_settings(self.items_for()))
         if not outcome.accepted:
@@ -502,8 +502,11 @@ class _AllocatorState:
         last = _torch.last_allocator_settings()
         if last is None:
             return
-        self._base()  # the env first: torch reports the env string until a change
-        expected = self._applied if self._applied is not None else self._torch_env_text
+        if self._applied is None:
+            self._base()  # the env first: torch reports the env string until a change
+            expected = self._torch_env_text
+        else:
+            expected = self._applied
         if last == expected:
             return
         rules = self.rules()
