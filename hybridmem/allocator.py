@@ -499,14 +499,14 @@ class _AllocatorState:
     # ------------------------------------------------------------------ #
     def _adopt_external(self) -> None:
         """Notice settings that code outside hybridmem gave torch (torch 2.12+ only)."""
+        if self._applied is None:
+            # The env first: torch reports the env string until a change, and a
+            # malformed one is hybridmem's clear error, not the getter's raw one.
+            self._base()
         last = _torch.last_allocator_settings()
         if last is None:
             return
-        if self._applied is None:
-            self._base()  # the env first: torch reports the env string until a change
-            expected = self._torch_env_text
-        else:
-            expected = self._applied
+        expected = self._applied if self._applied is not None else self._torch_env_text
         if last == expected:
             return
         rules = self.rules()

@@ -814,3 +814,21 @@ def test_the_real_torch_here_reads_the_variable_hybridmem_says(tmp_path: Path) -
     assert len(out["warnings"]) == 1
     assert "PYTORCH_ALLOC_CONF is set but torch" in out["warnings"][0]
     assert "outside hybridmem" not in done.stderr
+
+
+def test_a_malformed_env_in_a_fresh_process_is_hybridmems_error_not_torchs() -> None:
+    """torch 2.12+'s getter parses the env on its first call and raises its own error."""
+    script = (
+        "import hybridmem as hm\n"
+        "try:\n"
+        "    hm.allocator_config()\n"
+        "except hm.AllocatorSettingsError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:abc"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    assert done.stdout.startswith(
+        "PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:abc': 'abc' is not a number"
+    ), done.stdout + done.stderr
