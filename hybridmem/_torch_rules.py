@@ -42,8 +42,9 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 __all__ = [
@@ -53,7 +54,6 @@ __all__ = [
     "Outcome",
     "TorchRules",
     "default_state",
-    "literal_items",
 ]
 
 CUDA_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -150,17 +150,7 @@ def default_state(version: tuple[int, int], device: bool = True) -> dict[str, An
     Sizes are MB (``max_split_size_mb`` None = unlimited); the roundup setting is
     its 16 divisions (1 MiB ... 32 GiB); switches are bools.
     """
-    state: dict[str, Any] = {
-        "max_split_size_mb": None,
-        "garbage_collection_threshold": 0.0,
-        "expandable_segments": False,
-        "roundup_power2_divisions": (0,) * _INTERVALS,
-    }
-    rules = TorchRules(version, device)
-    for key in rules.keys:
-        if key not in state and key != "backend":
-            state[key] = _DEFAULTS[key]
-    return state
+    return dict(TorchRules(version, device).defaults)
 
 
 _DEFAULTS: dict[str, Any] = {
@@ -308,7 +298,25 @@ class TorchRules:
             keys.add("max_non_split_rounding_mb")  # reset to large_segment_size_mb
         return frozenset(keys)
 
-    def default_text(self, key: str, state: Mapping[str, Any] | None = None) -> str | None:
+    @functools.cached_property
+    def kept_keys(self) -> frozenset[str]:
+        """Keys torch keeps when a string omits them (and that a string may change)."""
+        return self.keys - self.reset_keys - {"backend"}
+
+    @functools.cached_property
+    def defaults(self) -> Mapping[str, Any]:
+        """torch's settings before any string (see :func:`default_state`); read-only."""
+        state: dict[str, Any] = {
+            "max_split_size_mb": None,
+            "garbage_collection_threshold": 0.0,
+            "expandable_segments": False,
+            "roundup_power2_divisions": (0,) * _INTERVALS,
+        }
+        for key in sorted(self.keys - {"backend"} - set(state)):
+            state[key] = _DEFAULTS[key]
+        return MappingProxyType(state)
+
+    def default_text(self, key: str) -> str | None:
         """The text that puts ``key`` back to its default, or None if torch refuses it.
 
         torch refuses ``pinned_reserve_segment_size_mb:0`` (its own default) and,
@@ -328,10 +336,6 @@ class TorchRules:
         if isinstance(default, float):
             return repr(default)
         if isinstance(default, int):
-            if key == "large_segment_size_mb" and state is not None:
-                split = state.get("max_split_size_mb")
-                if split is not None and split < default:  # pragma: no cover - min is 20
-                    return None
             return str(default)
         return None
 
@@ -358,7 +362,7 @@ class TorchRules:
             An :class:`Outcome`: the state afterwards, or the refusal and what
             torch kept.
         """
-        now = dict(state) if state is not None else default_state(self.version, self.device)
+        now = dict(state if state is not None else self.defaults)
         parse = _TokenParse(self, text, now) if self.tokenizer else _StrictParse(self, text, now)
         try:
             parse.run()
@@ -424,10 +428,7 @@ class _StrictParse:
         key = "roundup_power2_divisions"
         value = self._value(i, key)
         if value != "[":
-            divisions = _stoi(value)
-            if not _pow2(divisions):
-                raise r.refuse(key, value, "the divisions must be a power of 2")
-            self.state[key] = (divisions,) * _INTERVALS
+            _roundup_all(r, self.state, value, _stoi)
             return i
         out = list(self.state[key])  # a list edits what this call has so far
         first, last = True, 0
@@ -439,9 +440,7 @@ class _StrictParse:
                 raise r.refuse(key, "[...", "a list item has no value")
             divisions = _stoi(t[i + 2])
             i += 2
-            if divisions != 0 and not _pow2(divisions):
-                raise r.refuse(key, t[i], "the divisions must be 0 or a power of 2")
-            first, last = _roundup_item(r, out, boundary, divisions, first, last, after=0)
+            first, last = _roundup_item(r, out, boundary, t[i], divisions, first, last, after=0)
             self.state[key] = tuple(out)  # torch fills its vector in place
             if i + 1 >= len(t):
                 raise r.refuse(key, "[...", "the list has no closing ']'")
@@ -551,10 +550,7 @@ class _TokenParse:
         key = "roundup_power2_divisions"
         value = self._at(i)
         if value != "[":
-            divisions = _stoull(value)
-            if not _pow2(divisions):
-                raise r.refuse(key, value, "the divisions must be a power of 2")
-            self.state[key] = (divisions,) * _INTERVALS
+            _roundup_all(r, self.state, value, _stoull)
             return i
         out = list(self.state[key])  # a list edits what this call has so far
         first, last = True, 0
@@ -564,10 +560,8 @@ class _TokenParse:
             self._skip(i + 1, ":", t[at])
             divisions = _stoull(self._at(i + 2))
             i += 2
-            if divisions != 0 and not _pow2(divisions):
-                raise r.refuse(key, t[i], "the divisions must be 0 or a power of 2")
             # 2.10+ fills ">" from the interval after the last one named (<= 2.9: from it)
-            first, last = _roundup_item(r, out, t[at], divisions, first, last, after=1)
+            first, last = _roundup_item(r, out, t[at], t[i], divisions, first, last, after=1)
             self.state[key] = tuple(out)  # torch fills its vector in place
             if self._at(i + 1) != "]":
                 i += 1
@@ -583,10 +577,21 @@ class _TokenParse:
 # --------------------------------------------------------------------------- #
 
 
+def _roundup_all(
+    rules: TorchRules, state: dict[str, Any], value: str, reader: Callable[[str], int]
+) -> None:
+    """``roundup_power2_divisions:N``: one power of 2 for every interval."""
+    divisions = reader(value)
+    if not _pow2(divisions):
+        raise rules.refuse("roundup_power2_divisions", value, "the divisions must be a power of 2")
+    state["roundup_power2_divisions"] = (divisions,) * _INTERVALS
+
+
 def _roundup_item(
     rules: TorchRules,
     out: list[int],
     boundary: str,
+    text: str,
     divisions: int,
     first: bool,
     last: int,
@@ -595,9 +600,15 @@ def _roundup_item(
 ) -> tuple[bool, int]:
     """Apply one ``SIZE_MB:DIVISIONS`` (or ``>:DIVISIONS``) of a roundup list to ``out``.
 
+    ``text`` is the divisions as written, ``divisions`` as read.
+
     The first sized item also fills every interval below it; ``>`` fills from
     ``last + after`` up. Returns the new ``(first, last)``.
     """
+    if divisions != 0 and not _pow2(divisions):
+        raise rules.refuse(
+            "roundup_power2_divisions", text, "the divisions must be 0 or a power of 2"
+        )
     if boundary == ">":
         for j in range(last + after, _INTERVALS):
             out[j] = divisions
@@ -695,13 +706,3 @@ def _apply_scalar(
         if value not in ("True", "False"):
             raise rules.refuse(key, value, "expected True or False (exactly)")
         state[key] = value == "True"
-
-
-def literal_items(text: str, rules: TorchRules) -> list[tuple[str, str]]:
-    """``(key, value text)`` of ``text`` as torch reads them (the string must be accepted)."""
-    return list(rules.run(text).items)
-
-
-def format_items(items: Iterable[tuple[str, str]]) -> str:
-    """Join ``(key, value)`` pairs into ``key:value,key:value``."""
-    return ",".join(f"{k}:{v}" for k, v in items)

@@ -44,7 +44,6 @@ from hybridmem._torch_rules import (
     CUDA_ALLOC_CONF,
     Outcome,
     TorchRules,
-    default_state,
 )
 from hybridmem._validate import check_bool
 from hybridmem.cache import drop_cached_blocks
@@ -554,8 +553,8 @@ class _AllocatorState:
         rules = self.rules()
         items = target.items_for()
         named = {k for k, _ in items}
-        now, fresh = current.state(rules), default_state(rules.version, rules.device)
-        for key in sorted(rules.keys - rules.reset_keys - named - {"backend"}):
+        now, fresh = current.state(rules), rules.defaults
+        for key in sorted(rules.kept_keys - named):
             if now.get(key) == fresh.get(key):
                 continue
             text = rules.default_text(key)
@@ -612,10 +611,10 @@ class _AllocatorState:
         rules = self.rules()
         items = current.items_for()
         named = {k for k, _ in items}
-        fresh = default_state(rules.version, rules.device)
+        fresh = rules.defaults
         tried = dict(rules.run(refused, current.state(rules)).items)
         kept = []
-        for key in sorted(rules.keys - rules.reset_keys - named - {"backend"}):
+        for key in sorted(rules.kept_keys - named):
             text = rules.default_text(key)
             if text is not None:
                 items.append((key, text))

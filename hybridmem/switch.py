@@ -201,10 +201,6 @@ def _adapter(engine: object, profile: BackendProfile) -> EngineAdapter:
     )
 
 
-def _default_barrier() -> Barrier | None:
-    return _torch.dist_barrier if _torch.dist_initialized() else None
-
-
 @dataclass
 class _Stage:
     """A stage in progress: its name, free memory and clocks at the start, its span."""
@@ -289,14 +285,16 @@ class HybridSwitch:
             raise TypeError(f"offloader must be an hm.Offloader or None, got {offloader!r}")
         if sync_weights is not None and not callable(sync_weights):
             raise TypeError(f"sync_weights must be callable or None, got {sync_weights!r}")
+        # barrier: what meets the ranks (given, or torch.distributed's); _ranks: how.
+        self.barrier: Barrier | RankSync | None
         self._ranks: RankSync | None
         if barrier == "auto":
-            self.barrier = _default_barrier()
-            self._ranks = _DistRanks() if self.barrier is not None else None
+            self._ranks = _DistRanks() if _torch.dist_initialized() else None
+            self.barrier = self._ranks
         elif barrier is None:
             self.barrier, self._ranks = None, None
         elif isinstance(barrier, RankSync):
-            self.barrier, self._ranks = None, barrier
+            self.barrier, self._ranks = barrier, barrier
         elif callable(barrier):
             self.barrier, self._ranks = barrier, _PlainBarrier(barrier)
         else:
@@ -380,9 +378,6 @@ class HybridSwitch:
             self.offloader.reload()
             self._state.offloaded = False
 
-    def _barrier(self) -> None:
-        """Placeholder: the drivers run sync points as status exchanges."""
-
     def _wake(self, tag: str) -> Awaitable[Any] | None:
         # Counted as awake before the call: a failed wake may have taken memory.
         if tag == "weights":
@@ -455,25 +450,27 @@ class HybridSwitch:
 
         return self._then(self._exit_phase(), settle)  # sleep: releases (SGLang: waits)
 
-    def _to_rollout(self) -> list[tuple[str, Callable[[], object]]]:
+    # A stage's operation; None marks a sync point, which the drivers run as an
+    # exchange of every rank's status (see _exchange).
+    def _to_rollout(self) -> list[tuple[str, Callable[[], object] | None]]:
         return [
             ("offload", self._offload),
             ("release", self._release),
-            ("barrier", self._barrier),
+            ("barrier", None),
             ("wake_weights", self._wake_weights),
             ("weight_sync", self._sync),
             ("free_staging", self._free_staging),
-            ("barrier_kv", self._barrier),
+            ("barrier_kv", None),
             ("wake_kv", lambda: self._wake("kv_cache")),
             ("rollout", self._start_rollout),
         ]
 
-    def _to_trainer(self) -> list[tuple[str, Callable[[], object]]]:
+    def _to_trainer(self) -> list[tuple[str, Callable[[], object] | None]]:
         return [
             ("sleep", self._put_to_sleep),
             ("confirm", self._confirm),
             ("release", self._release),
-            ("barrier_reload", self._barrier),
+            ("barrier_reload", None),
             ("reload", self._reload),
         ]
 
@@ -591,12 +588,11 @@ class HybridSwitch:
         """
         report = SwitchReport(direction, self.rank)
         for name, operation in self._stages(direction):
-            point = name in _SYNC_POINTS
-            if failure is not None and not point:
+            if failure is not None and operation is not None:
                 continue  # a failed rank does no more work, but still meets every point
             stage = self._start_stage(name)
             try:
-                if point:
+                if operation is None:  # a sync point
                     statuses = yield _Call(partial(self._exchange, name, failure), True, name)
                     failure = failure or self._remote(cast("list[RankStatus]", statuses))
                 else:
@@ -695,7 +691,9 @@ class HybridSwitch:
     # ------------------------------------------------------------------ #
     # Drivers
     # ------------------------------------------------------------------ #
-    def _stages(self, direction: Literal["to_rollout", "to_trainer"]) -> list[tuple[str, Any]]:
+    def _stages(
+        self, direction: Literal["to_rollout", "to_trainer"]
+    ) -> list[tuple[str, Callable[[], object] | None]]:
         self._collected = False  # "once": one gc pass per direction
         return self._to_rollout() if direction == "to_rollout" else self._to_trainer()
 
