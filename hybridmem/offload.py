@@ -446,11 +446,9 @@ class Offloader:
                         "bytes) while other groups were offloaded; reload everything before "
                         "changing targets"
                     )
-            self._check_freeable(todo)
             side, _ = self._copy(todo, to_host=True)
         _torch.synchronize_stream(side)  # no host read, no free, before the copies land
-        if streamed is not None:
-            self._check_freeable(todo)
+        self._check_freeable(todo)  # the copies only wrote the pool: nothing is lost yet
         self._free(todo)
         self._offloaded.update(s.group for s in todo)
         if release_cache:
@@ -499,9 +497,14 @@ class Offloader:
         for slot in slots:
             if slot.storage.nbytes() == 0:
                 _torch.resize_storage(slot.storage, slot.nbytes)
+        self._copy_back(slots, blocking=True)
+
+    def _copy_back(self, slots: Sequence[_Slot], *, blocking: bool) -> None:
+        """Copy the pool into the slots' (reallocated) storage; device use waits for it."""
         side, current = self._copy(slots, to_host=False)
         _torch.wait_stream(current, side)
-        _torch.synchronize_stream(side)
+        if blocking:
+            _torch.synchronize_stream(side)
 
     @_timeline.traced("reload", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def reload(
@@ -543,10 +546,7 @@ class Offloader:
             for slot in todo:  # allocated on the current stream, where the tensors are used
                 _torch.resize_storage(slot.storage, slot.nbytes)
                 allocated.append(slot)
-            side, current = self._copy(todo, to_host=False)
-            _torch.wait_stream(current, side)  # device use waits for the data
-            if not non_blocking:
-                _torch.synchronize_stream(side)
+            self._copy_back(todo, blocking=not non_blocking)
         except BaseException as exc:
             self._unallocate(allocated)
             need = sum(s.nbytes for s in todo)
