@@ -108,7 +108,7 @@ def _fresh_sync(tensors: dict[str, Any], bucket: int, conn: Connection) -> None:
 
     import hybridmem as hm
     from hybridmem import _torch
-    from hybridmem._packing import plan_batches
+    from hybridmem.ipc._plan import plan_batches
 
     names = list(tensors)
     for batch in plan_batches([tensors[n].nbytes for n in names], bucket):

@@ -23,8 +23,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hybridmem._bucket_wire import BucketHandle, Channel
-    from hybridmem._decorate import ScopedContext
     from hybridmem._errors import (
         AllocatorSettingsError,
         HybridMemWarning,
@@ -32,6 +30,7 @@ if TYPE_CHECKING:
         OffloadError,
         SyncError,
     )
+    from hybridmem._scope import ScopedContext
     from hybridmem.allocator import (
         AllocatorConfig,
         AllocatorSettings,
@@ -42,7 +41,7 @@ if TYPE_CHECKING:
         configure_allocator,
         expandable_segments,
     )
-    from hybridmem.backends import (
+    from hybridmem.engine.backends import (
         PHASES,
         BackendProfile,
         EngineAdapter,
@@ -53,21 +52,8 @@ if TYPE_CHECKING:
         list_backends,
         register_backend,
     )
-    from hybridmem.bucket import SyncReport, WeightBucket
-    from hybridmem.cache import (
-        CacheRelease,
-        DeviceRelease,
-        ReleaseReport,
-        aggressive_cache_release,
-        release_cache,
-    )
-    from hybridmem.capabilities import IpcCapabilities, ipc_capabilities
-    from hybridmem.ipc import IpcSafe, allow_ptrace_from_any, ipc_safe, ipc_shareable
-    from hybridmem.leakwatch import LeakWatch
-    from hybridmem.offload import Offloaded, Offloader, OffloadReport, offloaded
-    from hybridmem.phases import Phase, phase
-    from hybridmem.receiver import BucketReceiver
-    from hybridmem.switch import (
+    from hybridmem.engine.phases import Phase, phase
+    from hybridmem.engine.switch import (
         HybridSwitch,
         HybridSwitchError,
         RankStatus,
@@ -75,8 +61,22 @@ if TYPE_CHECKING:
         StageReport,
         SwitchReport,
     )
-    from hybridmem.telemetry import MemoryInfo, memory_info
-    from hybridmem.timeline import Event, Recording, Timeline, events, get_timeline, record
+    from hybridmem.ipc._wire import BucketHandle, Channel
+    from hybridmem.ipc.bucket import SyncReport, WeightBucket
+    from hybridmem.ipc.capabilities import IpcCapabilities, ipc_capabilities
+    from hybridmem.ipc.receiver import BucketReceiver
+    from hybridmem.ipc.shareable import IpcSafe, allow_ptrace_from_any, ipc_safe, ipc_shareable
+    from hybridmem.memory.offload import Offloaded, Offloader, OffloadReport, offloaded
+    from hybridmem.memory.release import (
+        CacheRelease,
+        DeviceRelease,
+        ReleaseReport,
+        aggressive_cache_release,
+        release_cache,
+    )
+    from hybridmem.observe.leakwatch import LeakWatch
+    from hybridmem.observe.memory import MemoryInfo, memory_info
+    from hybridmem.observe.timeline import Event, Recording, Timeline, events, get_timeline, record
 
 __version__ = "0.1.0"
 
@@ -85,63 +85,63 @@ _LAZY = {
     "AllocatorConfig": "hybridmem.allocator",
     "AllocatorSettings": "hybridmem.allocator",
     "AllocatorSettingsError": "hybridmem._errors",
-    "BackendProfile": "hybridmem.backends",
-    "BucketHandle": "hybridmem._bucket_wire",
-    "BucketReceiver": "hybridmem.receiver",
-    "CacheRelease": "hybridmem.cache",
-    "Channel": "hybridmem._bucket_wire",
-    "DeviceRelease": "hybridmem.cache",
-    "EngineAdapter": "hybridmem.backends",
-    "Event": "hybridmem.timeline",
+    "BackendProfile": "hybridmem.engine.backends",
+    "BucketHandle": "hybridmem.ipc._wire",
+    "BucketReceiver": "hybridmem.ipc.receiver",
+    "CacheRelease": "hybridmem.memory.release",
+    "Channel": "hybridmem.ipc._wire",
+    "DeviceRelease": "hybridmem.memory.release",
+    "EngineAdapter": "hybridmem.engine.backends",
+    "Event": "hybridmem.observe.timeline",
     "ExpandableSegments": "hybridmem.allocator",
     "HybridMemWarning": "hybridmem._errors",
-    "HybridSwitch": "hybridmem.switch",
-    "HybridSwitchError": "hybridmem.switch",
-    "IpcCapabilities": "hybridmem.capabilities",
-    "IpcSafe": "hybridmem.ipc",
+    "HybridSwitch": "hybridmem.engine.switch",
+    "HybridSwitchError": "hybridmem.engine.switch",
+    "IpcCapabilities": "hybridmem.ipc.capabilities",
+    "IpcSafe": "hybridmem.ipc.shareable",
     "IpcUnavailableError": "hybridmem._errors",
-    "LeakWatch": "hybridmem.leakwatch",
-    "MemoryInfo": "hybridmem.telemetry",
+    "LeakWatch": "hybridmem.observe.leakwatch",
+    "MemoryInfo": "hybridmem.observe.memory",
     "OffloadError": "hybridmem._errors",
-    "OffloadReport": "hybridmem.offload",
-    "Offloaded": "hybridmem.offload",
-    "Offloader": "hybridmem.offload",
-    "PHASES": "hybridmem.backends",
-    "Phase": "hybridmem.phases",
-    "RankStatus": "hybridmem.switch",
-    "RankSync": "hybridmem.switch",
-    "Recording": "hybridmem.timeline",
-    "ReleaseReport": "hybridmem.cache",
-    "SGLangEngine": "hybridmem.backends",
-    "ScopedContext": "hybridmem._decorate",
+    "OffloadReport": "hybridmem.memory.offload",
+    "Offloaded": "hybridmem.memory.offload",
+    "Offloader": "hybridmem.memory.offload",
+    "PHASES": "hybridmem.engine.backends",
+    "Phase": "hybridmem.engine.phases",
+    "RankStatus": "hybridmem.engine.switch",
+    "RankSync": "hybridmem.engine.switch",
+    "Recording": "hybridmem.observe.timeline",
+    "ReleaseReport": "hybridmem.memory.release",
+    "SGLangEngine": "hybridmem.engine.backends",
+    "ScopedContext": "hybridmem._scope",
     "Setting": "hybridmem.allocator",
-    "StageReport": "hybridmem.switch",
-    "Step": "hybridmem.backends",
-    "SwitchReport": "hybridmem.switch",
+    "StageReport": "hybridmem.engine.switch",
+    "Step": "hybridmem.engine.backends",
+    "SwitchReport": "hybridmem.engine.switch",
     "SyncError": "hybridmem._errors",
-    "SyncReport": "hybridmem.bucket",
-    "Timeline": "hybridmem.timeline",
-    "VLLMEngine": "hybridmem.backends",
-    "WeightBucket": "hybridmem.bucket",
-    "aggressive_cache_release": "hybridmem.cache",
+    "SyncReport": "hybridmem.ipc.bucket",
+    "Timeline": "hybridmem.observe.timeline",
+    "VLLMEngine": "hybridmem.engine.backends",
+    "WeightBucket": "hybridmem.ipc.bucket",
+    "aggressive_cache_release": "hybridmem.memory.release",
     "allocator_config": "hybridmem.allocator",
     "allocator_settings": "hybridmem.allocator",
-    "allow_ptrace_from_any": "hybridmem.ipc",
+    "allow_ptrace_from_any": "hybridmem.ipc.shareable",
     "configure_allocator": "hybridmem.allocator",
-    "events": "hybridmem.timeline",
+    "events": "hybridmem.observe.timeline",
     "expandable_segments": "hybridmem.allocator",
-    "get_backend": "hybridmem.backends",
-    "get_timeline": "hybridmem.timeline",
-    "ipc_capabilities": "hybridmem.capabilities",
-    "ipc_safe": "hybridmem.ipc",
-    "ipc_shareable": "hybridmem.ipc",
-    "list_backends": "hybridmem.backends",
-    "memory_info": "hybridmem.telemetry",
-    "offloaded": "hybridmem.offload",
-    "phase": "hybridmem.phases",
-    "record": "hybridmem.timeline",
-    "register_backend": "hybridmem.backends",
-    "release_cache": "hybridmem.cache",
+    "get_backend": "hybridmem.engine.backends",
+    "get_timeline": "hybridmem.observe.timeline",
+    "ipc_capabilities": "hybridmem.ipc.capabilities",
+    "ipc_safe": "hybridmem.ipc.shareable",
+    "ipc_shareable": "hybridmem.ipc.shareable",
+    "list_backends": "hybridmem.engine.backends",
+    "memory_info": "hybridmem.observe.memory",
+    "offloaded": "hybridmem.memory.offload",
+    "phase": "hybridmem.engine.phases",
+    "record": "hybridmem.observe.timeline",
+    "register_backend": "hybridmem.engine.backends",
+    "release_cache": "hybridmem.memory.release",
 }
 
 

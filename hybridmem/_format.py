@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["fmt_bytes", "fmt_signed_bytes"]
+__all__ = ["first_line", "fmt_bytes", "fmt_signed_bytes"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -23,3 +23,12 @@ def fmt_bytes(n: int | None) -> str:
 def fmt_signed_bytes(n: int) -> str:
     """Format a byte delta with an explicit sign, e.g. ``'+1.00 MiB'``."""
     return ("+" if n >= 0 else "") + fmt_bytes(n)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type name when it has none.
+
+    torch's C++ errors carry a stack trace after the first line; a user needs the line.
+    """
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 # Nothing here imports torch at module level: `hybridmem doctor` starts its IPC probe
 # first, so the probe's interpreters import torch while this one does.
 import hybridmem
-from hybridmem import _probe_launch
 from hybridmem._env import DISABLE_ENV, disabled
 from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
 from hybridmem._files import FileProblem, timeline_env_problem
+from hybridmem.ipc import _launch as _probe_launch
 
 if TYPE_CHECKING:
-    from hybridmem.capabilities import IpcCapabilities
+    from hybridmem.ipc.capabilities import IpcCapabilities
 
 __all__ = ["doctor_report", "main"]
 
@@ -84,7 +84,7 @@ def _engine_notes(engines: dict[str, str | None], expandable_env: bool) -> list[
 
 def ipc_capabilities() -> IpcCapabilities:
     """The IPC probe's result for the current device (adopts a probe started early)."""
-    from hybridmem.capabilities import ipc_capabilities as probe
+    from hybridmem.ipc.capabilities import ipc_capabilities as probe
 
     return probe()
 
@@ -237,7 +237,7 @@ def _print_human(report: dict[str, Any]) -> None:
 
 
 def _plot(timelines: list[str], output: str, title: str) -> int:
-    from hybridmem.plot import PlotError, plot_timeline
+    from hybridmem.observe.plot import PlotError, plot_timeline
 
     try:
         path = plot_timeline(timelines, output, title=title)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,10 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from hybridmem import _log, _probe_launch, _torch, backends, capabilities, ipc, timeline
-from hybridmem._settings import parse_settings
-from hybridmem._torch_rules import TorchRules, default_state
-from hybridmem.allocator import _reset_state_for_tests
+from hybridmem import _log, _torch
+from hybridmem.engine import backends
+from hybridmem.ipc import _launch as _probe_launch, capabilities, shareable as ipc
+from hybridmem.observe import timeline
+from hybridmem.allocator.grammar import parse_settings
+from hybridmem.allocator.rules import TorchRules, default_state
+from hybridmem.allocator.scopes import _reset_state_for_tests
 
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "HYBRIDMEM_DISABLE")
 
@@ -69,6 +73,19 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _reset_state_for_tests()
     if not _torch.cuda_initialized():
         _reset_real_torch_settings()
+
+
+def patch_seam(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
+    """Replace a seam function on the face and wherever a seam module bound it.
+
+    Callers outside the seam call through the face (``_torch.name``); seam modules
+    that use each other's functions bound them at import, so those are patched too.
+    """
+    original = getattr(_torch, name)
+    monkeypatch.setattr(_torch, name, value)
+    for module in (sys.modules[m] for m in list(sys.modules) if m.startswith("hybridmem._torch.")):
+        if getattr(module, name, None) is original:
+            monkeypatch.setattr(module, name, value)
 
 
 @dataclass
@@ -129,7 +146,7 @@ class FakeTorch:
             "mem_get_info": self.mem_get_info,
         }
         for name, value in patches.items():
-            monkeypatch.setattr(_torch, name, value)
+            patch_seam(monkeypatch, name, value)
         monkeypatch.setattr(gc, "collect", self.gc_collect)
 
     def set_allocator_settings(self, text: str) -> bool:

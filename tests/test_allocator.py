@@ -150,7 +150,7 @@ def test_force_overrides_and_disabling_is_always_allowed(
     assert last_applied(fake)["expandable_segments"] == "True"
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    from hybridmem.allocator import _reset_state_for_tests
+    from hybridmem.allocator.scopes import _reset_state_for_tests
 
     _reset_state_for_tests()
     fake.last = None
@@ -245,7 +245,7 @@ def test_env_values_torch_misreads_are_read_its_way_with_one_warning(
 
 def _reset_state() -> None:
     from hybridmem import _log
-    from hybridmem.allocator import _reset_state_for_tests
+    from hybridmem.allocator.scopes import _reset_state_for_tests
 
     _reset_state_for_tests()
     _log.reset_once()
@@ -688,7 +688,7 @@ class Boom(Exception):
 
 
 def _meaning(settings: dict[str, str]) -> dict[str, str]:
-    from hybridmem._settings import KEYS
+    from hybridmem.allocator.grammar import KEYS
 
     return {k: v for k, v in settings.items() if KEYS[k].default != v}
 
@@ -700,7 +700,7 @@ def _meaning(settings: dict[str, str]) -> dict[str, str]:
 def test_random_nesting_with_exceptions_restores(
     fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, tree: list[object], env_split: str | None
 ) -> None:
-    from hybridmem.allocator import _reset_state_for_tests
+    from hybridmem.allocator.scopes import _reset_state_for_tests
 
     _reset_state_for_tests()
     fake.applied.clear()

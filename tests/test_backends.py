@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem.backends import registry
+from hybridmem.engine.backends import registry
 
 PLUGIN = hm.BackendProfile(
     "plugin",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hybridmem as hm
-from hybridmem.cache import MAX_GC_ROUNDS
+from hybridmem.memory.release import MAX_GC_ROUNDS
 from tests.conftest import FakeDevice, FakeTorch
 
 GiB = 1 << 30

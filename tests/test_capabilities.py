@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem import _linux, _probe_launch, _torch, capabilities
+from hybridmem import _torch
+from hybridmem._platform import linux as _linux
+from hybridmem.ipc import _launch as _probe_launch, capabilities
 from tests.helpers import run_python
 
 OK = {"self_fetch_errno": None, "producer_fetch_errno": None, "seccomp": 0}
@@ -214,7 +216,7 @@ def test_ipc_capabilities_adopts_the_early_probe(monkeypatch: pytest.MonkeyPatch
 def test_doctor_starts_its_probe_before_importing_torch() -> None:
     code = """
 import json, sys
-from hybridmem import _probe_launch
+from hybridmem.ipc import _launch as _probe_launch
 started = []
 original = _probe_launch.start_early
 def spy(device, cuda=None):

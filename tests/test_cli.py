@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem import capabilities, cli
+from hybridmem import cli
+from hybridmem.ipc import capabilities
+from hybridmem.observe import timeline
 from hybridmem.cli import main
 from tests.conftest import FakeTorch
 from tests.helpers import run_python
@@ -234,7 +236,7 @@ def test_plot_writes_a_non_trivial_png(
 
 
 def test_plot_view_follows_the_number_of_cycles() -> None:
-    from hybridmem.plot import MAX_TIME_CYCLES, view
+    from hybridmem.observe.plot import MAX_TIME_CYCLES, view
 
     def spans(cycles: int, ranks: int = 1, names: tuple[str, ...] = ("a", "b")) -> list[Any]:
         return [
@@ -363,7 +365,7 @@ def test_a_bad_timeline_env_path_is_one_line_at_the_start(
     # a library user: checked when recording starts (at import), one warning, no traceback
     done = run_python(
         "-c",
-        "import hybridmem.timeline as t; print(t.recording())",
+        "import hybridmem.observe.timeline as t; print(t.recording())",
         env={"HYBRIDMEM_TIMELINE": str(blocker / "timeline")},
     )
     assert done.returncode == 0, done.stderr
@@ -378,7 +380,7 @@ def test_record_to_an_unwritable_path_fails_at_entry(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(ValueError, match="cannot make its folder"), hm.record(blocker / "t"):
         pytest.fail("the block must not run")
-    assert not hm.timeline.recording()
+    assert not timeline.recording()
 
 
 def test_doctor_names_the_variable_torch_ignores(

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import hybridmem as hm
-from hybridmem import _linux, _torch, capabilities, ipc
-from hybridmem.allocator import _reset_state_for_tests
+from hybridmem import _torch
+from hybridmem._platform import linux as _linux
+from hybridmem.ipc import capabilities, shareable as ipc
+from hybridmem.allocator.scopes import _reset_state_for_tests
 from tests.conftest import FakeTorch
 
 USER_ENV = "expandable_segments:True,max_split_size_mb:256,garbage_collection_threshold:0.6"

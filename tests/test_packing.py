@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridmem._packing import ALIGN, align_up, plan_batches
+from hybridmem.ipc._plan import ALIGN, align_up, plan_batches
 
 
 def check_plan(sizes: list[int], capacity: int) -> None:

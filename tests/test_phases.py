@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem import _torch, phases
+from hybridmem import _torch
+from hybridmem.engine import phases
 from tests.conftest import FakeTorch
 from tests.helpers import LoopTicker
 

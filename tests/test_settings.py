@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridmem import AllocatorSettingsError
-from hybridmem._settings import KEYS, format_settings, normalize_value, parse_settings
-from hybridmem._torch_rules import TorchRules
+from hybridmem.allocator.grammar import KEYS, format_settings, normalize_value, parse_settings
+from hybridmem.allocator.rules import TorchRules
 
 R211 = TorchRules((2, 11))
 R29 = TorchRules((2, 9))

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem import switch as switch_module
+from hybridmem.engine import phases
+from hybridmem.engine import switch as switch_module
 from tests.conftest import FakeTorch
 
 GiB = 1 << 30
@@ -228,7 +229,7 @@ class AsyncSGLang:
 
 
 def test_async_engine(trainer: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hm.phases, "await_free_async", _no_wait)
+    monkeypatch.setattr(phases, "await_free_async", _no_wait)
     log: list[str] = []
 
     async def sync(adapter: hm.EngineAdapter) -> None:

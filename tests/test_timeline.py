@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem import switch as switch_module
-from hybridmem import timeline
+from hybridmem.engine import switch as switch_module
+from hybridmem.observe import timeline
 from tests.conftest import FakeTorch
 from tests.helpers import run_python
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hybridmem import _torch
-from hybridmem._torch_rules import ALLOC_CONF, CUDA_ALLOC_CONF, TorchRules, default_state
+from hybridmem.allocator.rules import ALLOC_CONF, CUDA_ALLOC_CONF, TorchRules, default_state
 from tests.torch_parser.corpus import CURATED_STRINGS, corpus
 
 RECORDED = Path(__file__).parent / "torch_parser" / "recorded.json"

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from hybridmem import AllocatorSettingsError, _torch
+from hybridmem._torch import settings as torch_settings
+from hybridmem._torch import version as torch_version_module
 
 
 def test_version_parsing() -> None:
-    assert _torch._parse_version("2.11.0+cu130") == (2, 11)
-    assert _torch._parse_version("2.4.1") == (2, 4)
-    assert _torch._parse_version("2.13.0a0+git123") == (2, 13)
+    assert torch_version_module._parse_version("2.11.0+cu130") == (2, 11)
+    assert torch_version_module._parse_version("2.4.1") == (2, 4)
+    assert torch_version_module._parse_version("2.13.0a0+git123") == (2, 13)
     assert _torch.torch_version() >= (2, 4)
     assert _torch.torch_version_string() == torch.__version__
 
@@ -63,16 +65,16 @@ def test_old_setter_without_leaking_its_future_warning(monkeypatch: pytest.Monke
 
 def test_old_cpu_build_without_binding_has_no_setter(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_c(monkeypatch)
-    monkeypatch.setattr(_torch, "_TORCH_VERSION", (2, 6))
+    monkeypatch.setattr(torch_settings, "torch_version", lambda: (2, 6))
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda text: None)
     assert _torch.settings_setter_name() is None
     assert _torch.set_allocator_settings("expandable_segments:False") is False
 
 
 def test_getter_only_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_torch, "_GETTER_FN", None)
+    monkeypatch.setattr(torch_settings, "_GETTER_FN", None)
     assert _torch.last_allocator_settings() is None
-    monkeypatch.setattr(_torch, "_GETTER_FN", lambda: "expandable_segments:True")
+    monkeypatch.setattr(torch_settings, "_GETTER_FN", lambda: "expandable_segments:True")
     assert _torch.last_allocator_settings() == "expandable_segments:True"
 
 
@@ -85,10 +87,10 @@ def test_torch_refusals_of_every_kind_become_one_error(monkeypatch: pytest.Monke
         def refuse(text: str, error: Exception = error) -> None:
             raise error
 
-        monkeypatch.setattr(_torch, "_new_setter", lambda refuse=refuse: refuse)
+        monkeypatch.setattr(torch_settings, "_new_setter", lambda refuse=refuse: refuse)
         with pytest.raises(AllocatorSettingsError, match="torch rejected the allocator settings"):
             _torch.set_allocator_settings("x:1")
-        monkeypatch.setattr(_torch, "_GETTER_FN", lambda refuse=refuse: refuse(""))
+        monkeypatch.setattr(torch_settings, "_GETTER_FN", lambda refuse=refuse: refuse(""))
         with pytest.raises(AllocatorSettingsError, match="torch refuses the allocator settings"):
             _torch.last_allocator_settings()
 

@@ -17,8 +17,8 @@ import torch
 
 import hybridmem as hm
 from hybridmem import _torch
-from hybridmem._bucket_wire import Peer, recv_within
-from hybridmem.backends.engines import EngineAdapter
+from hybridmem.engine.backends.adapters import EngineAdapter
+from hybridmem.ipc._wire import Peer, recv_within
 
 __all__ = ["BoundedConn", "EngineClient", "serve"]
 

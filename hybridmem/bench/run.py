@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import hybridmem as hm
-from hybridmem import timeline as _timeline
 from hybridmem._files import FileProblem, check_writable, describe
 from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, plan
+from hybridmem.observe import timeline as _timeline
 
 __all__ = ["TABLE_KEYS", "TARGETS", "bench", "format_table", "report", "run_strategy"]
 

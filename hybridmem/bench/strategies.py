@@ -23,9 +23,9 @@ import torch
 
 import hybridmem as hm
 from hybridmem import _torch
-from hybridmem._packing import plan_batches
 from hybridmem.bench.engine import EngineClient
 from hybridmem.bench.plan import BenchPlan
+from hybridmem.ipc._plan import plan_batches
 
 __all__ = ["Moved", "Strategy", "make_strategy"]
 

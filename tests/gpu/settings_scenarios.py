@@ -17,7 +17,7 @@ import torch
 
 import hybridmem as hm
 from hybridmem import _torch
-from hybridmem._torch_rules import TorchRules, default_state
+from hybridmem.allocator.rules import TorchRules, default_state
 from tests.torch_parser.corpus import corpus
 
 MiB = 1 << 20
@@ -120,7 +120,7 @@ def rollback() -> dict[str, Any]:
     The model refuses this string, so to reach torch at all it is made to pass it
     (a stand-in for a torch whose rules the model does not know yet).
     """
-    from hybridmem import allocator
+    from hybridmem.allocator import state as allocator_state
 
     torch.zeros(1, device="cuda")
     out: dict[str, Any] = {"start": _settings()}
@@ -132,9 +132,9 @@ def rollback() -> dict[str, Any]:
             return type(outcome)(outcome.state, None, outcome.items, outcome.notes)
         return outcome
 
-    real_string = allocator._AllocatorState._settings_string
+    real_string = allocator_state.AllocatorState._settings_string
     TorchRules.run = lenient  # type: ignore[method-assign]
-    allocator._AllocatorState._settings_string = lambda self, target, current: (  # type: ignore[method-assign]
+    allocator_state.AllocatorState._settings_string = lambda self, target, current: (  # type: ignore[method-assign]
         BAD
         if "expandable_segments" in target and current is not target
         else real_string(self, target, current)
@@ -146,7 +146,7 @@ def rollback() -> dict[str, Any]:
         out["error"] = str(exc)
     finally:
         TorchRules.run = real_run  # type: ignore[method-assign]
-        allocator._AllocatorState._settings_string = real_string  # type: ignore[method-assign]
+        allocator_state.AllocatorState._settings_string = real_string  # type: ignore[method-assign]
     out["after"] = _settings()
     with hm.expandable_segments(True):
         out["next_inside"] = _settings()

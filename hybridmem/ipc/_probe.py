@@ -15,32 +15,27 @@ the package folder), so the syscall-only probe never imports torch.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pickle
 import struct
 import subprocess
 import sys
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-if TYPE_CHECKING:
-    from hybridmem import _linux
-elif __package__:  # imported as hybridmem._ipc_probe
-    _linux = importlib.import_module("hybridmem._linux")
-else:  # run by path: the package folder is sys.path[0]
-    _linux = importlib.import_module("_linux")
-    # Leave the package folder off the path: its modules (timeline, plot, cli...)
-    # must not stand in for top-level modules that torch or others import.
-    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-        del sys.path[0]
+# Run by path, sys.path[0] is this folder: leave it off the path, so that its
+# modules (bucket, shareable...) never stand in for top-level modules that torch or
+# others import. The parent put the folder that holds hybridmem/ on PYTHONPATH.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if not __package__ and sys.path and os.path.abspath(sys.path[0]) == _HERE:
+    del sys.path[0]
+
+from hybridmem._platform import linux as _linux  # noqa: E402
 
 CLASSIC_VALUE = 7
 EXPANDABLE_VALUE = 9
 # Large enough for the large pool (> 1 MiB); expandable pages are 20 MiB there.
 _NBYTES = 4 << 20
-# CUpointer_attribute 14: CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES (CUDA 11.1+).
-_ATTR_HANDLE_TYPES = 14
 _HANDLE_NAMES = {1: "posix_fd", 8: "fabric"}
 
 
@@ -63,17 +58,11 @@ def _error(exc: BaseException) -> str:
 
 
 def _handle_type(ptr: int) -> str | None:
-    import ctypes
+    from hybridmem._platform import cuda_driver
 
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    flags = cuda_driver.pointer_attribute(ptr, cuda_driver.POINTER_ALLOWED_HANDLE_TYPES)
+    if flags is None:
         return None
-    value = ctypes.c_int(0)
-    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
-    if lib.cuPointerGetAttribute(ctypes.byref(value), _ATTR_HANDLE_TYPES, ptr) != 0:
-        return None
-    flags = value.value
     names = [name for bit, name in _HANDLE_NAMES.items() if flags & bit]
     return "+".join(names) if names else "none"
 

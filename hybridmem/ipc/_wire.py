@@ -33,7 +33,7 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._errors import SyncError
-from hybridmem.ipc import Transport
+from hybridmem.ipc.shareable import Transport
 
 __all__ = [
     "CPU",

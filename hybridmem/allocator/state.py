@@ -28,213 +28,26 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Literal
 
 from hybridmem import _torch
-from hybridmem._decorate import ScopedContext
-from hybridmem._env import disabled
 from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
-from hybridmem._log import info_once, logger, warn_once
-from hybridmem._settings import KEYS, format_settings, normalize_value
-from hybridmem._torch_rules import (
-    ALLOC_CONF,
+from hybridmem._log import logger, warn_once
+from hybridmem.allocator.config import ENV_VARS, AllocatorConfig, Effective, Setting
+from hybridmem.allocator.grammar import KEYS, format_settings
+from hybridmem.allocator.rules import (
     CUDA_ALLOC_CONF,
     Outcome,
     TorchRules,
 )
-from hybridmem._validate import check_bool
-from hybridmem.cache import drop_cached_blocks
 
 __all__ = [
-    "ENV_VARS",
-    "AllocatorConfig",
-    "AllocatorSettings",
-    "ExpandableSegments",
-    "Setting",
+    "STATE",
+    "AllocatorState",
     "allocator_config",
-    "allocator_settings",
-    "configure_allocator",
-    "expandable_segments",
+    "drop_cached_blocks",
 ]
-
-#: The environment variables torch reads, in torch 2.10+'s order of precedence:
-#: the first one set is read whole and the other ignored (torch <= 2.9 reads only
-#: ``PYTORCH_CUDA_ALLOC_CONF`` for CUDA).
-ENV_VARS = (CUDA_ALLOC_CONF, ALLOC_CONF)
-
-Source = Literal["default", "env", "runtime"]
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One allocator setting: its value and where that value came from.
-
-    Attributes:
-        key: the setting name, as torch spells it.
-        value: the value in torch's syntax (``"True"``, ``"256"``, ``"[256:4,>:1]"``),
-            as torch reads it (whitespace dropped).
-        source: ``"default"``, ``"env"`` or ``"runtime"``.
-        origin: the env variable, ``"configure_allocator"``, the scope that set
-            it (e.g. ``"expandable_segments(True)"``), ``"set outside hybridmem"``
-            or ``"torch default"``.
-    """
-
-    key: str
-    value: str
-    source: Source
-    origin: str
-
-
-class _Effective(dict[str, Setting]):
-    """Merged settings by key; never mutated once built, so what it means is cached."""
-
-    __slots__ = ("_state", "children", "memo")
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self._state: tuple[TorchRules, dict[str, Any]] | None = None
-        # (the view torch had, the string that takes torch from it to this one)
-        self.memo: tuple[_Effective, str] | None = None
-        # overlays built on this view, by (changes, origin): a scope entered again
-        # and again (a decorated train_step) reuses its view, state and string
-        self.children: dict[tuple[tuple[tuple[str, str], ...], str], _Effective] = {}
-
-    def items_for(self) -> list[tuple[str, str]]:
-        """What torch is given for this view: every runtime key with its value."""
-        return [
-            (k, s.value)
-            for k, s in self.items()
-            if k not in KEYS or KEYS[k].runtime  # "backend" is fixed at start-up
-        ]
-
-    def state(self, rules: TorchRules) -> dict[str, Any]:
-        """torch's settings once this view is applied (every other key at its default).
-
-        Raises:
-            AllocatorSettingsError: this torch refuses the view's settings together.
-        """
-        cached = self._state
-        if cached is not None and cached[0] is rules:  # one TorchRules per torch
-            return cached[1]
-        outcome = rules.run(format_settings(self.items_for()))
-        if not outcome.accepted:
-            names = ", ".join(f"{k}={s.value} [{s.origin}]" for k, s in self.items())
-            raise AllocatorSettingsError(
-                f"{outcome.error}; these settings cannot hold together ({names})"
-            )
-        self._state = (rules, outcome.state)
-        return outcome.state
-
-
-@dataclass(frozen=True)
-class AllocatorConfig:
-    """The effective, merged CUDA allocator settings and where each came from.
-
-    This is the single truth hybridmem applies: env settings, overlaid by process
-    defaults (:func:`configure_allocator`), overlaid by active scopes
-    (:func:`expandable_segments`, :func:`allocator_settings`), in entry order.
-
-    Attributes:
-        settings: every setting that is set, by key.
-        backend: ``"native"`` or ``"cudaMallocAsync"``.
-        env: the raw env strings that are set, by variable name.
-        applied: the last string hybridmem gave torch's setter (None: never).
-        setter: the torch setter in use, or None when this build has none.
-        scopes: descriptions of the active scopes, outermost first.
-        env_variable: the variable torch reads its settings from (None: neither
-            is set).
-        ignored_env: variables that are set but that this torch does not read.
-        torch: the torch whose rules apply (``"torch 2.11"``).
-
-    Example:
-        >>> cfg = hm.allocator_config()
-        >>> cfg.expandable_segments, cfg.source("max_split_size_mb")   # doctest: +SKIP
-        (False, 'env')
-    """
-
-    settings: Mapping[str, Setting]
-    backend: str
-    env: Mapping[str, str]
-    applied: str | None
-    setter: str | None
-    scopes: tuple[str, ...] = field(default=())
-    env_variable: str | None = None
-    ignored_env: tuple[str, ...] = field(default=())
-    torch: str = ""
-
-    def __getitem__(self, key: str) -> str:
-        return self.get(key).value
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.settings
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.settings)
-
-    def get(self, key: str) -> Setting:
-        """Return the setting for ``key``: its value or torch's default, and source.
-
-        Raises:
-            KeyError: ``key`` is neither set nor a setting hybridmem knows.
-        """
-        if key in self.settings:
-            return self.settings[key]
-        spec = KEYS.get(key)
-        if spec is None:
-            raise KeyError(f"{key!r} is not set and not a known allocator setting")
-        return Setting(key, spec.shown_default, "default", "torch default")
-
-    def source(self, key: str) -> Source:
-        """Return ``"default"``, ``"env"`` or ``"runtime"`` for ``key``."""
-        return self.get(key).source
-
-    @property
-    def expandable_segments(self) -> bool:
-        """Whether new segments are expandable under this configuration."""
-        return self.get("expandable_segments").value == "True"
-
-    def to_settings_string(self) -> str:
-        """Return the settings as one string in torch's syntax (without defaults)."""
-        return format_settings((k, s.value) for k, s in self.settings.items())
-
-    def as_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict, every known key included with its source."""
-        keys = list(self.settings) + [k for k in KEYS if k not in self.settings]
-        return {
-            "torch": self.torch,
-            "backend": self.backend,
-            "env": dict(self.env),
-            "env_variable": self.env_variable,
-            "ignored_env": list(self.ignored_env),
-            "applied": self.applied,
-            "setter": self.setter,
-            "scopes": list(self.scopes),
-            "settings": {
-                k: {"value": s.value, "source": s.source, "origin": s.origin}
-                for k in keys
-                for s in (self.get(k),)
-            },
-        }
-
-    def __str__(self) -> str:
-        reads = self.env_variable or "no env variable (none is set)"
-        rows = [f"backend: {self.backend}   {self.torch} reads {reads}"]
-        rows += [
-            f"  ignored: {name} (set, but this torch does not read it)" for name in self.ignored_env
-        ]
-        for key, item in self.as_dict()["settings"].items():
-            rows.append(f"  {key:34} {item['value']:>18}  [{item['source']}: {item['origin']}]")
-        if self.scopes:
-            rows.append("active scopes: " + " > ".join(self.scopes))
-        return "\n".join(rows)
-
-
-# --------------------------------------------------------------------------- #
-# Process-global state
-# --------------------------------------------------------------------------- #
 
 
 class _Layer:
@@ -242,14 +55,14 @@ class _Layer:
 
     __slots__ = ("changes", "effective", "label", "thread")
 
-    def __init__(self, changes: dict[str, str], label: str, effective: _Effective) -> None:
+    def __init__(self, changes: dict[str, str], label: str, effective: Effective) -> None:
         self.changes = changes
         self.label = label
         self.thread = threading.get_ident()
         self.effective = effective
 
 
-def _same(base: _Effective, key: str, value: str) -> bool:
+def _same(base: Effective, key: str, value: str) -> bool:
     setting = base.get(key)
     if setting is None:
         spec = KEYS.get(key)
@@ -260,7 +73,7 @@ def _same(base: _Effective, key: str, value: str) -> bool:
 _MAX_CHILDREN = 64
 
 
-def _overlay(base: _Effective, changes: Mapping[str, str], origin: str) -> _Effective:
+def _overlay(base: Effective, changes: Mapping[str, str], origin: str) -> Effective:
     for key, value in changes.items():
         if not _same(base, key, value):
             break
@@ -270,7 +83,7 @@ def _overlay(base: _Effective, changes: Mapping[str, str], origin: str) -> _Effe
     merged = base.children.get(cache_key)
     if merged is not None:
         return merged
-    merged = _Effective(base)
+    merged = Effective(base)
     for key, value in changes.items():
         merged.pop(key, None)  # moves to the end: a later setting is written later
         merged[key] = Setting(key, value, "runtime", origin)
@@ -308,7 +121,7 @@ def _misreads(outcome: Outcome) -> list[str]:
     return found
 
 
-class _AllocatorState:
+class AllocatorState:
     """The merged allocator view and what has been applied to torch (process-global)."""
 
     def __init__(self) -> None:
@@ -319,7 +132,7 @@ class _AllocatorState:
         """Forget every runtime change (tests; a fresh process starts here)."""
         with self.lock:
             self._env_key: tuple[str | None, ...] | None = None
-            self._env_effective = _Effective()
+            self._env_effective = Effective()
             self._env_error: AllocatorSettingsError | None = None
             self._env_variable: str | None = None
             self._env_ignored: tuple[str, ...] = ()
@@ -327,10 +140,10 @@ class _AllocatorState:
             self._env_frozen = False
             self._env_expandable_false: str | None = None
             self._torch_env_text = ""  # what torch 2.12+'s getter says before any change
-            self._defaults: _Effective | None = None  # configure_allocator / external
+            self._defaults: Effective | None = None  # configure_allocator / external
             self._layers: list[_Layer] = []
             self._applied: str | None = None
-            self._current: _Effective | None = None  # what torch has; None = env state
+            self._current: Effective | None = None  # what torch has; None = env state
             self._can_apply_cache: bool | None = None
             self._rules: TorchRules | None = None
 
@@ -368,7 +181,7 @@ class _AllocatorState:
         present = {name: text for name, text in zip(ENV_VARS, raw) if text is not None}
         name, ignored = rules.env_variable(present)
         text = present.get(name, "") if name is not None else ""
-        effective = _Effective()
+        effective = Effective()
         explicit: dict[str, str] = {}
         error: AllocatorSettingsError | None = None
         notes: list[str] = []
@@ -422,14 +235,14 @@ class _AllocatorState:
     # ------------------------------------------------------------------ #
     # Views
     # ------------------------------------------------------------------ #
-    def _base(self) -> _Effective:
+    def _base(self) -> Effective:
         if not self._env_frozen:
             self._read_env()
         if self._env_error is not None:
             raise self._env_error
         return self._defaults if self._defaults is not None else self._env_effective
 
-    def _top(self) -> _Effective:
+    def _top(self) -> Effective:
         return self._layers[-1].effective if self._layers else self._base()
 
     def _recompute(self, start: int = 0) -> None:
@@ -529,14 +342,14 @@ class _AllocatorState:
         self._defaults = _overlay(self._base(), dict(external), "set outside hybridmem")
         # Model what torch now has: the keys it resets went back to their defaults,
         # the string's keys are set, every other key kept its value.
-        model = _Effective({k: v for k, v in current.items() if k not in rules.reset_keys})
+        model = Effective({k: v for k, v in current.items() if k not in rules.reset_keys})
         for key, value in external:
             model.pop(key, None)
             model[key] = Setting(key, value, "runtime", "set outside hybridmem")
         self._current = model
         self._recompute()
 
-    def _settings_string(self, target: _Effective, current: _Effective) -> str:
+    def _settings_string(self, target: Effective, current: Effective) -> str:
         """The string that takes torch from ``current``'s settings to ``target``'s.
 
         Every key of ``target``, plus its default for each key torch keeps when a
@@ -606,7 +419,7 @@ class _AllocatorState:
         self._current = target
         logger.debug("allocator settings applied: %s", text)
 
-    def _roll_back(self, current: _Effective, refused: str, exc: AllocatorSettingsError) -> None:
+    def _roll_back(self, current: Effective, refused: str, exc: AllocatorSettingsError) -> None:
         """torch refused ``refused`` after reading part of it: write ``current`` back whole."""
         rules = self.rules()
         items = current.items_for()
@@ -729,12 +542,12 @@ class _AllocatorState:
                 raise
 
 
-def _expandable(effective: _Effective) -> bool:
+def _expandable(effective: Effective) -> bool:
     setting = effective.get("expandable_segments")
     return setting is not None and setting.value == "True"
 
 
-_STATE = _AllocatorState()
+STATE = AllocatorState()
 
 
 def allocator_config() -> AllocatorConfig:
@@ -758,208 +571,15 @@ def allocator_config() -> AllocatorConfig:
     Example:
         >>> print(hm.allocator_config())   # doctest: +SKIP
     """
-    return _STATE.config()
+    return STATE.config()
 
 
-def _respect_env(changes: dict[str, str], *, force: bool, who: str) -> dict[str, str]:
-    """Drop an enable of expandable segments that the user's env forbids explicitly."""
-    if changes.get("expandable_segments") != "True":
-        return changes
-    var = _STATE.env_expandable_false()
-    if var is None:
-        return changes
-    if force:
-        info_once(
-            "force-enable",
-            f"{who}: force=True overrides the explicit expandable_segments:False in {var}",
-        )
-        return changes
-    info_once(
-        "respect-env",
-        f"{who}: kept expandable segments off because {var} sets expandable_segments:False "
-        "explicitly; pass force=True to override",
-    )
-    return {k: v for k, v in changes.items() if k != "expandable_segments"}
+def drop_cached_blocks(devices: list[int]) -> None:
+    """Synchronise ``devices`` and empty the cache, without measuring (hot path).
 
-
-class _AllocatorScope(ScopedContext):
-    """A scoped overlay on the process allocator settings."""
-
-    _changes: dict[str, str]
-    _release_cache: bool
-    _force: bool
-    _label: str  # repr, computed once: it is needed on every entry
-
-    def __repr__(self) -> str:
-        return self._label
-
-    def _enter(self) -> object:
-        changes = self._changes
-        if "expandable_segments" in changes:
-            changes = _respect_env(changes, force=self._force, who=self._label)
-        return _STATE.push(changes, self._label, release_cache=self._release_cache)
-
-    def _exit(self, token: object, exc: BaseException | None) -> None:
-        _STATE.pop(token, release_cache=self._release_cache)  # type: ignore[arg-type]
-
-
-class ExpandableSegments(_AllocatorScope):
-    """Scoped switch of expandable segments (see :func:`expandable_segments`)."""
-
-    def __init__(self, enabled: bool, *, release_cache: bool = True, force: bool = False) -> None:
-        super().__init__()
-        self.enabled = check_bool("enabled", enabled)
-        self._release_cache = check_bool("release_cache", release_cache)
-        self._force = check_bool("force", force)
-        self._changes = {"expandable_segments": str(enabled)}
-        extra = ", force=True" if force else ""
-        extra += "" if release_cache else ", release_cache=False"
-        self._label = f"expandable_segments({enabled}{extra})"
-
-
-class AllocatorSettings(_AllocatorScope):
-    """Scoped allocator settings (see :func:`allocator_settings`)."""
-
-    def __init__(self, **settings: object) -> None:
-        super().__init__()
-        self._changes = _normalize(settings, who="allocator_settings")
-        self._release_cache = True
-        self._force = False
-        inner = ", ".join(f"{k}={v}" for k, v in self._changes.items())
-        self._label = f"allocator_settings({inner})"
-
-
-def _normalize(settings: Mapping[str, object], *, who: str) -> dict[str, str]:
-    changes: dict[str, str] = {}
-    for key, value in settings.items():
-        spec = KEYS.get(key)
-        if spec is not None and not spec.runtime:
-            raise ValueError(
-                f"{who}: {key!r} cannot change after start-up; set it in "
-                f"{CUDA_ALLOC_CONF} before the process starts"
-            )
-        changes[key] = normalize_value(key, value, _STATE.rules())
-    return changes
-
-
-def expandable_segments(
-    enabled: bool, *, release_cache: bool = True, force: bool = False
-) -> ExpandableSegments:
-    """Switch expandable segments on or off for a block or call, keeping every other setting.
-
-    Applies the full merged settings (:func:`allocator_config`) with
-    ``expandable_segments`` changed, so ``max_split_size_mb``,
-    ``garbage_collection_threshold``, ``roundup_power2_divisions`` and the rest
-    survive; on exit the previous value is written back explicitly. When the mode
-    really changes and ``release_cache`` is true, cached free blocks are returned
-    first: otherwise new tensors land in cached blocks of the old kind.
-
-    An explicit ``expandable_segments:False`` in ``PYTORCH_ALLOC_CONF`` or
-    ``PYTORCH_CUDA_ALLOC_CONF`` is never overridden by an enable unless
-    ``force=True`` (logged once); disabling is always allowed.
-
-    Scope: process-global (all devices, all threads); re-entrant; nests; restores
-    on any exception. A context manager and a decorator (function, coroutine,
-    generator, async generator, context-manager class). Costs a few microseconds
-    when nothing changes (see benchmarks/overhead.py).
-
-    Args:
-        enabled: True for expandable segments (training), False for classic
-            segments (rollout engines' memory pools, CUDA IPC without pidfd).
-        release_cache: release cached blocks when the mode changes.
-        force: override an explicit ``expandable_segments:False`` in the env.
-
-    Returns:
-        An :class:`ExpandableSegments` context/decorator.
-
-    Raises:
-        TypeError: an argument is not a bool.
-
-    Example:
-        >>> with hm.expandable_segments(True):    # doctest: +SKIP
-        ...     train_step()
+    What an allocator mode switch needs: cached free blocks of the old segment
+    kind must go, or new tensors land in them.
     """
-    return ExpandableSegments(enabled, release_cache=release_cache, force=force)
-
-
-def allocator_settings(**settings: object) -> AllocatorSettings:
-    """Change any allocator settings for a block or call, keeping all the others.
-
-    Values: bool for switches (``expandable_segments``, ``release_lock_on_cudamalloc``
-    ...), int MB for sizes (``max_split_size_mb`` >= 20), float in (0, 1) for
-    ``garbage_collection_threshold``, an int or ``{size_mb | ">": divisions}`` for
-    ``roundup_power2_divisions``; a string in torch's syntax where it has that type.
-    Each value is judged by the running torch's rules here, and all of them together
-    (with the env's) on entry, before anything is applied; a key whose default torch
-    refuses to take back (``pinned_reserve_segment_size_mb``) may only be scoped where
-    the env or :func:`configure_allocator` sets it. An enable of
-    ``expandable_segments`` respects an explicit env False (use
-    :func:`expandable_segments` with ``force=True`` to override). Cached blocks are
-    released when the expandable mode changes.
-
-    Scope: process-global; re-entrant; nests; restores on any exception.
-
-    Args:
-        **settings: allocator setting names and values.
-
-    Returns:
-        An :class:`AllocatorSettings` context/decorator.
-
-    Raises:
-        ValueError: unknown setting (the message lists the known ones), a key this
-            torch lacks, a value it refuses (:class:`AllocatorSettingsError`, here
-            or on entry), or ``backend`` (fixed at start-up).
-        TypeError: a value of the wrong type.
-
-    Example:
-        >>> with hm.allocator_settings(max_split_size_mb=512, garbage_collection_threshold=0.8):
-        ...     pass
-    """
-    return AllocatorSettings(**settings)
-
-
-def configure_allocator(*, force: bool = False, **settings: object) -> AllocatorConfig:
-    """Set process-wide allocator defaults, at start-up or later, respecting the user's env.
-
-    Keys the user set explicitly in ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``
-    win over these defaults unless ``force=True`` (each skip is logged at INFO).
-    Works before CUDA is initialised (the usual place: the top of a training
-    script) and after it (new segments follow; cached blocks are released when the
-    expandable mode changes). Scopes active at the time stay on top.
-
-    Args:
-        force: override keys the env sets explicitly.
-        **settings: as for :func:`allocator_settings`.
-
-    Returns:
-        The resulting :class:`AllocatorConfig`.
-
-    Raises:
-        ValueError, TypeError: as for :func:`allocator_settings`.
-
-    Example:
-        >>> hm.configure_allocator(expandable_segments=True)   # doctest: +SKIP
-    """
-    check_bool("force", force)
-    changes = _normalize(settings, who="configure_allocator")
-    if disabled():
-        return allocator_config()
-    explicit = _STATE.env_explicit()
-    if not force:
-        kept = {k: explicit[k] for k in changes if k in explicit}
-        for key, var in kept.items():
-            logger.info(
-                "configure_allocator: kept %s from %s (set explicitly there); pass force=True "
-                "to override",
-                key,
-                var,
-            )
-        changes = {k: v for k, v in changes.items() if k not in kept}
-    else:
-        changes = _respect_env(changes, force=True, who="configure_allocator")
-    _STATE.set_defaults(changes, release_cache=True)
-    return allocator_config()
-
-
-def _reset_state_for_tests() -> None:
-    _STATE.reset()
+    for d in devices:
+        _torch.synchronize(d)
+    _torch.empty_cache()

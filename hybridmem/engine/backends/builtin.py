@@ -5,7 +5,7 @@ Each step names its evidence; docs/backends/ explains them at length.
 
 from __future__ import annotations
 
-from hybridmem.backends.registry import BackendProfile, Step, When
+from hybridmem.engine.backends.registry import BackendProfile, Step, When
 
 __all__ = ["BUILTIN", "DEFAULT", "SGLANG", "VLLM"]
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
 from hybridmem import _torch
-from hybridmem import timeline as _timeline
-from hybridmem._decorate import ScopedContext
+from hybridmem._checks import check_bool
 from hybridmem._devices import DeviceArg, resolve_devices
 from hybridmem._env import disabled
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
-from hybridmem._validate import check_bool
+from hybridmem._scope import ScopedContext
+from hybridmem.observe import timeline as _timeline
 
 __all__ = [
     "CacheRelease",
@@ -209,17 +209,6 @@ def release_cache(
         collect_garbage=collect_garbage,
         ipc_collect=ipc_collect,
     )
-
-
-def drop_cached_blocks(devices: list[int]) -> None:
-    """Synchronise ``devices`` and empty the cache, without measuring (hot path).
-
-    What an allocator mode switch needs: cached free blocks of the old segment
-    kind must go, or new tensors land in them.
-    """
-    for d in devices:
-        _torch.synchronize(d)
-    _torch.empty_cache()
 
 
 def _release(

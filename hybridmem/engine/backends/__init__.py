@@ -5,9 +5,9 @@ Nothing here imports an inference engine: profiles are data, adapters are duck-t
 
 from __future__ import annotations
 
-from hybridmem.backends.builtin import BUILTIN
-from hybridmem.backends.engines import TAGS, EngineAdapter, SGLangEngine, VLLMEngine
-from hybridmem.backends.registry import (
+from hybridmem.engine.backends.adapters import TAGS, EngineAdapter, SGLangEngine, VLLMEngine
+from hybridmem.engine.backends.builtin import BUILTIN
+from hybridmem.engine.backends.registry import (
     ACTIONS,
     ALIASES,
     ENTRY_POINT_GROUP,

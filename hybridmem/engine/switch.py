@@ -19,17 +19,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, Protocol, cast, runtime_checkable
 
-from hybridmem import _torch, phases
-from hybridmem import timeline as _timeline
+from hybridmem import _torch
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
-from hybridmem.backends.engines import EngineAdapter, SGLangEngine, VLLMEngine, call_sync
-from hybridmem.backends.registry import BackendProfile, get_backend
-from hybridmem.cache import release_cache
-from hybridmem.offload import Offloader
-from hybridmem.phases import Phase
-from hybridmem.telemetry import MemoryInfo, memory_info
+from hybridmem.engine import phases
+from hybridmem.engine.backends.adapters import EngineAdapter, SGLangEngine, VLLMEngine, call_sync
+from hybridmem.engine.backends.registry import BackendProfile, get_backend
+from hybridmem.engine.phases import Phase
+from hybridmem.memory.offload import Offloader
+from hybridmem.memory.release import release_cache
+from hybridmem.observe import timeline as _timeline
+from hybridmem.observe.memory import MemoryInfo, memory_info
 
 __all__ = [
     "HybridSwitch",

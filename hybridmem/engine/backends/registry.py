@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from hybridmem._log import logger, warn_once
+from hybridmem._phase_names import ALIASES, PHASES, canonical_phase
 
 __all__ = [
     "ACTIONS",
@@ -25,22 +26,6 @@ __all__ = [
     "register_backend",
 ]
 
-#: The canonical phases, in the order a hybrid engine goes through them.
-PHASES: tuple[str, ...] = ("train", "wake_up", "weight_sync", "rollout", "sleep")
-#: Other names accepted for the canonical phases.
-ALIASES: Mapping[str, str] = MappingProxyType(
-    {
-        "training": "train",
-        "wakeup": "wake_up",
-        "resume": "wake_up",
-        "update_weights": "weight_sync",
-        "sync_weights": "weight_sync",
-        "generate": "rollout",
-        "generation": "rollout",
-        "inference": "rollout",
-        "release": "sleep",
-    }
-)
 #: What a step can do, and when each kind runs.
 ACTIONS: Mapping[str, str] = MappingProxyType(
     {
@@ -53,7 +38,7 @@ ACTIONS: Mapping[str, str] = MappingProxyType(
     }
 )
 _SCOPES = ("expandable_segments", "ipc_safe")
-ENTRY_POINT_GROUP = "hybridmem.backends"
+ENTRY_POINT_GROUP = "hybridmem.engine.backends"
 _BACKEND_ENV = "HYBRIDMEM_BACKEND"
 
 When = Literal["enter", "exit", "scope"]
@@ -136,25 +121,6 @@ class BackendProfile:
 _registry: dict[str, BackendProfile] = {}
 _lock = threading.Lock()
 _entry_points_loaded = False
-
-
-def canonical_phase(name: str) -> str:
-    """Return the canonical phase for ``name`` (an alias or a canonical name).
-
-    Raises:
-        TypeError: ``name`` is not a str.
-        ValueError: unknown phase (the message lists phases and aliases).
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"a phase name must be a str, got {name!r}")
-    if name in PHASES:
-        return name
-    if name in ALIASES:
-        return ALIASES[name]
-    raise ValueError(
-        f"unknown phase {name!r}; phases: {', '.join(PHASES)}; aliases: "
-        + ", ".join(f"{a}={c}" for a, c in ALIASES.items())
-    )
 
 
 def register_backend(profile: BackendProfile, *, replace: bool = False) -> BackendProfile:

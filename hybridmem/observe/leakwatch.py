@@ -12,11 +12,11 @@ import threading
 from collections import deque
 from typing import Literal
 
-from hybridmem import timeline as _timeline
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_once
-from hybridmem.backends.registry import canonical_phase
-from hybridmem.telemetry import memory_info
+from hybridmem._phase_names import canonical_phase
+from hybridmem.observe import timeline as _timeline
+from hybridmem.observe.memory import memory_info
 
 __all__ = ["LeakWatch", "Metric"]
 

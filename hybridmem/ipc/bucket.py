@@ -27,8 +27,12 @@ from typing import Any
 import torch
 
 from hybridmem import _torch
-from hybridmem import timeline as _timeline
-from hybridmem._bucket_wire import (
+from hybridmem._devices import DeviceArg, device_index
+from hybridmem._errors import IpcUnavailableError
+from hybridmem._format import fmt_bytes
+from hybridmem._log import logger
+from hybridmem.ipc._plan import ALIGN, Batch, align_up, plan_batches
+from hybridmem.ipc._wire import (
     CPU,
     DEFAULT_TIMEOUT_S,
     UNITS,
@@ -45,14 +49,10 @@ from hybridmem._bucket_wire import (
     recv_within,
     word_unit,
 )
-from hybridmem._devices import DeviceArg, device_index
-from hybridmem._errors import IpcUnavailableError
-from hybridmem._format import fmt_bytes
-from hybridmem._log import logger
-from hybridmem._packing import ALIGN, Batch, align_up, plan_batches
-from hybridmem.cache import release_cache
-from hybridmem.capabilities import ipc_capabilities
-from hybridmem.ipc import Fallback, IpcSafe, Transport, check_fallback, choose_transport
+from hybridmem.ipc.capabilities import ipc_capabilities
+from hybridmem.ipc.shareable import Fallback, IpcSafe, Transport, check_fallback, choose_transport
+from hybridmem.memory.release import release_cache
+from hybridmem.observe import timeline as _timeline
 
 __all__ = ["SyncReport", "WeightBucket"]
 

@@ -8,10 +8,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from hybridmem import _linux, _probe_launch, _torch
+from hybridmem import _torch
+from hybridmem._checks import check_bool
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
-from hybridmem._validate import check_bool
+from hybridmem._platform import linux as _linux
+from hybridmem.ipc import _launch as _probe_launch
 
 __all__ = ["IpcCapabilities", "cached_capabilities", "ipc_capabilities"]
 

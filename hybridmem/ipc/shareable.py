@@ -16,14 +16,15 @@ from typing import Literal, get_args
 
 import torch
 
-from hybridmem import _linux, _torch
+from hybridmem import _torch
+from hybridmem._checks import check_bool
 from hybridmem._env import disabled
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._log import info_once, logger, warn_once
-from hybridmem._validate import check_bool
-from hybridmem.allocator import _STATE, _AllocatorScope
-from hybridmem.cache import drop_cached_blocks
-from hybridmem.capabilities import cached_capabilities
+from hybridmem._platform import linux as _linux
+from hybridmem.allocator.scopes import AllocatorScope
+from hybridmem.allocator.state import STATE, drop_cached_blocks
+from hybridmem.ipc.capabilities import cached_capabilities
 
 __all__ = [
     "Fallback",
@@ -75,7 +76,7 @@ def choose_transport(fallback: Fallback, device: int, *, probed: bool | None) ->
     """
     if fallback == "host":
         return "host"
-    blocker = _STATE.classic_blocker()
+    blocker = STATE.classic_blocker()
     if blocker is None and probed is False:
         caps = cached_capabilities(device)
         blocker = f"the IPC probe found CUDA IPC broken here ({caps.reason if caps else '?'})"
@@ -94,7 +95,7 @@ def choose_transport(fallback: Fallback, device: int, *, probed: bool | None) ->
     return "host"
 
 
-class IpcSafe(_AllocatorScope):
+class IpcSafe(AllocatorScope):
     """Scope in which new allocations can be shared without pidfd (see :func:`ipc_safe`)."""
 
     def __init__(self, *, fallback: Fallback = "auto", release_cache: bool = True) -> None:
@@ -205,7 +206,7 @@ def ipc_shareable(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if tensor.untyped_storage().nbytes() == 0:
         return tensor  # nothing to export
-    blocker = _STATE.classic_blocker()
+    blocker = STATE.classic_blocker()
     if blocker is not None:
         raise IpcUnavailableError(
             f"cannot make a copy of this tensor shareable without pidfd: {blocker}. "

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from hybridmem import _torch
-from hybridmem._bucket_wire import (
+from hybridmem._devices import DeviceArg, device_index
+from hybridmem._errors import IpcUnavailableError, SyncError
+from hybridmem.ipc._wire import (
     CPU,
     DEFAULT_TIMEOUT_S,
     PROTOCOL,
@@ -31,8 +33,6 @@ from hybridmem._bucket_wire import (
     recv_within,
     word_unit,
 )
-from hybridmem._devices import DeviceArg, device_index
-from hybridmem._errors import IpcUnavailableError, SyncError
 
 __all__ = ["BucketReceiver"]
 

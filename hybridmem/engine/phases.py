@@ -9,14 +9,14 @@ from dataclasses import replace
 from typing import Any, cast
 
 from hybridmem import _torch
-from hybridmem import timeline as _timeline
-from hybridmem._decorate import ScopedContext
+from hybridmem._checks import check_bool
 from hybridmem._log import logger
-from hybridmem._validate import check_bool
+from hybridmem._scope import ScopedContext
 from hybridmem.allocator import ExpandableSegments
-from hybridmem.backends.registry import BackendProfile, Step, canonical_phase, get_backend
-from hybridmem.cache import release_cache
-from hybridmem.ipc import IpcSafe
+from hybridmem.engine.backends.registry import BackendProfile, Step, canonical_phase, get_backend
+from hybridmem.ipc.shareable import IpcSafe
+from hybridmem.memory.release import release_cache
+from hybridmem.observe import timeline as _timeline
 
 __all__ = ["Phase", "await_free", "await_free_async", "phase"]
 

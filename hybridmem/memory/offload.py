@@ -35,13 +35,13 @@ from typing import Any, Literal
 import torch
 
 from hybridmem import _torch
-from hybridmem import timeline as _timeline
-from hybridmem._decorate import ScopedContext
+from hybridmem._checks import check_bool
 from hybridmem._env import disabled
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
-from hybridmem._validate import check_bool
+from hybridmem._scope import ScopedContext
+from hybridmem.observe import timeline as _timeline
 
 __all__ = ["GROUPS", "OffloadReport", "Offloaded", "Offloader", "offloaded"]
 

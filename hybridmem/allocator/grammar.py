@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from hybridmem._errors import AllocatorSettingsError
-from hybridmem._torch_rules import TorchRules
+from hybridmem.allocator.rules import TorchRules
 
 __all__ = [
     "KEYS",

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from hybridmem import _torch
-from hybridmem._decorate import ScopedContext
 from hybridmem._files import TIMELINE_ENV, FileProblem, check_writable, timeline_env_problem
 from hybridmem._log import logger, warn_once
-from hybridmem.telemetry import MemoryInfo, memory_info
+from hybridmem._scope import ScopedContext
+from hybridmem.observe.memory import MemoryInfo, memory_info
 
 __all__ = [
     "TIMELINE_ENV",

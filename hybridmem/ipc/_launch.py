@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["ProbeRun", "discard_pending", "driver_present", "start_early", "take"]
 
-PROBE = Path(__file__).with_name("_ipc_probe.py")
+PROBE = Path(__file__).with_name("_probe.py")
 TIMEOUT_S = 120.0
 
 _pending: dict[int, ProbeRun] = {}
@@ -44,7 +44,7 @@ class ProbeRun:
         self.device = device
         self.cuda = cuda
         self.started = time.perf_counter()
-        package_parent = str(PROBE.parent.parent)
+        package_parent = str(PROBE.parents[2])  # the folder that holds hybridmem/
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
         command = [sys.executable, str(PROBE), "produce", "--device", str(device)]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridmem._files import FileProblem, check_writable, describe
-from hybridmem.timeline import iter_jsonl
+from hybridmem.observe.timeline import iter_jsonl
 
 __all__ = ["MAX_TIME_CYCLES", "PlotError", "load_events", "plot_timeline", "view"]
 

@@ -1,0 +1,68 @@
+"""The CUDA driver library (``libcuda.so.1``), loaded once, without torch.
+
+hybridmem asks the driver what torch does not expose: a pointer's attributes. The
+IPC probe asks in a child that must not pay for more than it needs, so this module
+imports only the standard library.
+
+Scope: process-global; thread-safe (the library is loaded once under a lock).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+__all__ = [
+    "POINTER_ALLOWED_HANDLE_TYPES",
+    "POINTER_IS_LEGACY_CUDA_IPC_CAPABLE",
+    "libcuda",
+    "pointer_attribute",
+]
+
+#: ``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`` (cuda.h, CUDA 10.1+).
+POINTER_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+#: ``CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES`` (cuda.h, CUDA 11.1+).
+POINTER_ALLOWED_HANDLE_TYPES = 14
+
+
+@functools.lru_cache(maxsize=1)
+def libcuda() -> ctypes.CDLL | None:
+    """Return the CUDA driver library (the one torch already loaded), or None.
+
+    Example:
+        >>> lib = libcuda()   # doctest: +SKIP
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = getattr(lib, "cuPointerGetAttribute", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    return lib
+
+
+def pointer_attribute(pointer: int, attribute: int) -> int | None:
+    """Return one integer attribute of a device pointer (``cuPointerGetAttribute``).
+
+    Args:
+        pointer: a device address.
+        attribute: a ``CU_POINTER_ATTRIBUTE_*`` value, e.g.
+            :data:`POINTER_IS_LEGACY_CUDA_IPC_CAPABLE`.
+
+    Returns:
+        The attribute's value, or None where the driver is missing or refuses.
+
+    Example:
+        >>> pointer_attribute(ptr, POINTER_IS_LEGACY_CUDA_IPC_CAPABLE)   # doctest: +SKIP
+        1
+    """
+    lib = libcuda()
+    if lib is None:
+        return None
+    value = ctypes.c_int(0)
+    if lib.cuPointerGetAttribute(ctypes.byref(value), attribute, pointer) != 0:
+        return None
+    return int(value.value)

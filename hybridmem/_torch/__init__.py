@@ -1,0 +1,174 @@
+"""The one seam between hybridmem and torch.
+
+Every private or version-dependent torch call lives in this package, guarded, with
+the torch version it applies to; one module per concern:
+
+- ``version``: torch's version, read once;
+- ``settings``: the allocator-settings setter and getter of each version, the
+  memory snapshot, the allocator backend;
+- ``device``: CUDA state (built, available, current device, contexts, memory
+  statistics), read without ever creating a context;
+- ``tensors``: storages, sharded and sparse tensors, streams, pinned host memory,
+  batched copies;
+- ``ipc``: CUDA IPC export and import of tensors and events, segment kind, device
+  identity;
+- ``dist``: torch.distributed.
+
+Other modules call these functions through this face (``_torch.empty_cache()``),
+so CPU tests can monkeypatch them here; real behaviour is checked by the GPU tests.
+Nothing here initialises CUDA: functions that need a CUDA context say so and are
+only called by hybridmem once :func:`cuda_initialized` is true.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmem._torch.device import (
+    cuda_available,
+    cuda_built,
+    cuda_initialized,
+    cuda_version,
+    current_device,
+    device_count,
+    empty_cache,
+    has_context,
+    initialized_devices,
+    ipc_collect,
+    mem_get_info,
+    memory_stats,
+    synchronize,
+)
+from hybridmem._torch.dist import (
+    dist_all_gather_object,
+    dist_barrier,
+    dist_initialized,
+    dist_rank,
+    process_rank,
+)
+from hybridmem._torch.ipc import (
+    device_index_by_uuid,
+    device_uuid,
+    export_cuda_tensor,
+    import_cuda_tensor,
+    ipc_event_handle,
+    is_legacy_ipc_capable,
+    new_ipc_event,
+    open_ipc_event,
+    record_event,
+    synchronize_event,
+    wait_event,
+)
+from hybridmem._torch.settings import (
+    GETTER,
+    NEW_SETTER,
+    last_allocator_settings,
+    runtime_allocator_backend,
+    set_allocator_settings,
+    settings_setter_name,
+    snapshot,
+    snapshot_allocator_settings,
+)
+from hybridmem._torch.tensors import (
+    copy_many,
+    current_stream,
+    dense_parts,
+    is_device_tensor,
+    local_tensor,
+    new_stream,
+    pin_host_tensor,
+    resize_storage,
+    storage_key,
+    storage_of,
+    storage_resizable,
+    stream_scope,
+    synchronize_stream,
+    unpin_host_tensor,
+    wait_stream,
+)
+from hybridmem._torch.version import (
+    torch_version,
+    torch_version_string,
+)
+
+__all__ = [
+    "api_report",
+    "copy_many",
+    "cuda_available",
+    "cuda_built",
+    "cuda_initialized",
+    "cuda_version",
+    "current_device",
+    "current_stream",
+    "dense_parts",
+    "device_count",
+    "device_index_by_uuid",
+    "device_uuid",
+    "dist_all_gather_object",
+    "dist_barrier",
+    "dist_initialized",
+    "dist_rank",
+    "empty_cache",
+    "export_cuda_tensor",
+    "has_context",
+    "import_cuda_tensor",
+    "initialized_devices",
+    "ipc_collect",
+    "ipc_event_handle",
+    "is_device_tensor",
+    "is_legacy_ipc_capable",
+    "last_allocator_settings",
+    "local_tensor",
+    "mem_get_info",
+    "memory_stats",
+    "new_ipc_event",
+    "new_stream",
+    "open_ipc_event",
+    "pin_host_tensor",
+    "process_rank",
+    "record_event",
+    "resize_storage",
+    "runtime_allocator_backend",
+    "set_allocator_settings",
+    "settings_setter_name",
+    "snapshot",
+    "snapshot_allocator_settings",
+    "storage_key",
+    "storage_of",
+    "storage_resizable",
+    "stream_scope",
+    "synchronize",
+    "synchronize_event",
+    "synchronize_stream",
+    "torch_version",
+    "torch_version_string",
+    "unpin_host_tensor",
+    "wait_event",
+    "wait_stream",
+]
+
+
+def api_report() -> dict[str, bool]:
+    """Return which version-dependent torch APIs this build offers (for ``doctor``)."""
+    return {
+        "torch._C._accelerator_setAllocatorSettings": callable(getattr(torch._C, NEW_SETTER, None)),
+        "torch.cuda.memory._set_allocator_settings": callable(
+            getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        ),
+        "torch._C._accelerator_getAllocatorSettings": callable(getattr(torch._C, GETTER, None)),
+        "torch.cuda.memory._snapshot": callable(getattr(torch.cuda.memory, "_snapshot", None)),
+        "torch._C._cuda_hasPrimaryContext": callable(
+            getattr(torch._C, "_cuda_hasPrimaryContext", None)
+        ),
+        "torch._C._cuda_getAllocatorBackend": callable(
+            getattr(torch._C, "_cuda_getAllocatorBackend", None)
+        ),
+        "torch._foreach_copy_": callable(getattr(torch, "_foreach_copy_", None)),
+        "torch.multiprocessing.reductions.rebuild_cuda_tensor": _has_rebuild(),
+    }
+
+
+def _has_rebuild() -> bool:
+    from torch.multiprocessing import reductions
+
+    return callable(getattr(reductions, "rebuild_cuda_tensor", None))

@@ -1,0 +1,95 @@
+"""CUDA state, read without ever creating a context."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+_CUDA_BUILT = torch.version.cuda is not None and hasattr(torch._C, "_cuda_getDeviceCount")
+# torch ships these two without annotations; typed aliases keep mypy --strict honest.
+_IS_INITIALIZED = cast(Callable[[], bool], torch.cuda.is_initialized)
+
+
+def cuda_built() -> bool:
+    """Return whether this torch build has CUDA support compiled in."""
+    return _CUDA_BUILT
+
+
+def cuda_version() -> str | None:
+    """Return the CUDA version torch was built with, e.g. ``"13.0"``."""
+    return torch.version.cuda
+
+
+def cuda_available() -> bool:
+    """Return ``torch.cuda.is_available()`` (queries the driver, no context)."""
+    return cuda_built() and torch.cuda.is_available()
+
+
+def device_count() -> int:
+    """Return the number of visible CUDA devices (0 without CUDA)."""
+    return torch.cuda.device_count() if cuda_built() else 0
+
+
+def cuda_initialized() -> bool:
+    """Return whether torch has initialised CUDA in this process."""
+    return _CUDA_BUILT and _IS_INITIALIZED()
+
+
+def current_device() -> int | None:
+    """Return the current CUDA device index, or None when CUDA is not initialised."""
+    if not cuda_initialized():
+        return None
+    return int(torch.cuda.current_device())
+
+
+def has_context(index: int) -> bool:
+    """Return whether device ``index`` has a primary CUDA context in this process.
+
+    Uses ``torch._C._cuda_hasPrimaryContext`` (torch 1.x+), which asks the
+    driver without creating one. Without it only the current device counts.
+    """
+    if not cuda_initialized():
+        return False
+    fn = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if callable(fn):
+        return bool(fn(index))
+    return index == current_device()
+
+
+def initialized_devices() -> list[int]:
+    """Return the indices of devices with a CUDA context in this process."""
+    if not cuda_initialized():
+        return []
+    return [i for i in range(device_count()) if has_context(i)]
+
+
+def synchronize(index: int) -> None:
+    """Wait for all work on device ``index`` (which must have a context)."""
+    torch.cuda.synchronize(index)
+
+
+def empty_cache() -> None:
+    """Return cached free blocks to the driver (torch empties every device's cache)."""
+    if cuda_initialized():
+        torch.cuda.empty_cache()
+
+
+def ipc_collect() -> None:
+    """Release memory held for tensors shared over CUDA IPC that consumers dropped."""
+    if cuda_initialized():
+        cast(Callable[[], None], torch.cuda.ipc_collect)()
+
+
+def memory_stats(index: int) -> dict[str, Any]:
+    """Return the caching allocator's statistics for device ``index``."""
+    if not cuda_initialized():
+        return {}
+    return dict(torch.cuda.memory_stats(index))
+
+
+def mem_get_info(index: int) -> tuple[int, int]:
+    """Return device-wide ``(free, total)`` bytes for a device that has a context."""
+    free, total = torch.cuda.mem_get_info(index)
+    return int(free), int(total)

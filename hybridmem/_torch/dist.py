@@ -1,0 +1,63 @@
+"""torch.distributed: rank, barrier, all-gather."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from hybridmem._torch.device import cuda_initialized
+
+
+def dist_initialized() -> bool:
+    """Return whether a ``torch.distributed`` default process group exists."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def dist_rank() -> int | None:
+    """Return this process's global rank, or None outside a process group."""
+    if not dist_initialized():
+        return None
+    import torch.distributed as dist
+
+    return int(dist.get_rank())
+
+
+def process_rank() -> int:
+    """This process's rank: ``torch.distributed``'s, else the ``RANK`` env variable, else 0."""
+    rank = dist_rank()
+    if rank is not None:
+        return rank
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def dist_barrier() -> None:
+    """Barrier on the default process group (NCCL: on the current device, never device 0)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl" and cuda_initialized():
+        dist.barrier(device_ids=[int(torch.cuda.current_device())])
+    else:
+        dist.barrier()
+
+
+def dist_all_gather_object(obj: object, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``torch.distributed.all_gather_object``).
+
+    A collective: every rank of ``group`` (None: the default group) must call it.
+    With NCCL the objects travel through the current device, never device 0 by
+    assumption. It waits as long as the process group's timeout (set with
+    ``init_process_group(timeout=...)``), then raises.
+    """
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out

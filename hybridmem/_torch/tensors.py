@@ -1,0 +1,180 @@
+"""Tensors and storages, streams, pinned host memory, batched copies (offload's needs)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+
+from hybridmem._format import first_line
+from hybridmem._torch.device import cuda_available
+
+# torch ships these without annotations; typed aliases keep mypy --strict honest.
+_CUDART: Callable[[], Any] = torch.cuda.cudart
+_CUDA_STREAM = cast(Callable[..., Any], torch.cuda.Stream)
+
+
+def is_device_tensor(tensor: torch.Tensor) -> bool:
+    """Return whether ``tensor`` lives in CUDA device memory (what offload moves)."""
+    return bool(tensor.is_cuda)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Return the local shard of a DTensor (FSDP2, tensor parallel), else ``tensor``.
+
+    ``DTensor.to_local()`` (torch 2.4+, public) shares the shard's storage, which is
+    what offload frees and restores.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is None or not callable(to_local):
+        return tensor
+    with torch.no_grad():
+        local = to_local()
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """Return ``tensor``'s untyped storage (what offload frees and restores).
+
+    Raises:
+        TypeError: the tensor has no storage of its own (a tensor subclass or a
+            layout without one); the message names its type and layout.
+    """
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError) as exc:
+        raise TypeError(
+            f"a {type(tensor).__name__} with layout {tensor.layout} has no storage that "
+            f"can be freed in place ({first_line(exc)})"
+        ) from None
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An id of the C++ storage behind ``storage`` (two Python objects may share one).
+
+    ``UntypedStorage._cdata`` (torch 1.x - 2.13): the address of the StorageImpl,
+    what torch itself compares for storage identity.
+    """
+    return int(storage._cdata)
+
+
+def storage_resizable(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` can be freed and reallocated in place (``resize_``).
+
+    False for memory this process does not own: imported through CUDA IPC or
+    DLPack, or wrapping an external buffer (``torch.frombuffer``).
+    """
+    return bool(storage.resizable())
+
+
+def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Free (``nbytes=0``) or reallocate a storage in place, keeping every view of it.
+
+    Raises:
+        torch.OutOfMemoryError: the reallocation did not fit.
+    """
+    storage.resize_(nbytes)
+
+
+def dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors that hold a tensor's data: itself, or a sparse one's pieces.
+
+    COO: indices and values (``_indices()``/``_values()``, torch 1.x - 2.13: the
+    public ``indices()`` refuses an uncoalesced tensor); CSR/CSC/BSR/BSC: their
+    compressed indices and values. Each piece shares its storage with the sparse
+    tensor, so freeing and restoring the piece's storage in place restores it.
+
+    Raises:
+        TypeError: a layout whose data is not in such pieces (the message names it).
+    """
+    layout = tensor.layout
+    if layout == torch.strided:
+        return [tensor]
+    if layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    raise TypeError(f"tensors with layout {layout} cannot be offloaded in place")
+
+
+def new_stream(device: torch.device) -> Any:
+    """Return a new CUDA stream on ``device`` (None for non-CUDA devices)."""
+    return _CUDA_STREAM(device=device) if device.type == "cuda" else None
+
+
+def current_stream(device: torch.device) -> Any:
+    """Return the current stream of ``device`` (None for non-CUDA devices)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def stream_scope(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Make ``stream`` current inside the block (a no-op for None)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def wait_stream(waiter: Any, waitee: Any) -> None:
+    """Order ``waiter``'s later work after ``waitee``'s work queued so far."""
+    if waiter is not None and waitee is not None:
+        waiter.wait_stream(waitee)
+
+
+def synchronize_stream(stream: Any) -> None:
+    """Block the host until ``stream``'s queued work is done."""
+    if stream is not None:
+        stream.synchronize()
+
+
+def pin_host_tensor(tensor: torch.Tensor) -> bool:
+    """Page-lock a CPU tensor's memory in place with ``cudaHostRegister``.
+
+    Unlike ``pin_memory=True`` (torch's caching host allocator rounds every
+    allocation up to a power of two: 24 GiB would pin 32 GiB), registering an
+    exact-size allocation pins exactly what is asked. Returns False when CUDA is
+    absent or registration failed (the tensor stays pageable).
+    """
+    if not cuda_available():
+        return False
+    cudart = _CUDART()
+    # flag 1 = cudaHostRegisterPortable: pinned for every CUDA context in the process
+    status = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1))
+    return status == 0
+
+
+def unpin_host_tensor(data_ptr: int) -> None:
+    """Undo :func:`pin_host_tensor` (errors ignored: the process may be exiting)."""
+    with contextlib.suppress(Exception):  # CUDA may already be torn down at exit
+        _CUDART().cudaHostUnregister(data_ptr)
+
+
+# Pieces at least this big are copied one by one (a contiguous same-dtype
+# ``copy_`` is a cudaMemcpyAsync at full bandwidth); smaller ones are batched into
+# multi-tensor kernels, where one launch per piece would cost more than the copy.
+FOREACH_MAX_BYTES = 1 << 20
+
+
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy ``srcs[i]`` into ``dsts[i]`` (flat, same dtype) for every i, quickly.
+
+    Large pieces go through ``copy_`` (a memcpy each); small same-device pieces of
+    one dtype are batched with ``torch._foreach_copy_`` (torch 2.1+). Copies are
+    asynchronous on the current stream.
+    """
+    small: dict[tuple[torch.dtype, torch.device], tuple[list[Any], list[Any]]] = {}
+    for dst, src in zip(dsts, srcs, strict=True):
+        if dst.nbytes >= FOREACH_MAX_BYTES or dst.device != src.device:
+            dst.copy_(src, non_blocking=True)
+        else:
+            group = small.setdefault((dst.dtype, dst.device), ([], []))
+            group[0].append(dst)
+            group[1].append(src)
+    foreach = getattr(torch, "_foreach_copy_", None)
+    for group_dsts, group_srcs in small.values():
+        if foreach is not None and len(group_dsts) > 1:
+            foreach(group_dsts, group_srcs)
+        else:
+            for dst, src in zip(group_dsts, group_srcs, strict=True):
+                dst.copy_(src, non_blocking=True)

@@ -1,0 +1,195 @@
+"""What the allocator runs with: each setting, its value as torch reads it, and its source."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from hybridmem._errors import AllocatorSettingsError
+from hybridmem.allocator.grammar import KEYS, format_settings
+from hybridmem.allocator.rules import (
+    ALLOC_CONF,
+    CUDA_ALLOC_CONF,
+    TorchRules,
+)
+
+__all__ = [
+    "ENV_VARS",
+    "AllocatorConfig",
+    "Effective",
+    "Setting",
+    "Source",
+]
+
+
+#: The environment variables torch reads, in torch 2.10+'s order of precedence:
+#: the first one set is read whole and the other ignored (torch <= 2.9 reads only
+#: ``PYTORCH_CUDA_ALLOC_CONF`` for CUDA).
+ENV_VARS = (CUDA_ALLOC_CONF, ALLOC_CONF)
+
+Source = Literal["default", "env", "runtime"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One allocator setting: its value and where that value came from.
+
+    Attributes:
+        key: the setting name, as torch spells it.
+        value: the value in torch's syntax (``"True"``, ``"256"``, ``"[256:4,>:1]"``),
+            as torch reads it (whitespace dropped).
+        source: ``"default"``, ``"env"`` or ``"runtime"``.
+        origin: the env variable, ``"configure_allocator"``, the scope that set
+            it (e.g. ``"expandable_segments(True)"``), ``"set outside hybridmem"``
+            or ``"torch default"``.
+    """
+
+    key: str
+    value: str
+    source: Source
+    origin: str
+
+
+class Effective(dict[str, Setting]):
+    """Merged settings by key; never mutated once built, so what it means is cached."""
+
+    __slots__ = ("_state", "children", "memo")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._state: tuple[TorchRules, dict[str, Any]] | None = None
+        # (the view torch had, the string that takes torch from it to this one)
+        self.memo: tuple[Effective, str] | None = None
+        # overlays built on this view, by (changes, origin): a scope entered again
+        # and again (a decorated train_step) reuses its view, state and string
+        self.children: dict[tuple[tuple[tuple[str, str], ...], str], Effective] = {}
+
+    def items_for(self) -> list[tuple[str, str]]:
+        """What torch is given for this view: every runtime key with its value."""
+        return [
+            (k, s.value)
+            for k, s in self.items()
+            if k not in KEYS or KEYS[k].runtime  # "backend" is fixed at start-up
+        ]
+
+    def state(self, rules: TorchRules) -> dict[str, Any]:
+        """torch's settings once this view is applied (every other key at its default).
+
+        Raises:
+            AllocatorSettingsError: this torch refuses the view's settings together.
+        """
+        cached = self._state
+        if cached is not None and cached[0] is rules:  # one TorchRules per torch
+            return cached[1]
+        outcome = rules.run(format_settings(self.items_for()))
+        if not outcome.accepted:
+            names = ", ".join(f"{k}={s.value} [{s.origin}]" for k, s in self.items())
+            raise AllocatorSettingsError(
+                f"{outcome.error}; these settings cannot hold together ({names})"
+            )
+        self._state = (rules, outcome.state)
+        return outcome.state
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The effective, merged CUDA allocator settings and where each came from.
+
+    This is the single truth hybridmem applies: env settings, overlaid by process
+    defaults (:func:`configure_allocator`), overlaid by active scopes
+    (:func:`expandable_segments`, :func:`allocator_settings`), in entry order.
+
+    Attributes:
+        settings: every setting that is set, by key.
+        backend: ``"native"`` or ``"cudaMallocAsync"``.
+        env: the raw env strings that are set, by variable name.
+        applied: the last string hybridmem gave torch's setter (None: never).
+        setter: the torch setter in use, or None when this build has none.
+        scopes: descriptions of the active scopes, outermost first.
+        env_variable: the variable torch reads its settings from (None: neither
+            is set).
+        ignored_env: variables that are set but that this torch does not read.
+        torch: the torch whose rules apply (``"torch 2.11"``).
+
+    Example:
+        >>> cfg = hm.allocator_config()
+        >>> cfg.expandable_segments, cfg.source("max_split_size_mb")   # doctest: +SKIP
+        (False, 'env')
+    """
+
+    settings: Mapping[str, Setting]
+    backend: str
+    env: Mapping[str, str]
+    applied: str | None
+    setter: str | None
+    scopes: tuple[str, ...] = field(default=())
+    env_variable: str | None = None
+    ignored_env: tuple[str, ...] = field(default=())
+    torch: str = ""
+
+    def __getitem__(self, key: str) -> str:
+        return self.get(key).value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.settings
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.settings)
+
+    def get(self, key: str) -> Setting:
+        """Return the setting for ``key``: its value or torch's default, and source.
+
+        Raises:
+            KeyError: ``key`` is neither set nor a setting hybridmem knows.
+        """
+        if key in self.settings:
+            return self.settings[key]
+        spec = KEYS.get(key)
+        if spec is None:
+            raise KeyError(f"{key!r} is not set and not a known allocator setting")
+        return Setting(key, spec.shown_default, "default", "torch default")
+
+    def source(self, key: str) -> Source:
+        """Return ``"default"``, ``"env"`` or ``"runtime"`` for ``key``."""
+        return self.get(key).source
+
+    @property
+    def expandable_segments(self) -> bool:
+        """Whether new segments are expandable under this configuration."""
+        return self.get("expandable_segments").value == "True"
+
+    def to_settings_string(self) -> str:
+        """Return the settings as one string in torch's syntax (without defaults)."""
+        return format_settings((k, s.value) for k, s in self.settings.items())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict, every known key included with its source."""
+        keys = list(self.settings) + [k for k in KEYS if k not in self.settings]
+        return {
+            "torch": self.torch,
+            "backend": self.backend,
+            "env": dict(self.env),
+            "env_variable": self.env_variable,
+            "ignored_env": list(self.ignored_env),
+            "applied": self.applied,
+            "setter": self.setter,
+            "scopes": list(self.scopes),
+            "settings": {
+                k: {"value": s.value, "source": s.source, "origin": s.origin}
+                for k in keys
+                for s in (self.get(k),)
+            },
+        }
+
+    def __str__(self) -> str:
+        reads = self.env_variable or "no env variable (none is set)"
+        rows = [f"backend: {self.backend}   {self.torch} reads {reads}"]
+        rows += [
+            f"  ignored: {name} (set, but this torch does not read it)" for name in self.ignored_env
+        ]
+        for key, item in self.as_dict()["settings"].items():
+            rows.append(f"  {key:34} {item['value']:>18}  [{item['source']}: {item['origin']}]")
+        if self.scopes:
+            rows.append("active scopes: " + " > ".join(self.scopes))
+        return "\n".join(rows)

@@ -1,0 +1,229 @@
+"""The public allocator scopes: expandable segments on or off, settings, process defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hybridmem._checks import check_bool
+from hybridmem._env import disabled
+from hybridmem._log import info_once, logger
+from hybridmem._scope import ScopedContext
+from hybridmem.allocator.config import AllocatorConfig
+from hybridmem.allocator.grammar import KEYS, normalize_value
+from hybridmem.allocator.rules import (
+    CUDA_ALLOC_CONF,
+)
+from hybridmem.allocator.state import STATE, allocator_config
+
+__all__ = [
+    "AllocatorScope",
+    "AllocatorSettings",
+    "ExpandableSegments",
+    "allocator_settings",
+    "configure_allocator",
+    "expandable_segments",
+]
+
+
+def _respect_env(changes: dict[str, str], *, force: bool, who: str) -> dict[str, str]:
+    """Drop an enable of expandable segments that the user's env forbids explicitly."""
+    if changes.get("expandable_segments") != "True":
+        return changes
+    var = STATE.env_expandable_false()
+    if var is None:
+        return changes
+    if force:
+        info_once(
+            "force-enable",
+            f"{who}: force=True overrides the explicit expandable_segments:False in {var}",
+        )
+        return changes
+    info_once(
+        "respect-env",
+        f"{who}: kept expandable segments off because {var} sets expandable_segments:False "
+        "explicitly; pass force=True to override",
+    )
+    return {k: v for k, v in changes.items() if k != "expandable_segments"}
+
+
+class AllocatorScope(ScopedContext):
+    """A scoped overlay on the process allocator settings."""
+
+    _changes: dict[str, str]
+    _release_cache: bool
+    _force: bool
+    _label: str  # repr, computed once: it is needed on every entry
+
+    def __repr__(self) -> str:
+        return self._label
+
+    def _enter(self) -> object:
+        changes = self._changes
+        if "expandable_segments" in changes:
+            changes = _respect_env(changes, force=self._force, who=self._label)
+        return STATE.push(changes, self._label, release_cache=self._release_cache)
+
+    def _exit(self, token: object, exc: BaseException | None) -> None:
+        STATE.pop(token, release_cache=self._release_cache)  # type: ignore[arg-type]
+
+
+class ExpandableSegments(AllocatorScope):
+    """Scoped switch of expandable segments (see :func:`expandable_segments`)."""
+
+    def __init__(self, enabled: bool, *, release_cache: bool = True, force: bool = False) -> None:
+        super().__init__()
+        self.enabled = check_bool("enabled", enabled)
+        self._release_cache = check_bool("release_cache", release_cache)
+        self._force = check_bool("force", force)
+        self._changes = {"expandable_segments": str(enabled)}
+        extra = ", force=True" if force else ""
+        extra += "" if release_cache else ", release_cache=False"
+        self._label = f"expandable_segments({enabled}{extra})"
+
+
+class AllocatorSettings(AllocatorScope):
+    """Scoped allocator settings (see :func:`allocator_settings`)."""
+
+    def __init__(self, **settings: object) -> None:
+        super().__init__()
+        self._changes = _normalize(settings, who="allocator_settings")
+        self._release_cache = True
+        self._force = False
+        inner = ", ".join(f"{k}={v}" for k, v in self._changes.items())
+        self._label = f"allocator_settings({inner})"
+
+
+def _normalize(settings: Mapping[str, object], *, who: str) -> dict[str, str]:
+    changes: dict[str, str] = {}
+    for key, value in settings.items():
+        spec = KEYS.get(key)
+        if spec is not None and not spec.runtime:
+            raise ValueError(
+                f"{who}: {key!r} cannot change after start-up; set it in "
+                f"{CUDA_ALLOC_CONF} before the process starts"
+            )
+        changes[key] = normalize_value(key, value, STATE.rules())
+    return changes
+
+
+def expandable_segments(
+    enabled: bool, *, release_cache: bool = True, force: bool = False
+) -> ExpandableSegments:
+    """Switch expandable segments on or off for a block or call, keeping every other setting.
+
+    Applies the full merged settings (:func:`allocator_config`) with
+    ``expandable_segments`` changed, so ``max_split_size_mb``,
+    ``garbage_collection_threshold``, ``roundup_power2_divisions`` and the rest
+    survive; on exit the previous value is written back explicitly. When the mode
+    really changes and ``release_cache`` is true, cached free blocks are returned
+    first: otherwise new tensors land in cached blocks of the old kind.
+
+    An explicit ``expandable_segments:False`` in ``PYTORCH_ALLOC_CONF`` or
+    ``PYTORCH_CUDA_ALLOC_CONF`` is never overridden by an enable unless
+    ``force=True`` (logged once); disabling is always allowed.
+
+    Scope: process-global (all devices, all threads); re-entrant; nests; restores
+    on any exception. A context manager and a decorator (function, coroutine,
+    generator, async generator, context-manager class). Costs a few microseconds
+    when nothing changes (see benchmarks/overhead.py).
+
+    Args:
+        enabled: True for expandable segments (training), False for classic
+            segments (rollout engines' memory pools, CUDA IPC without pidfd).
+        release_cache: release cached blocks when the mode changes.
+        force: override an explicit ``expandable_segments:False`` in the env.
+
+    Returns:
+        An :class:`ExpandableSegments` context/decorator.
+
+    Raises:
+        TypeError: an argument is not a bool.
+
+    Example:
+        >>> with hm.expandable_segments(True):    # doctest: +SKIP
+        ...     train_step()
+    """
+    return ExpandableSegments(enabled, release_cache=release_cache, force=force)
+
+
+def allocator_settings(**settings: object) -> AllocatorSettings:
+    """Change any allocator settings for a block or call, keeping all the others.
+
+    Values: bool for switches (``expandable_segments``, ``release_lock_on_cudamalloc``
+    ...), int MB for sizes (``max_split_size_mb`` >= 20), float in (0, 1) for
+    ``garbage_collection_threshold``, an int or ``{size_mb | ">": divisions}`` for
+    ``roundup_power2_divisions``; a string in torch's syntax where it has that type.
+    Each value is judged by the running torch's rules here, and all of them together
+    (with the env's) on entry, before anything is applied; a key whose default torch
+    refuses to take back (``pinned_reserve_segment_size_mb``) may only be scoped where
+    the env or :func:`configure_allocator` sets it. An enable of
+    ``expandable_segments`` respects an explicit env False (use
+    :func:`expandable_segments` with ``force=True`` to override). Cached blocks are
+    released when the expandable mode changes.
+
+    Scope: process-global; re-entrant; nests; restores on any exception.
+
+    Args:
+        **settings: allocator setting names and values.
+
+    Returns:
+        An :class:`AllocatorSettings` context/decorator.
+
+    Raises:
+        ValueError: unknown setting (the message lists the known ones), a key this
+            torch lacks, a value it refuses (:class:`AllocatorSettingsError`, here
+            or on entry), or ``backend`` (fixed at start-up).
+        TypeError: a value of the wrong type.
+
+    Example:
+        >>> with hm.allocator_settings(max_split_size_mb=512, garbage_collection_threshold=0.8):
+        ...     pass
+    """
+    return AllocatorSettings(**settings)
+
+
+def configure_allocator(*, force: bool = False, **settings: object) -> AllocatorConfig:
+    """Set process-wide allocator defaults, at start-up or later, respecting the user's env.
+
+    Keys the user set explicitly in ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``
+    win over these defaults unless ``force=True`` (each skip is logged at INFO).
+    Works before CUDA is initialised (the usual place: the top of a training
+    script) and after it (new segments follow; cached blocks are released when the
+    expandable mode changes). Scopes active at the time stay on top.
+
+    Args:
+        force: override keys the env sets explicitly.
+        **settings: as for :func:`allocator_settings`.
+
+    Returns:
+        The resulting :class:`AllocatorConfig`.
+
+    Raises:
+        ValueError, TypeError: as for :func:`allocator_settings`.
+
+    Example:
+        >>> hm.configure_allocator(expandable_segments=True)   # doctest: +SKIP
+    """
+    check_bool("force", force)
+    changes = _normalize(settings, who="configure_allocator")
+    if disabled():
+        return allocator_config()
+    explicit = STATE.env_explicit()
+    if not force:
+        kept = {k: explicit[k] for k in changes if k in explicit}
+        for key, var in kept.items():
+            logger.info(
+                "configure_allocator: kept %s from %s (set explicitly there); pass force=True "
+                "to override",
+                key,
+                var,
+            )
+        changes = {k: v for k, v in changes.items() if k not in kept}
+    else:
+        changes = _respect_env(changes, force=True, who="configure_allocator")
+    STATE.set_defaults(changes, release_cache=True)
+    return allocator_config()
+
+
+def _reset_state_for_tests() -> None:
+    STATE.reset()
