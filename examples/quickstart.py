@@ -40,8 +40,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # Process defaults at start-up; explicit choices in PYTORCH_ALLOC_CONF /
     # PYTORCH_CUDA_ALLOC_CONF win over these unless force=True.
-    hm.configure_allocator(garbage_collection_threshold=0.8)
-    print(hm.allocator_config())
+    hm.set_allocator_defaults(garbage_collection_threshold=0.8)
+    print(hm.allocator_state())
 
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)

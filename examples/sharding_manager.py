@@ -71,7 +71,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    print(f"  in training: expandable={hm.allocator_config().expandable_segments}")
+    print(f"  in training: expandable={hm.allocator_state().expandable_segments}")
     return float(loss.item())
 
 
@@ -85,7 +85,7 @@ def main() -> None:
         loss = train_step(model, optimizer)
         with manager:
             outputs = llm.generate(["hello"])
-            print(f"  in rollout: expandable={hm.allocator_config().expandable_segments}")
+            print(f"  in rollout: expandable={hm.allocator_state().expandable_segments}")
         same = all(torch.equal(llm.weights[k], v) for k, v in model.state_dict().items())
         print(f"step {step}: loss {loss:.4f}; {outputs[0]!r}; engine has the new weights: {same}")
 

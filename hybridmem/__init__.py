@@ -26,122 +26,71 @@ if TYPE_CHECKING:
     from hybridmem._errors import (
         AllocatorSettingsError,
         HybridMemWarning,
+        HybridSwitchError,
         IpcUnavailableError,
         OffloadError,
         SyncError,
     )
-    from hybridmem._scope import ScopedContext
-    from hybridmem.allocator import (
-        AllocatorConfig,
-        AllocatorSettings,
-        ExpandableSegments,
-        Setting,
-        allocator_config,
+    from hybridmem.allocator.scopes import (
         allocator_settings,
-        configure_allocator,
         expandable_segments,
+        set_allocator_defaults,
     )
-    from hybridmem.engine.backends import (
-        PHASES,
-        BackendProfile,
-        EngineAdapter,
-        SGLangEngine,
-        Step,
-        VLLMEngine,
-        get_backend,
-        list_backends,
-        register_backend,
-    )
-    from hybridmem.engine.phases import Phase, phase
-    from hybridmem.engine.switch import (
-        HybridSwitch,
-        HybridSwitchError,
-        RankStatus,
-        RankSync,
-        StageReport,
-        SwitchReport,
-    )
-    from hybridmem.ipc._wire import BucketHandle, Channel
-    from hybridmem.ipc.bucket import SyncReport, WeightBucket
-    from hybridmem.ipc.capabilities import IpcCapabilities, ipc_capabilities
+    from hybridmem.allocator.state import allocator_state
+    from hybridmem.engine.backends import get_backend, register_backend
+    from hybridmem.engine.backends.adapters import EngineAdapter, SGLangEngine, VLLMEngine
+    from hybridmem.engine.backends.registry import BackendProfile, Step
+    from hybridmem.engine.phases import phase
+    from hybridmem.engine.switch import HybridSwitch
+    from hybridmem.ipc.bucket import WeightBucket
+    from hybridmem.ipc.capabilities import ipc_capabilities
     from hybridmem.ipc.receiver import BucketReceiver
-    from hybridmem.ipc.shareable import IpcSafe, allow_ptrace_from_any, ipc_safe, ipc_shareable
-    from hybridmem.memory.offload import Offloaded, Offloader, OffloadReport, offloaded
-    from hybridmem.memory.release import (
-        CacheRelease,
-        DeviceRelease,
-        ReleaseReport,
-        aggressive_cache_release,
-        release_cache,
-    )
+    from hybridmem.ipc.shareable import allow_ptrace_from_any, ipc_safe, ipc_shareable
+    from hybridmem.memory.offload import Offloader, offloaded
+    from hybridmem.memory.release import cache_released, release_cache
     from hybridmem.observe.leakwatch import LeakWatch
-    from hybridmem.observe.memory import MemoryInfo, memory_info
-    from hybridmem.observe.timeline import Event, Recording, Timeline, events, get_timeline, record
+    from hybridmem.observe.memory import memory_info
+    from hybridmem.observe.timeline import get_timeline, record
 
-__version__ = "0.1.0"
+from hybridmem._version import __version__
 
-# Where each public name lives; loaded on first access (PEP 562).
+# Where each public name lives; loaded on first access (PEP 562). Everything else
+# (report and scope classes, for typing) is reachable from its module: see
+# docs/api.md and docs/architecture.md.
 _LAZY = {
-    "AllocatorConfig": "hybridmem.allocator",
-    "AllocatorSettings": "hybridmem.allocator",
     "AllocatorSettingsError": "hybridmem._errors",
-    "BackendProfile": "hybridmem.engine.backends",
-    "BucketHandle": "hybridmem.ipc._wire",
+    "BackendProfile": "hybridmem.engine.backends.registry",
     "BucketReceiver": "hybridmem.ipc.receiver",
-    "CacheRelease": "hybridmem.memory.release",
-    "Channel": "hybridmem.ipc._wire",
-    "DeviceRelease": "hybridmem.memory.release",
-    "EngineAdapter": "hybridmem.engine.backends",
-    "Event": "hybridmem.observe.timeline",
-    "ExpandableSegments": "hybridmem.allocator",
+    "EngineAdapter": "hybridmem.engine.backends.adapters",
     "HybridMemWarning": "hybridmem._errors",
     "HybridSwitch": "hybridmem.engine.switch",
-    "HybridSwitchError": "hybridmem.engine.switch",
-    "IpcCapabilities": "hybridmem.ipc.capabilities",
-    "IpcSafe": "hybridmem.ipc.shareable",
+    "HybridSwitchError": "hybridmem._errors",
     "IpcUnavailableError": "hybridmem._errors",
     "LeakWatch": "hybridmem.observe.leakwatch",
-    "MemoryInfo": "hybridmem.observe.memory",
     "OffloadError": "hybridmem._errors",
-    "OffloadReport": "hybridmem.memory.offload",
-    "Offloaded": "hybridmem.memory.offload",
     "Offloader": "hybridmem.memory.offload",
-    "PHASES": "hybridmem.engine.backends",
-    "Phase": "hybridmem.engine.phases",
-    "RankStatus": "hybridmem.engine.switch",
-    "RankSync": "hybridmem.engine.switch",
-    "Recording": "hybridmem.observe.timeline",
-    "ReleaseReport": "hybridmem.memory.release",
-    "SGLangEngine": "hybridmem.engine.backends",
-    "ScopedContext": "hybridmem._scope",
-    "Setting": "hybridmem.allocator",
-    "StageReport": "hybridmem.engine.switch",
-    "Step": "hybridmem.engine.backends",
-    "SwitchReport": "hybridmem.engine.switch",
+    "SGLangEngine": "hybridmem.engine.backends.adapters",
+    "Step": "hybridmem.engine.backends.registry",
     "SyncError": "hybridmem._errors",
-    "SyncReport": "hybridmem.ipc.bucket",
-    "Timeline": "hybridmem.observe.timeline",
-    "VLLMEngine": "hybridmem.engine.backends",
+    "VLLMEngine": "hybridmem.engine.backends.adapters",
     "WeightBucket": "hybridmem.ipc.bucket",
-    "aggressive_cache_release": "hybridmem.memory.release",
-    "allocator_config": "hybridmem.allocator",
-    "allocator_settings": "hybridmem.allocator",
+    "allocator_settings": "hybridmem.allocator.scopes",
+    "allocator_state": "hybridmem.allocator.state",
     "allow_ptrace_from_any": "hybridmem.ipc.shareable",
-    "configure_allocator": "hybridmem.allocator",
-    "events": "hybridmem.observe.timeline",
-    "expandable_segments": "hybridmem.allocator",
+    "cache_released": "hybridmem.memory.release",
+    "expandable_segments": "hybridmem.allocator.scopes",
     "get_backend": "hybridmem.engine.backends",
     "get_timeline": "hybridmem.observe.timeline",
     "ipc_capabilities": "hybridmem.ipc.capabilities",
     "ipc_safe": "hybridmem.ipc.shareable",
     "ipc_shareable": "hybridmem.ipc.shareable",
-    "list_backends": "hybridmem.engine.backends",
     "memory_info": "hybridmem.observe.memory",
     "offloaded": "hybridmem.memory.offload",
     "phase": "hybridmem.engine.phases",
     "record": "hybridmem.observe.timeline",
     "register_backend": "hybridmem.engine.backends",
     "release_cache": "hybridmem.memory.release",
+    "set_allocator_defaults": "hybridmem.allocator.scopes",
 }
 
 
@@ -159,65 +108,38 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "PHASES",
-    "AllocatorConfig",
-    "AllocatorSettings",
     "AllocatorSettingsError",
     "BackendProfile",
-    "BucketHandle",
     "BucketReceiver",
-    "CacheRelease",
-    "Channel",
-    "DeviceRelease",
     "EngineAdapter",
-    "Event",
-    "ExpandableSegments",
     "HybridMemWarning",
     "HybridSwitch",
     "HybridSwitchError",
-    "IpcCapabilities",
-    "IpcSafe",
     "IpcUnavailableError",
     "LeakWatch",
-    "MemoryInfo",
     "OffloadError",
-    "OffloadReport",
-    "Offloaded",
     "Offloader",
-    "Phase",
-    "RankStatus",
-    "RankSync",
-    "Recording",
-    "ReleaseReport",
     "SGLangEngine",
-    "ScopedContext",
-    "Setting",
-    "StageReport",
     "Step",
-    "SwitchReport",
     "SyncError",
-    "SyncReport",
-    "Timeline",
     "VLLMEngine",
     "WeightBucket",
     "__version__",
-    "aggressive_cache_release",
-    "allocator_config",
     "allocator_settings",
+    "allocator_state",
     "allow_ptrace_from_any",
-    "configure_allocator",
-    "events",
+    "cache_released",
     "expandable_segments",
     "get_backend",
     "get_timeline",
     "ipc_capabilities",
     "ipc_safe",
     "ipc_shareable",
-    "list_backends",
     "memory_info",
     "offloaded",
     "phase",
     "record",
     "register_backend",
     "release_cache",
+    "set_allocator_defaults",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "AllocatorSettingsError",
     "HybridMemWarning",
+    "HybridSwitchError",
     "IpcUnavailableError",
     "OffloadError",
     "SyncError",
@@ -62,4 +63,12 @@ class SyncError(RuntimeError):
 
     The bucket (or receiver) stays usable for the next sync; the message says what
     the other side did and how long was waited.
+    """
+
+
+class HybridSwitchError(RuntimeError):
+    """A switch failed: on another rank, or here without putting everything back.
+
+    The message says which rank failed at which stage and what remains (an engine
+    still awake, trainer state still offloaded and how to get it back).
     """

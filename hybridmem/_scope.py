@@ -31,6 +31,7 @@ from typing import Any, TypeVar, cast
 
 from hybridmem._env import disabled
 from hybridmem._log import warn_once
+from hybridmem._platform.stdlib import running_loop
 
 __all__ = ["ScopedContext"]
 
@@ -46,7 +47,7 @@ _fallback_lock = threading.Lock()
 # The token stacks are keyed by (thread, asyncio task) so that each thread and
 # task pairs its own entries and exits; bound once, they are on the hot path.
 # Code outside any task uses 0 (no running loop) or id(None) as the task part.
-_get_running_loop = asyncio.events._get_running_loop
+_get_running_loop = running_loop
 _current_task = asyncio.current_task
 _get_ident = threading.get_ident
 

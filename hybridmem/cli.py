@@ -31,12 +31,13 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-# Nothing here imports torch at module level: `hybridmem doctor` starts its IPC probe
-# first, so the probe's interpreters import torch while this one does.
-import hybridmem
 from hybridmem._env import DISABLE_ENV, disabled
 from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
 from hybridmem._files import FileProblem, timeline_env_problem
+
+# Nothing here imports torch at module level: `hybridmem doctor` starts its IPC probe
+# first, so the probe's interpreters import torch while this one does.
+from hybridmem._version import __version__
 from hybridmem.ipc import _launch as _probe_launch
 
 if TYPE_CHECKING:
@@ -107,12 +108,12 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         probe: run the CUDA IPC probe (child processes; a few seconds with a GPU).
     """
     from hybridmem import _torch
-    from hybridmem.allocator import ENV_VARS, allocator_config
+    from hybridmem.allocator import ENV_VARS, allocator_state
 
     problems: list[str] = []
     notes: list[str] = []
     report: dict[str, Any] = {
-        "hybridmem": hybridmem.__version__,
+        "hybridmem": __version__,
         "python": platform.python_version(),
         "torch": {
             "version": _torch.torch_version_string(),
@@ -129,7 +130,7 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         # misreads) belongs in the report, not in a traceback-looking warning.
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always", HybridMemWarning)
-            config = allocator_config()
+            config = allocator_state()
         notes.extend(str(w.message) for w in seen if issubclass(w.category, HybridMemWarning))
     except AllocatorSettingsError as exc:
         problems.append(str(exc))
@@ -253,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hybridmem", description="GPU memory phase switching for hybrid RL engines."
     )
-    parser.add_argument("--version", action="version", version=f"hybridmem {hybridmem.__version__}")
+    parser.add_argument("--version", action="version", version=f"hybridmem {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     doctor = commands.add_parser(
         "doctor", help="report versions, allocator settings and their sources, torch APIs"

@@ -58,18 +58,18 @@ def test_restores_on_error(fake: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(KeyboardInterrupt), hm.expandable_segments(True):
         raise KeyboardInterrupt
     assert last_applied(fake)["expandable_segments"] == "False"
-    assert not hm.allocator_config().expandable_segments
+    assert not hm.allocator_state().expandable_segments
 
 
 def test_nests(fake: FakeTorch) -> None:
     with hm.expandable_segments(True):
         with hm.expandable_segments(False):
-            assert not hm.allocator_config().expandable_segments
+            assert not hm.allocator_state().expandable_segments
             with hm.expandable_segments(True):
-                assert hm.allocator_config().expandable_segments
-            assert not hm.allocator_config().expandable_segments
-        assert hm.allocator_config().expandable_segments
-    assert not hm.allocator_config().expandable_segments
+                assert hm.allocator_state().expandable_segments
+            assert not hm.allocator_state().expandable_segments
+        assert hm.allocator_state().expandable_segments
+    assert not hm.allocator_state().expandable_segments
     assert [parse_settings(s)["expandable_segments"] for s in fake.applied] == [
         "True",
         "False",
@@ -101,7 +101,7 @@ def test_allocator_settings_merge_and_restore(
                 "max_split_size_mb": "512",
                 "pinned_use_background_threads": "True",
             }
-            cfg = hm.allocator_config()
+            cfg = hm.allocator_state()
             assert cfg.source("max_split_size_mb") == "runtime"
             assert cfg.get("max_split_size_mb").origin.startswith("allocator_settings(")
             assert cfg.source("garbage_collection_threshold") == "env"
@@ -131,9 +131,9 @@ def test_explicit_env_false_is_never_overridden_by_an_enable(
     caplog.set_level(logging.INFO, logger="hybridmem")
     for _ in range(2):
         with hm.expandable_segments(True):
-            assert not hm.allocator_config().expandable_segments
+            assert not hm.allocator_state().expandable_segments
         with hm.allocator_settings(expandable_segments=True):
-            assert not hm.allocator_config().expandable_segments
+            assert not hm.allocator_state().expandable_segments
     assert fake.applied == []
     messages = [r.getMessage() for r in caplog.records if "explicitly" in r.getMessage()]
     assert len(messages) == 1  # logged once
@@ -155,7 +155,7 @@ def test_force_overrides_and_disabling_is_always_allowed(
     _reset_state_for_tests()
     fake.last = None
     with hm.expandable_segments(True, force=True):
-        assert hm.allocator_config().expandable_segments
+        assert hm.allocator_state().expandable_segments
     assert last_applied(fake)["expandable_segments"] == "False"
 
 
@@ -173,7 +173,7 @@ def test_torch_2_10_and_later_read_only_the_cuda_variable_when_both_are_set(
     fake.last = ISSUE_CUDA_ENV  # what torch read
     fake.torch_state = {"max_split_size_mb": "512", "garbage_collection_threshold": "0.6"}
     with pytest.warns(hm.HybridMemWarning, match="PYTORCH_ALLOC_CONF is set but torch") as seen:
-        cfg = hm.allocator_config()
+        cfg = hm.allocator_state()
     assert len(seen) == 1
     assert cfg.env_variable == "PYTORCH_CUDA_ALLOC_CONF"
     assert cfg.ignored_env == ("PYTORCH_ALLOC_CONF",)
@@ -192,7 +192,7 @@ def test_torch_2_10_and_later_read_only_the_cuda_variable_when_both_are_set(
         "garbage_collection_threshold": "0.6",
         "expandable_segments": "False",
     }
-    hm.allocator_config()  # warned once only
+    hm.allocator_state()  # warned once only
 
 
 def test_an_empty_cuda_variable_still_shadows_the_generic_one(
@@ -201,11 +201,11 @@ def test_an_empty_cuda_variable_still_shadows_the_generic_one(
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
     with pytest.warns(hm.HybridMemWarning, match="ignores it"):
-        cfg = hm.allocator_config()
+        cfg = hm.allocator_state()
     assert cfg.env_variable == "PYTORCH_CUDA_ALLOC_CONF"
     assert cfg.settings == {}
     with hm.expandable_segments(True):  # torch ignores that False: so does hybridmem
-        assert hm.allocator_config().expandable_segments
+        assert hm.allocator_state().expandable_segments
 
 
 def test_generic_variable_alone_is_read_on_2_10_and_ignored_on_2_9(
@@ -214,17 +214,17 @@ def test_generic_variable_alone_is_read_on_2_10_and_ignored_on_2_9(
     monkeypatch.setattr(_torch, "last_allocator_settings", lambda: None)  # no getter before 2.12
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:False")
     fake.version = (2, 10)
-    cfg = hm.allocator_config()
+    cfg = hm.allocator_state()
     assert cfg["max_split_size_mb"] == "128"
     assert cfg.env_variable == "PYTORCH_ALLOC_CONF"
     _reset_state()
     fake.version = (2, 9)
     with pytest.warns(hm.HybridMemWarning, match="torch 2.9 reads only PYTORCH_CUDA_ALLOC_CONF"):
-        cfg = hm.allocator_config()
+        cfg = hm.allocator_state()
     assert "max_split_size_mb" not in cfg
     assert cfg.env_variable is None
     with hm.expandable_segments(True):  # 2.9 never read that False
-        assert hm.allocator_config().expandable_segments
+        assert hm.allocator_state().expandable_segments
 
 
 def test_env_values_torch_misreads_are_read_its_way_with_one_warning(
@@ -234,13 +234,13 @@ def test_env_values_torch_misreads_are_read_its_way_with_one_warning(
         "PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:25.5,garbage_collection_threshold:0.5x"
     )
     with pytest.warns(hm.HybridMemWarning) as seen:
-        cfg = hm.allocator_config()
+        cfg = hm.allocator_state()
     messages = [str(w.message) for w in seen]
     assert len(messages) == 2
     assert "max_split_size_mb:25.5 is read as 25" in messages[0]
     assert "garbage_collection_threshold:0.5x is read as 0.5" in messages[1]
     assert cfg["max_split_size_mb"] == "25.5"  # written back as given: torch reads it the same
-    hm.allocator_config()
+    hm.allocator_state()
 
 
 def _reset_state() -> None:
@@ -257,25 +257,25 @@ def test_malformed_env_is_a_clear_error(fake: FakeTorch, monkeypatch: pytest.Mon
         hm.AllocatorSettingsError,
         match=r"ALLOC_CONF='max_split_size_mb:ten': 'ten' is not a number.*fix it or unset",
     ):
-        hm.allocator_config()
+        hm.allocator_state()
     with pytest.raises(hm.AllocatorSettingsError), hm.expandable_segments(True):
         pass
     assert fake.applied == []
 
 
 # --------------------------------------------------------------------------- #
-# configure_allocator
+# set_allocator_defaults
 # --------------------------------------------------------------------------- #
 
 
 def test_configure_allocator_sets_defaults_under_scopes(fake: FakeTorch) -> None:
-    cfg = hm.configure_allocator(expandable_segments=True, max_split_size_mb=512)
+    cfg = hm.set_allocator_defaults(expandable_segments=True, max_split_size_mb=512)
     assert cfg.expandable_segments
-    assert cfg.get("max_split_size_mb").origin == "configure_allocator"
+    assert cfg.get("max_split_size_mb").origin == "set_allocator_defaults"
     assert last_applied(fake) == {"expandable_segments": "True", "max_split_size_mb": "512"}
     with hm.expandable_segments(False):
         assert last_applied(fake) == {"expandable_segments": "False", "max_split_size_mb": "512"}
-    assert hm.allocator_config().expandable_segments
+    assert hm.allocator_state().expandable_segments
 
 
 def test_configure_allocator_respects_explicit_env_keys(
@@ -283,14 +283,14 @@ def test_configure_allocator_respects_explicit_env_keys(
 ) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256,expandable_segments:False")
     caplog.set_level(logging.INFO, logger="hybridmem")
-    cfg = hm.configure_allocator(
+    cfg = hm.set_allocator_defaults(
         expandable_segments=True, max_split_size_mb=512, roundup_power2_divisions=8
     )
     assert cfg["max_split_size_mb"] == "256"
     assert not cfg.expandable_segments
     assert cfg["roundup_power2_divisions"] == "8"
-    assert sum("configure_allocator: kept" in r.getMessage() for r in caplog.records) == 2
-    cfg = hm.configure_allocator(force=True, expandable_segments=True, max_split_size_mb=512)
+    assert sum("set_allocator_defaults: kept" in r.getMessage() for r in caplog.records) == 2
+    cfg = hm.set_allocator_defaults(force=True, expandable_segments=True, max_split_size_mb=512)
     assert cfg.expandable_segments
     assert cfg["max_split_size_mb"] == "512"
 
@@ -298,7 +298,7 @@ def test_configure_allocator_respects_explicit_env_keys(
 def test_configure_allocator_after_cuda_init_releases_on_mode_change(
     fake_gpu: FakeTorch,
 ) -> None:
-    hm.configure_allocator(expandable_segments=True)
+    hm.set_allocator_defaults(expandable_segments=True)
     assert fake_gpu.events[:2] == ["sync:0", "empty_cache"]
     assert fake_gpu.events[2].startswith("set:expandable_segments:True")
     assert fake_gpu.devices[0].reserved == fake_gpu.devices[0].allocated
@@ -360,7 +360,7 @@ def test_non_lifo_exit_warns_once_naming_both_and_ends_correct(fake: FakeTorch) 
     assert fake.torch_state == {"expandable_segments": "False", "max_split_size_mb": "64"}
     inner.__exit__(None, None, None)
     assert fake.torch_state == {"expandable_segments": "False"}
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
 
 
 def test_two_threads_interleaving_end_in_the_right_state(fake: FakeTorch) -> None:
@@ -379,7 +379,7 @@ def test_two_threads_interleaving_end_in_the_right_state(fake: FakeTorch) -> Non
         with hm.expandable_segments(False):
             b_in.set()
             a_out.wait()
-            assert not hm.allocator_config().expandable_segments
+            assert not hm.allocator_state().expandable_segments
 
     threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
     for t in threads:
@@ -389,8 +389,8 @@ def test_two_threads_interleaving_end_in_the_right_state(fake: FakeTorch) -> Non
     assert len(caught) == 1
     assert "expandable_segments(True)" in caught[0]
     assert "expandable_segments(False)" in caught[0]
-    assert not hm.allocator_config().expandable_segments
-    assert hm.allocator_config().scopes == ()
+    assert not hm.allocator_state().expandable_segments
+    assert hm.allocator_state().scopes == ()
 
 
 def test_a_string_torch_refuses_after_reading_part_of_it_is_rolled_back(
@@ -408,7 +408,7 @@ def test_a_string_torch_refuses_after_reading_part_of_it_is_rolled_back(
             pytest.fail("the scope must not be entered")
         assert fake.events[-2].startswith("refused:")
         assert fake.meaning() == before  # the half-applied string is gone
-        assert hm.allocator_config().scopes == (
+        assert hm.allocator_state().scopes == (
             "allocator_settings(pinned_use_background_threads=True)",
         )
         with hm.expandable_segments(True):  # and the next entry works
@@ -430,7 +430,7 @@ def test_a_string_the_model_refuses_never_reaches_torch(
     ):
         pytest.fail("the scope must not be entered")
     assert fake.applied == []
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
 
 
 def test_a_default_torch_refuses_is_never_needed_at_an_exit(
@@ -443,7 +443,7 @@ def test_a_default_torch_refuses_is_never_needed_at_an_exit(
     ):
         pytest.fail("the scope must not be entered")
     assert fake.applied == []
-    hm.configure_allocator(pinned_reserve_segment_size_mb=64)  # a process default may set it
+    hm.set_allocator_defaults(pinned_reserve_segment_size_mb=64)  # a process default may set it
     with hm.allocator_settings(pinned_reserve_segment_size_mb=128):  # and scopes then vary it
         assert fake.torch_state["pinned_reserve_segment_size_mb"] == "128"
     assert fake.torch_state["pinned_reserve_segment_size_mb"] == "64"
@@ -457,7 +457,7 @@ def test_settings_changed_outside_hybridmem_are_adopted(
 ) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
     fake.last = USER_ENV
-    hm.allocator_config()
+    hm.allocator_state()
     # a framework calls torch's setter itself, dropping the user's settings
     fake.last = "expandable_segments:True"
     with hm.expandable_segments(False):
@@ -493,7 +493,7 @@ def test_cuda_malloc_async_backend_is_a_noop_with_one_warning(fake: FakeTorch) -
     with pytest.warns(hm.HybridMemWarning, match="cudaMallocAsync") as record:  # noqa: PT031
         for _ in range(3):
             with hm.expandable_segments(True):
-                assert hm.allocator_config().expandable_segments  # intended state is reported
+                assert hm.allocator_state().expandable_segments  # intended state is reported
     assert len(record) == 1
     assert fake.applied == []
 
@@ -518,7 +518,7 @@ def test_kill_switch(fake: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
     assert work() == "ran"
     with hm.allocator_settings(max_split_size_mb=64):
         pass
-    assert hm.configure_allocator(expandable_segments=True).expandable_segments is False
+    assert hm.set_allocator_defaults(expandable_segments=True).expandable_segments is False
     assert fake.applied == []
 
 
@@ -531,7 +531,7 @@ def test_every_decorator_form(fake: FakeTorch) -> None:
     on = hm.expandable_segments(True)
 
     def state() -> bool:
-        return hm.allocator_config().expandable_segments
+        return hm.allocator_state().expandable_segments
 
     @on
     def fn() -> bool:
@@ -602,8 +602,8 @@ def test_every_decorator_form(fake: FakeTorch) -> None:
         ),
         (lambda: hm.allocator_settings(max_split_size_mb=4), ValueError, ">= 20"),
         (lambda: hm.allocator_settings(expandable_segments="on"), ValueError, "True or False"),
-        (lambda: hm.configure_allocator(force=1), TypeError, "force"),  # type: ignore[arg-type]
-        (lambda: hm.configure_allocator(garbage_collection_threshold=3), ValueError, "between"),
+        (lambda: hm.set_allocator_defaults(force=1), TypeError, "force"),  # type: ignore[arg-type]
+        (lambda: hm.set_allocator_defaults(garbage_collection_threshold=3), ValueError, "between"),
     ],
 )
 def test_bad_input(call: object, error: type[Exception], message: str) -> None:
@@ -616,7 +616,7 @@ def test_allocator_config_reports_sources_and_renders(
 ) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
     with hm.expandable_segments(True):
-        cfg = hm.allocator_config()
+        cfg = hm.allocator_state()
     assert cfg.source("expandable_segments") == "runtime"
     assert cfg.source("max_split_size_mb") == "env"
     assert cfg.source("pinned_use_background_threads") == "default"
@@ -738,7 +738,7 @@ def test_random_nesting_with_exceptions_restores(
 
     run(tree, base)
     assert torch_state() == _meaning(base)
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
 
 
 # --------------------------------------------------------------------------- #
@@ -746,22 +746,22 @@ def test_random_nesting_with_exceptions_restores(
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("first", ["allocator_config", "allocator_settings", "expandable_segments"])
+@pytest.mark.parametrize("first", ["allocator_state", "allocator_settings", "expandable_segments"])
 def test_plain_env_settings_are_not_reported_as_changed_outside_hybridmem(
     fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, first: str
 ) -> None:
     """torch 2.12+'s getter reports the env string: that is the user's, not a change."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
     caplog.set_level(logging.INFO, logger="hybridmem")
-    if first == "allocator_config":  # the very first call of any kind
-        hm.allocator_config()
+    if first == "allocator_state":  # the very first call of any kind
+        hm.allocator_state()
     elif first == "allocator_settings":
         with hm.allocator_settings(max_split_size_mb=512):
             pass
     else:
         with hm.expandable_segments(True):
             pass
-    hm.allocator_config()
+    hm.allocator_state()
     assert not [r for r in caplog.records if "outside hybridmem" in r.getMessage()]
 
 
@@ -790,7 +790,7 @@ def test_the_real_torch_here_reads_the_variable_hybridmem_says(tmp_path: Path) -
         "logging.basicConfig(level=logging.INFO)\n"
         "with warnings.catch_warnings(record=True) as seen:\n"
         "    warnings.simplefilter('always')\n"
-        "    cfg = hm.allocator_config()\n"
+        "    cfg = hm.allocator_state()\n"
         "    with hm.expandable_segments(True):\n"
         "        pass\n"
         "print(json.dumps({'torch_read': torch._C._accelerator_getAllocatorSettings(),\n"
@@ -821,7 +821,7 @@ def test_a_malformed_env_in_a_fresh_process_is_hybridmems_error_not_torchs() -> 
     script = (
         "import hybridmem as hm\n"
         "try:\n"
-        "    hm.allocator_config()\n"
+        "    hm.allocator_state()\n"
         "except hm.AllocatorSettingsError as exc:\n"
         "    print(exc)\n"
     )

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem.engine.backends import registry
+from hybridmem.engine.backends import PHASES, list_backends, registry
 
 PLUGIN = hm.BackendProfile(
     "plugin",
@@ -22,10 +22,10 @@ def make_plugin() -> hm.BackendProfile:
 
 
 def test_builtin_profiles_are_registered_and_documented() -> None:
-    assert hm.list_backends() == ["default", "sglang", "vllm"]
+    assert list_backends() == ["default", "sglang", "vllm"]
     for name in ("vllm", "sglang", "default"):
         profile = hm.get_backend(name)
-        assert set(profile.recipes) == set(hm.PHASES)
+        assert set(profile.recipes) == set(PHASES)
         for phase, steps in profile.recipes.items():
             for step in steps:
                 assert step.why, f"{name}.{phase}.{step.name} has no evidence"
@@ -135,7 +135,7 @@ def test_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(metadata, "entry_points", entry_points)
     with pytest.warns(hm.HybridMemWarning, match="ignoring backend entry point 'broken'"):
-        names = hm.list_backends()
+        names = list_backends()
     assert names == ["default", "factory", "plugin", "sglang", "vllm"]
     assert hm.phase("rollout", backend="plugin").steps[0].name == "off"
-    hm.list_backends()  # loaded once: no second warning
+    list_backends()  # loaded once: no second warning

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
+from hybridmem.ipc.bucket import BucketHandle, SyncReport
 from tests.helpers import LoopTicker
 
 KiB = 1024
@@ -50,7 +51,7 @@ def pipe() -> Iterator[tuple[Connection, Connection]]:
 
 
 def run_receiver(
-    handle: hm.BucketHandle, conn: Connection, body: Callable[[hm.BucketReceiver], Any]
+    handle: BucketHandle, conn: Connection, body: Callable[[hm.BucketReceiver], Any]
 ) -> tuple[threading.Thread, dict[str, Any]]:
     result: dict[str, Any] = {}
 
@@ -205,7 +206,7 @@ def test_async_send_and_receive(
 ) -> None:
     tensors = model_tensors()
 
-    async def main() -> tuple[hm.SyncReport, dict[str, torch.Tensor]]:
+    async def main() -> tuple[SyncReport, dict[str, torch.Tensor]]:
         bucket = hm.WeightBucket(4 * KiB)
         receiver = hm.BucketReceiver(bucket.handle)
 
@@ -303,7 +304,7 @@ def test_closed_bucket_refuses(cpu_as_device: list[int]) -> None:
 def test_receiver_rejects_bad_handles() -> None:
     with pytest.raises(TypeError, match=r"takes a WeightBucket\.handle"):
         hm.BucketReceiver("handle")  # type: ignore[arg-type]
-    handle = hm.BucketHandle("host", 4096, 1, None, ("x",), 1, protocol=99)
+    handle = BucketHandle("host", 4096, 1, None, ("x",), 1, protocol=99)
     with pytest.raises(ValueError, match="protocol 99"):
         hm.BucketReceiver(handle)
 
@@ -314,9 +315,9 @@ def test_receiver_finds_the_gpu_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(_torch, "device_uuid", lambda i: uuids[i])
     by_uuid = {v: i for i, v in uuids.items()}
     monkeypatch.setattr(_torch, "device_index_by_uuid", by_uuid.get)
-    handle = hm.BucketHandle("cuda", 4096, 1, "GPU-bbb", (), 1)
+    handle = BucketHandle("cuda", 4096, 1, "GPU-bbb", (), 1)
     assert hm.BucketReceiver._source_device(handle) == 1  # not the producer's index
-    missing = hm.BucketHandle("cuda", 4096, 1, "GPU-zzz", (), 1)
+    missing = BucketHandle("cuda", 4096, 1, "GPU-zzz", (), 1)
     with pytest.raises(ValueError, match=r"GPU-zzz is not visible .*GPU-aaa"):
         hm.BucketReceiver._source_device(missing)
 

@@ -143,7 +143,7 @@ def test_kill_switch(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # --------------------------------------------------------------------------- #
-# aggressive_cache_release
+# cache_released
 # --------------------------------------------------------------------------- #
 
 
@@ -158,21 +158,19 @@ def test_kill_switch(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> No
 def test_scoped_release_when(
     fake_gpu: FakeTorch, on: Literal["enter", "exit", "both"], expected: list[str]
 ) -> None:
-    with hm.aggressive_cache_release(
-        on=on, collect_garbage=False, sync=False, ipc_collect=False
-    ) as ctx:
+    with hm.cache_released(on=on, collect_garbage=False, sync=False, ipc_collect=False) as ctx:
         fake_gpu.events.append("body")
     assert fake_gpu.events == expected
     assert ctx.last_report is not None
 
 
 def test_bare_and_called_decorator_forms(fake_gpu: FakeTorch) -> None:
-    @hm.aggressive_cache_release
+    @hm.cache_released
     def bare() -> str:
         fake_gpu.events.append("body")
         return "ok"
 
-    @hm.aggressive_cache_release(on="enter", collect_garbage=False)
+    @hm.cache_released(on="enter", collect_garbage=False)
     async def called() -> str:
         fake_gpu.events.append("body")
         return "ok"
@@ -194,15 +192,15 @@ def test_release_on_error_never_masks_the_error(
         raise RuntimeError("CUDA error: device lost")
 
     monkeypatch.setattr("hybridmem._torch.empty_cache", broken)
-    with pytest.raises(KeyError), hm.aggressive_cache_release():
+    with pytest.raises(KeyError), hm.cache_released():
         raise KeyError("original")
     assert any("release_cache failed" in r.getMessage() for r in caplog.records)
-    with pytest.raises(RuntimeError, match="device lost"), hm.aggressive_cache_release():
+    with pytest.raises(RuntimeError, match="device lost"), hm.cache_released():
         pass  # without an error in flight, the release error is raised
 
 
 def test_scoped_release_runs_on_exception(fake_gpu: FakeTorch) -> None:
-    with pytest.raises(ValueError, match="x"), hm.aggressive_cache_release(collect_garbage=False):
+    with pytest.raises(ValueError, match="x"), hm.cache_released(collect_garbage=False):
         raise ValueError("x")
     assert fake_gpu.events[-1] == "empty_cache"
 
@@ -217,4 +215,4 @@ def test_scoped_release_runs_on_exception(fake_gpu: FakeTorch) -> None:
 )
 def test_scoped_bad_input(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
-        hm.aggressive_cache_release(**kwargs)  # type: ignore[call-overload]
+        hm.cache_released(**kwargs)  # type: ignore[call-overload]

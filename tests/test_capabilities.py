@@ -11,13 +11,15 @@ import pytest
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem._platform import linux as _linux
-from hybridmem.ipc import _launch as _probe_launch, capabilities
+from hybridmem.ipc import _launch as _probe_launch
+from hybridmem.ipc import capabilities
+from hybridmem.ipc.capabilities import IpcCapabilities
 from tests.helpers import run_python
 
 OK = {"self_fetch_errno": None, "producer_fetch_errno": None, "seccomp": 0}
 
 
-def interpret(**facts: Any) -> hm.IpcCapabilities:
+def interpret(**facts: Any) -> IpcCapabilities:
     return capabilities._interpret(0, facts, 0.5)
 
 

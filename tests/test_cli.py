@@ -12,9 +12,9 @@ import pytest
 
 import hybridmem as hm
 from hybridmem import cli
+from hybridmem.cli import main
 from hybridmem.ipc import capabilities
 from hybridmem.observe import timeline
-from hybridmem.cli import main
 from tests.conftest import FakeTorch
 from tests.helpers import run_python
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from hybridmem import HybridMemWarning, ScopedContext
+from hybridmem import HybridMemWarning
+from hybridmem._scope import ScopedContext
 
 
 class Recorder(ScopedContext):

@@ -15,7 +15,7 @@ names = sorted(set(dir(hm)) & set(hm.__all__)) == sorted(hm.__all__)
 import torch
 with hm.expandable_segments(True):
     pass
-hm.allocator_config()
+hm.allocator_state()
 hm.memory_info()
 hm.release_cache()
 print(json.dumps({

@@ -13,15 +13,16 @@ import torch
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem._platform import linux as _linux
-from hybridmem.ipc import capabilities, shareable as ipc
 from hybridmem.allocator.scopes import _reset_state_for_tests
+from hybridmem.ipc import capabilities
+from hybridmem.ipc import shareable as ipc
 from tests.conftest import FakeTorch
 
 USER_ENV = "expandable_segments:True,max_split_size_mb:256,garbage_collection_threshold:0.6"
 
 
 def expandable_now() -> bool:
-    return hm.allocator_config().expandable_segments
+    return hm.allocator_state().expandable_segments
 
 
 @pytest.fixture
@@ -144,7 +145,7 @@ def test_async_backend_raise_leaves_allocator_alone(training: FakeTorch) -> None
     ):
         pass
     assert training.applied == []
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
 
 
 def test_async_backend_auto_warns_once_and_picks_host(training: FakeTorch) -> None:

@@ -17,7 +17,7 @@ from tests.helpers import LoopTicker
 
 
 def expandable() -> bool:
-    return hm.allocator_config().expandable_segments
+    return hm.allocator_state().expandable_segments
 
 
 def settings_events(fake: FakeTorch) -> list[str]:
@@ -120,7 +120,7 @@ def test_failing_exit_action_still_restores(
         hm.phase("weight_sync", backend="vllm"),
     ):
         assert not expandable()
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
 
 
 def test_every_form(fake_gpu: FakeTorch) -> None:

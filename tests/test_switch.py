@@ -12,6 +12,8 @@ import pytest
 import hybridmem as hm
 from hybridmem.engine import phases
 from hybridmem.engine import switch as switch_module
+from hybridmem.engine.ranks import RankStatus
+from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
 
 GiB = 1 << 30
@@ -76,7 +78,7 @@ def make(
     engine = hm.VLLMEngine(FakeVLLM(log, fake, fail))
 
     def sync(adapter: hm.EngineAdapter) -> None:
-        log.append(f"sync(expandable={hm.allocator_config().expandable_segments})")
+        log.append(f"sync(expandable={hm.allocator_state().expandable_segments})")
         if fail == "sync":
             raise Boom("sync")
 
@@ -107,8 +109,8 @@ def test_staged_order_and_allocator_state(trainer: FakeTorch) -> None:
     switch, log = make(trainer)
     with hm.expandable_segments(True):
         with switch.rollout():
-            log.append(f"generate(expandable={hm.allocator_config().expandable_segments})")
-        assert hm.allocator_config().expandable_segments  # trainer's mode is back
+            log.append(f"generate(expandable={hm.allocator_state().expandable_segments})")
+        assert hm.allocator_state().expandable_segments  # trainer's mode is back
     assert log == [
         "offload",
         "barrier",
@@ -162,8 +164,8 @@ def test_failure_in_any_stage_returns_to_the_trainer_phase(trainer: FakeTorch, f
     with hm.expandable_segments(True):
         with pytest.raises(Boom), switch.rollout():
             log.append("generate")
-        assert hm.allocator_config().expandable_segments
-        assert hm.allocator_config().scopes == ("expandable_segments(True)",)
+        assert hm.allocator_state().expandable_segments
+        assert hm.allocator_state().scopes == ("expandable_segments(True)",)
     assert "generate" not in log
     woke = any(e.startswith("wake") for e in log)
     assert (log.count("sleep:1") == 1) == woke  # asleep again if it ever woke
@@ -188,7 +190,7 @@ def test_failure_in_the_rollout_body(trainer: FakeTorch) -> None:
     with pytest.raises(Boom), switch.rollout():
         raise Boom("generate")
     assert log[-2:] == ["sleep:1", "reload"]
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
 
 
 def test_failed_recovery_says_what_remains(trainer: FakeTorch) -> None:
@@ -200,7 +202,7 @@ def test_failed_recovery_says_what_remains(trainer: FakeTorch) -> None:
     assert "trainer state is still offloaded" in message
     assert "Allocator settings are restored" in message
     assert isinstance(info.value.__cause__, Boom)
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
 
 
 def test_failed_reload_is_reported(trainer: FakeTorch) -> None:
@@ -255,7 +257,7 @@ def test_async_engine(trainer: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> No
     ]
     with pytest.raises(TypeError, match="is async: use the async API"), switch.rollout():
         pass
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
 
 
 async def _no_wait(device: Any, timeout_s: float) -> None:
@@ -348,7 +350,7 @@ def test_auto_barrier_without_distributed(trainer: FakeTorch) -> None:
         ({"backend": "nope"}, ValueError, "unknown backend"),
         ({"offloader": "x"}, TypeError, "offloader must be an hm.Offloader"),
         ({"sync_weights": 3}, TypeError, "sync_weights must be callable"),
-        ({"barrier": "always"}, TypeError, "barrier must be 'auto', None, a callable or an hm."),
+        ({"barrier": "always"}, TypeError, "barrier must be 'auto', None, a callable or a Rank"),
         ({"confirm_timeout_s": -1}, ValueError, "confirm_timeout_s must be >= 0"),
         ({"confirm_timeout_s": True}, TypeError, "confirm_timeout_s must be a number"),
     ],
@@ -403,10 +405,13 @@ def test_sglang_adapter_without_tags() -> None:
 
 
 def test_stage_report_formatting() -> None:
-    stage = switch_module.StageReport("wake_kv", 0.002, 10 * GiB, 5 * GiB, 1, 2, 0.0)
+    before = MemoryInfo(0, True, allocated=1, reserved=2, free=10 * GiB, total=80 * GiB)
+    after = MemoryInfo(0, True, allocated=1, reserved=2, free=5 * GiB, total=80 * GiB)
+    stage = switch_module.StageReport("wake_kv", 0.002, before, after, 0.0)
     assert "wake_kv" in str(stage)
     assert "10.00 GiB -> 5.00 GiB" in str(stage)
-    assert "no device" in str(switch_module.StageReport("x", 0.0, None, None, None, None, 0.0))
+    none = MemoryInfo(None, False)
+    assert "no device" in str(switch_module.StageReport("x", 0.0, none, none, 0.0))
     report = switch_module.SwitchReport("to_rollout", 0, [stage])
     with pytest.raises(KeyError, match="no stage 'sleep'"):
         report.stage("sleep")
@@ -457,10 +462,10 @@ class ThreadRanks:
         self.barrier = threading.Barrier(world, timeout=10)
         self.world = world
         self.lock = threading.Lock()
-        self.slots: dict[int, hm.RankStatus] = {}
+        self.slots: dict[int, RankStatus] = {}
         self.points: list[tuple[int, str]] = []
 
-    def exchange(self, status: hm.RankStatus) -> list[hm.RankStatus]:
+    def exchange(self, status: RankStatus) -> list[RankStatus]:
         with self.lock:
             self.slots[status.rank] = status
             self.points.append((status.rank, status.point))
@@ -540,12 +545,12 @@ def test_one_ranks_failure_fails_the_cycle_on_every_rank_then_all_succeed(
 
 
 def test_ranks_out_of_step_are_an_error_not_a_silent_pairing(fake_gpu: FakeTorch) -> None:
-    statuses: list[hm.RankStatus] = []
+    statuses: list[RankStatus] = []
 
     class Skewed:
-        def exchange(self, status: hm.RankStatus) -> list[hm.RankStatus]:
+        def exchange(self, status: RankStatus) -> list[RankStatus]:
             statuses.append(status)
-            other = hm.RankStatus(
+            other = RankStatus(
                 1, status.cycle, "barrier_kv" if status.point == "barrier" else status.point, True
             )
             return [status, other]
@@ -596,7 +601,7 @@ def test_cancelling_an_async_switch_during_its_offload_waits_for_the_worker(
     asyncio.run(main())
     assert log.index("offload:end") < log.index("reload")  # recovery after the worker
     assert "generate" not in log
-    assert hm.allocator_config().scopes == ()
+    assert hm.allocator_state().scopes == ()
     assert not switch._active
 
 

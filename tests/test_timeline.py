@@ -12,6 +12,7 @@ import pytest
 import hybridmem as hm
 from hybridmem.engine import switch as switch_module
 from hybridmem.observe import timeline
+from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
 from tests.helpers import run_python
 
@@ -26,7 +27,7 @@ def test_off_by_default_and_costs_nothing(fake_gpu: FakeTorch) -> None:
     hm.release_cache()
     with hm.phase("rollout", backend="vllm"):
         pass
-    assert hm.events() == []
+    assert hm.get_timeline().events() == []
 
 
 def test_phases_and_primitives_record_memory_around_them(fake_gpu: FakeTorch) -> None:
@@ -34,17 +35,17 @@ def test_phases_and_primitives_record_memory_around_them(fake_gpu: FakeTorch) ->
         with hm.phase("wake_up", backend="vllm"):
             fake_gpu.devices[0].other += 30 * GiB  # the engine takes memory
         hm.release_cache()
-    names = [e.name for e in hm.events()]
+    names = [e.name for e in hm.get_timeline().events()]
     # the phase's own release is recorded inside it; the phase ends after it
     assert names == ["release_cache", "phase:wake_up", "release_cache"]
-    wake = hm.events()[1]
+    wake = hm.get_timeline().events()[1]
     assert wake.kind == "phase"
     assert wake.backend == "vllm"
     assert wake.device == 0
     assert wake.rank == 0
     assert wake.before["free"] - wake.after["free"] == 30 * GiB
     assert set(wake.after) == {"allocated", "reserved", "free", "used"}
-    release = hm.events()[0]
+    release = hm.get_timeline().events()[0]
     assert release.args["returned"] == 8 * GiB  # 10 GiB reserved, 2 GiB allocated
     assert release.duration >= 0
     assert not timeline.recording()
@@ -53,7 +54,7 @@ def test_phases_and_primitives_record_memory_around_them(fake_gpu: FakeTorch) ->
 def test_errors_are_recorded(fake_gpu: FakeTorch) -> None:
     with hm.record(), pytest.raises(KeyError), hm.phase("train", backend="vllm"):
         raise KeyError("boom")
-    (event,) = hm.events()
+    (event,) = hm.get_timeline().events()
     assert "KeyError" in event.args["error"]
 
 
@@ -73,8 +74,8 @@ def test_nesting_and_threads(fake_gpu: FakeTorch) -> None:
         for t in threads:
             t.join()
     assert not timeline.recording()
-    assert len(hm.events()) == 4
-    assert len({e.thread for e in hm.events()}) >= 1
+    assert len(hm.get_timeline().events()) == 4
+    assert len({e.thread for e in hm.get_timeline().events()}) >= 1
 
 
 def test_decorator_form(fake_gpu: FakeTorch) -> None:
@@ -84,7 +85,7 @@ def test_decorator_form(fake_gpu: FakeTorch) -> None:
 
     step()
     hm.release_cache(collect_garbage=False)  # outside: not recorded
-    assert [e.name for e in hm.events()] == ["release_cache"]
+    assert [e.name for e in hm.get_timeline().events()] == ["release_cache"]
 
 
 def test_exports_jsonl_and_chrome_trace(fake_gpu: FakeTorch, tmp_path: Path) -> None:
@@ -114,7 +115,7 @@ def test_one_file_per_rank(
         hm.release_cache(collect_garbage=False)
     assert (tmp_path / "timeline.rank1.jsonl").exists()
     assert (tmp_path / "timeline.rank1.trace.json").exists()
-    assert hm.events()[0].rank == 1
+    assert hm.get_timeline().events()[0].rank == 1
 
 
 def test_switch_stages_are_recorded(fake_gpu: FakeTorch) -> None:
@@ -126,10 +127,10 @@ def test_switch_stages_are_recorded(fake_gpu: FakeTorch) -> None:
     switch = hm.HybridSwitch(hm.VLLMEngine(Engine()), "vllm", barrier=None, confirm_timeout_s=0)
     with hm.record(), switch.rollout():
         pass
-    stages = [e.name for e in hm.events() if e.kind == "stage"]
+    stages = [e.name for e in hm.get_timeline().events() if e.kind == "stage"]
     assert stages[:3] == ["stage:offload", "stage:release", "stage:barrier"]
     assert stages[-1] == "stage:reload"
-    phases = [e.name for e in hm.events() if e.kind == "phase"]
+    phases = [e.name for e in hm.get_timeline().events() if e.kind == "phase"]
     assert phases == ["phase:weight_sync", "phase:wake_up", "phase:rollout", "phase:sleep"]
 
 
@@ -144,7 +145,7 @@ def test_a_stage_reads_memory_once_per_boundary_for_report_and_event(
     readings: list[str] = []
     real = hm.memory_info
 
-    def counting(device: int | None = None) -> hm.MemoryInfo:
+    def counting(device: int | None = None) -> MemoryInfo:
         readings.append("read")
         return real(device)
 
@@ -153,7 +154,7 @@ def test_a_stage_reads_memory_once_per_boundary_for_report_and_event(
     switch = hm.HybridSwitch(hm.VLLMEngine(Engine()), "vllm", barrier=None, confirm_timeout_s=0)
     with hm.record(), switch.rollout():
         pass
-    stages = [e for e in hm.events() if e.kind == "stage"]
+    stages = [e for e in hm.get_timeline().events() if e.kind == "stage"]
     reported = [s for r in switch.reports for s in r.stages]
     assert [e.name for e in stages] == [f"stage:{s.name}" for s in reported]
     for event, stage in zip(stages, reported, strict=True):
@@ -162,14 +163,14 @@ def test_a_stage_reads_memory_once_per_boundary_for_report_and_event(
         assert event.after["allocated"] == stage.allocated_after
     # two readings per stage (start, end), shared by the report and the event; the
     # phases and primitives inside the stages read for themselves
-    inner = [e for e in hm.events() if e.kind != "stage"]
+    inner = [e for e in hm.get_timeline().events() if e.kind != "stage"]
     assert len(readings) == 2 * len(stages) + 2 * len(inner)
 
 
 ENV_CHECK = """
 import hybridmem as hm
 hm.release_cache(collect_garbage=False)
-print(hm.get_timeline().events()[0].name if hm.events() else "none")
+print(hm.get_timeline().events()[0].name if hm.get_timeline().events() else "none")
 """
 
 

@@ -5,34 +5,34 @@ Four modules, from the bottom up:
 - ``rules``: torch's allocator-settings parser, modelled per torch version (which
   env variable it reads, what it accepts and refuses, what each call resets);
 - ``grammar``: the keys hybridmem knows, parsed and written back in torch's syntax;
-- ``config`` and ``state``: the merged view (env, process defaults, active scopes)
+- ``effective`` and ``state``: the merged view (env, process defaults, active scopes)
   and the process-global engine that applies it whole;
 - ``scopes``: what users write (:func:`expandable_segments`,
-  :func:`allocator_settings`, :func:`configure_allocator`).
+  :func:`allocator_settings`, :func:`set_allocator_defaults`).
 
 Scope: process-global (every device, every thread).
 """
 
 from __future__ import annotations
 
-from hybridmem.allocator.config import ENV_VARS, AllocatorConfig, Setting
+from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Setting
 from hybridmem.allocator.scopes import (
     AllocatorSettings,
     ExpandableSegments,
     allocator_settings,
-    configure_allocator,
     expandable_segments,
+    set_allocator_defaults,
 )
-from hybridmem.allocator.state import allocator_config
+from hybridmem.allocator.state import allocator_state
 
 __all__ = [
     "ENV_VARS",
-    "AllocatorConfig",
     "AllocatorSettings",
+    "AllocatorState",
     "ExpandableSegments",
     "Setting",
-    "allocator_config",
     "allocator_settings",
-    "configure_allocator",
+    "allocator_state",
     "expandable_segments",
+    "set_allocator_defaults",
 ]

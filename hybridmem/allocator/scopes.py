@@ -8,20 +8,20 @@ from hybridmem._checks import check_bool
 from hybridmem._env import disabled
 from hybridmem._log import info_once, logger
 from hybridmem._scope import ScopedContext
-from hybridmem.allocator.config import AllocatorConfig
+from hybridmem.allocator.effective import AllocatorState
 from hybridmem.allocator.grammar import KEYS, normalize_value
 from hybridmem.allocator.rules import (
     CUDA_ALLOC_CONF,
 )
-from hybridmem.allocator.state import STATE, allocator_config
+from hybridmem.allocator.state import ENGINE, allocator_state
 
 __all__ = [
     "AllocatorScope",
     "AllocatorSettings",
     "ExpandableSegments",
     "allocator_settings",
-    "configure_allocator",
     "expandable_segments",
+    "set_allocator_defaults",
 ]
 
 
@@ -29,7 +29,7 @@ def _respect_env(changes: dict[str, str], *, force: bool, who: str) -> dict[str,
     """Drop an enable of expandable segments that the user's env forbids explicitly."""
     if changes.get("expandable_segments") != "True":
         return changes
-    var = STATE.env_expandable_false()
+    var = ENGINE.env_expandable_false()
     if var is None:
         return changes
     if force:
@@ -61,10 +61,10 @@ class AllocatorScope(ScopedContext):
         changes = self._changes
         if "expandable_segments" in changes:
             changes = _respect_env(changes, force=self._force, who=self._label)
-        return STATE.push(changes, self._label, release_cache=self._release_cache)
+        return ENGINE.push(changes, self._label, release_cache=self._release_cache)
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
-        STATE.pop(token, release_cache=self._release_cache)  # type: ignore[arg-type]
+        ENGINE.pop(token, release_cache=self._release_cache)  # type: ignore[arg-type]
 
 
 class ExpandableSegments(AllocatorScope):
@@ -102,7 +102,7 @@ def _normalize(settings: Mapping[str, object], *, who: str) -> dict[str, str]:
                 f"{who}: {key!r} cannot change after start-up; set it in "
                 f"{CUDA_ALLOC_CONF} before the process starts"
             )
-        changes[key] = normalize_value(key, value, STATE.rules())
+        changes[key] = normalize_value(key, value, ENGINE.rules())
     return changes
 
 
@@ -111,7 +111,7 @@ def expandable_segments(
 ) -> ExpandableSegments:
     """Switch expandable segments on or off for a block or call, keeping every other setting.
 
-    Applies the full merged settings (:func:`allocator_config`) with
+    Applies the full merged settings (:func:`allocator_state`) with
     ``expandable_segments`` changed, so ``max_split_size_mb``,
     ``garbage_collection_threshold``, ``roundup_power2_divisions`` and the rest
     survive; on exit the previous value is written back explicitly. When the mode
@@ -156,7 +156,7 @@ def allocator_settings(**settings: object) -> AllocatorSettings:
     Each value is judged by the running torch's rules here, and all of them together
     (with the env's) on entry, before anything is applied; a key whose default torch
     refuses to take back (``pinned_reserve_segment_size_mb``) may only be scoped where
-    the env or :func:`configure_allocator` sets it. An enable of
+    the env or :func:`set_allocator_defaults` sets it. An enable of
     ``expandable_segments`` respects an explicit env False (use
     :func:`expandable_segments` with ``force=True`` to override). Cached blocks are
     released when the expandable mode changes.
@@ -182,7 +182,7 @@ def allocator_settings(**settings: object) -> AllocatorSettings:
     return AllocatorSettings(**settings)
 
 
-def configure_allocator(*, force: bool = False, **settings: object) -> AllocatorConfig:
+def set_allocator_defaults(*, force: bool = False, **settings: object) -> AllocatorState:
     """Set process-wide allocator defaults, at start-up or later, respecting the user's env.
 
     Keys the user set explicitly in ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``
@@ -196,34 +196,34 @@ def configure_allocator(*, force: bool = False, **settings: object) -> Allocator
         **settings: as for :func:`allocator_settings`.
 
     Returns:
-        The resulting :class:`AllocatorConfig`.
+        The resulting :class:`AllocatorState`.
 
     Raises:
         ValueError, TypeError: as for :func:`allocator_settings`.
 
     Example:
-        >>> hm.configure_allocator(expandable_segments=True)   # doctest: +SKIP
+        >>> hm.set_allocator_defaults(expandable_segments=True)   # doctest: +SKIP
     """
     check_bool("force", force)
-    changes = _normalize(settings, who="configure_allocator")
+    changes = _normalize(settings, who="set_allocator_defaults")
     if disabled():
-        return allocator_config()
-    explicit = STATE.env_explicit()
+        return allocator_state()
+    explicit = ENGINE.env_explicit()
     if not force:
         kept = {k: explicit[k] for k in changes if k in explicit}
         for key, var in kept.items():
             logger.info(
-                "configure_allocator: kept %s from %s (set explicitly there); pass force=True "
+                "set_allocator_defaults: kept %s from %s (set explicitly there); pass force=True "
                 "to override",
                 key,
                 var,
             )
         changes = {k: v for k, v in changes.items() if k not in kept}
     else:
-        changes = _respect_env(changes, force=True, who="configure_allocator")
-    STATE.set_defaults(changes, release_cache=True)
-    return allocator_config()
+        changes = _respect_env(changes, force=True, who="set_allocator_defaults")
+    ENGINE.set_defaults(changes, release_cache=True)
+    return allocator_state()
 
 
 def _reset_state_for_tests() -> None:
-    STATE.reset()
+    ENGINE.reset()

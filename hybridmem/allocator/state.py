@@ -5,7 +5,7 @@ torch's allocator-settings setter resets ``max_split_size_mb``,
 unless the same call repeats them, and leaves ``expandable_segments`` unchanged
 when the string omits it. So every hand-written ``set_expandable_segments`` drops
 the user's settings, and "restoring" by re-applying the env string leaves
-expandable segments on. hybridmem keeps one merged view (:class:`AllocatorConfig`:
+expandable segments on. hybridmem keeps one merged view (:class:`AllocatorState`:
 env, then process defaults, then active scopes) and always applies it whole,
 writing back explicitly every key torch would otherwise keep.
 
@@ -34,7 +34,7 @@ from types import MappingProxyType
 from hybridmem import _torch
 from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
 from hybridmem._log import logger, warn_once
-from hybridmem.allocator.config import ENV_VARS, AllocatorConfig, Effective, Setting
+from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Effective, Setting
 from hybridmem.allocator.grammar import KEYS, format_settings
 from hybridmem.allocator.rules import (
     CUDA_ALLOC_CONF,
@@ -43,9 +43,9 @@ from hybridmem.allocator.rules import (
 )
 
 __all__ = [
-    "STATE",
-    "AllocatorState",
-    "allocator_config",
+    "ENGINE",
+    "SettingsEngine",
+    "allocator_state",
     "drop_cached_blocks",
 ]
 
@@ -121,7 +121,7 @@ def _misreads(outcome: Outcome) -> list[str]:
     return found
 
 
-class AllocatorState:
+class SettingsEngine:
     """The merged allocator view and what has been applied to torch (process-global)."""
 
     def __init__(self) -> None:
@@ -140,7 +140,7 @@ class AllocatorState:
             self._env_frozen = False
             self._env_expandable_false: str | None = None
             self._torch_env_text = ""  # what torch 2.12+'s getter says before any change
-            self._defaults: Effective | None = None  # configure_allocator / external
+            self._defaults: Effective | None = None  # set_allocator_defaults / external
             self._layers: list[_Layer] = []
             self._applied: str | None = None
             self._current: Effective | None = None  # what torch has; None = env state
@@ -288,11 +288,11 @@ class AllocatorState:
             )
         return None
 
-    def config(self) -> AllocatorConfig:
+    def config(self) -> AllocatorState:
         with self.lock:
             self._adopt_external()
             top = self._top()
-            return AllocatorConfig(
+            return AllocatorState(
                 settings=MappingProxyType(dict(top)),
                 backend=self.backend(),
                 env=MappingProxyType(
@@ -375,7 +375,7 @@ class AllocatorState:
                 raise AllocatorSettingsError(
                     f"{key} cannot go back to its default ({fresh.get(key)}): {rules.label} "
                     f"refuses {key}:{fresh.get(key)}. Set {key} in {CUDA_ALLOC_CONF} or with "
-                    "hm.configure_allocator() instead of in a scope"
+                    "hm.set_allocator_defaults() instead of in a scope"
                 )
             items.append((key, text))
         text = format_settings(items)
@@ -531,7 +531,7 @@ class AllocatorState:
         with self.lock:
             self._adopt_external()
             previous = self._defaults
-            self._defaults = _overlay(self._base(), changes, "configure_allocator")
+            self._defaults = _overlay(self._base(), changes, "set_allocator_defaults")
             try:
                 self._defaults.state(self.rules())
                 self._recompute()
@@ -547,10 +547,10 @@ def _expandable(effective: Effective) -> bool:
     return setting is not None and setting.value == "True"
 
 
-STATE = AllocatorState()
+ENGINE = SettingsEngine()
 
 
-def allocator_config() -> AllocatorConfig:
+def allocator_state() -> AllocatorState:
     """Return the effective allocator settings and the source of each.
 
     Reads the env the way this torch does: torch 2.10+ reads
@@ -561,7 +561,7 @@ def allocator_config() -> AllocatorConfig:
     process defaults and the active scopes. Cheap: no CUDA call, no snapshot.
 
     Returns:
-        An immutable :class:`AllocatorConfig`.
+        An immutable :class:`AllocatorState`.
 
     Raises:
         AllocatorSettingsError: the env variable torch reads is malformed or holds
@@ -569,9 +569,9 @@ def allocator_config() -> AllocatorConfig:
             the fix).
 
     Example:
-        >>> print(hm.allocator_config())   # doctest: +SKIP
+        >>> print(hm.allocator_state())   # doctest: +SKIP
     """
-    return STATE.config()
+    return ENGINE.config()
 
 
 def drop_cached_blocks(devices: list[int]) -> None:

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.engine.backends.adapters import EngineAdapter
 from hybridmem.ipc._wire import Peer, recv_within
+from hybridmem.ipc.receiver import BucketReceiver
+from hybridmem.observe.memory import memory_info
 
 __all__ = ["BoundedConn", "EngineClient", "serve"]
 
@@ -64,7 +65,7 @@ def _kv_cache(target: int) -> tuple[torch.Tensor | None, int]:
     return None, 0
 
 
-def _sync_bucket(receiver: hm.BucketReceiver, conn: Connection, weights: Weights) -> None:
+def _sync_bucket(receiver: BucketReceiver, conn: Connection, weights: Weights) -> None:
     for _ in receiver.receive(conn, out=weights):
         pass
 
@@ -119,7 +120,7 @@ def serve(conn: Connection, device: int, kv_target: int, shapes: dict[str, Any])
     torch.zeros(1, device="cuda")
     weights: Weights | None = None
     kv: torch.Tensor | None = None
-    receiver: hm.BucketReceiver | None = None
+    receiver: BucketReceiver | None = None
     conn.send(("ready", torch.cuda.memory_reserved()))
     while True:
         command, *args = conn.recv()
@@ -144,7 +145,7 @@ def serve(conn: Connection, device: int, kv_target: int, shapes: dict[str, Any])
         elif command == "stats":
             answer = ("ok", torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
         elif command == "bucket":
-            receiver = hm.BucketReceiver(args[0])
+            receiver = BucketReceiver(args[0])
         elif command == "sync_bucket":
             assert receiver is not None
             assert weights is not None
@@ -196,7 +197,7 @@ class EngineClient(EngineAdapter):
         if "kv_cache" in tags:
             _, engine_allocated, engine_reserved = self.call("stats")
             torch.cuda.synchronize()
-            info = hm.memory_info()  # one reading: the allocator's counters and the device's
+            info = memory_info()  # one reading: the allocator's counters and the device's
             assert info.free is not None  # this process has a context: a full reading
             assert info.total is not None
             free, total = info.free, info.total

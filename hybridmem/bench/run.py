@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import hybridmem as hm
 from hybridmem._files import FileProblem, check_writable, describe
 from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, plan
 from hybridmem.observe import timeline as _timeline
+from hybridmem.observe.timeline import record
 
 __all__ = ["TABLE_KEYS", "TARGETS", "bench", "format_table", "report", "run_strategy"]
 
@@ -168,7 +168,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
             if isinstance(t, torch.Tensor)
         )
     )
-    recording = hm.record(timeline) if timeline else contextlib.nullcontext()
+    recording = record(timeline) if timeline else contextlib.nullcontext()
     with recording:
         for cycle in range(p.cycles):
             print(f"progress {cycle} {p.cycles}", file=sys.stderr, flush=True)

@@ -21,11 +21,15 @@ from typing import Any
 
 import torch
 
-import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.bench.engine import EngineClient
 from hybridmem.bench.plan import BenchPlan
+from hybridmem.engine.backends.adapters import EngineAdapter
+from hybridmem.engine.phases import phase
+from hybridmem.engine.switch import HybridSwitch
 from hybridmem.ipc._plan import plan_batches
+from hybridmem.ipc.bucket import WeightBucket
+from hybridmem.memory.offload import Offloader
 
 __all__ = ["Moved", "Strategy", "make_strategy"]
 
@@ -167,15 +171,15 @@ class Hybridmem(Strategy):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.offloader = hm.Offloader(self.optimizer)
-        self.bucket = hm.WeightBucket(self.plan.bucket_bytes, fallback="raise")
+        self.offloader = Offloader(self.optimizer)
+        self.bucket = WeightBucket(self.plan.bucket_bytes, fallback="raise")
         self.engine.call("bucket", self.bucket.handle)
-        self.switch = hm.HybridSwitch(
+        self.switch = HybridSwitch(
             self.engine, "default", self.offloader, sync_weights=self._sync, barrier=None
         )
         self._sync_s = 0.0
 
-    def _sync(self, engine: hm.EngineAdapter) -> None:
+    def _sync(self, engine: EngineAdapter) -> None:
         started = time.perf_counter()
         conn = self.engine.conn
         conn.send(("sync_bucket",))
@@ -185,7 +189,7 @@ class Hybridmem(Strategy):
         self._sync_s = time.perf_counter() - started
 
     def train_scope(self) -> contextlib.AbstractContextManager[Any]:
-        return hm.phase("train", backend="default")
+        return phase("train", backend="default")
 
     def to_rollout(self) -> Moved:
         report = self.switch.to_rollout()

@@ -17,16 +17,25 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, Protocol, cast, runtime_checkable
+from typing import Any, Literal, cast
 
 from hybridmem import _torch
 from hybridmem._devices import DeviceArg, device_index
+from hybridmem._errors import HybridSwitchError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
 from hybridmem.engine import phases
-from hybridmem.engine.backends.adapters import EngineAdapter, SGLangEngine, VLLMEngine, call_sync
+from hybridmem.engine.backends.adapters import EngineAdapter, call_sync
 from hybridmem.engine.backends.registry import BackendProfile, get_backend
 from hybridmem.engine.phases import Phase
+from hybridmem.engine.ranks import (
+    SYNC_POINTS,
+    Barrier,
+    DistRanks,
+    PlainBarrier,
+    RankStatus,
+    RankSync,
+)
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.release import release_cache
 from hybridmem.observe import timeline as _timeline
@@ -34,92 +43,12 @@ from hybridmem.observe.memory import MemoryInfo, memory_info
 
 __all__ = [
     "HybridSwitch",
-    "HybridSwitchError",
-    "RankStatus",
-    "RankSync",
     "StageReport",
     "SwitchReport",
 ]
 
-Barrier = Callable[[], object]
-#: The stages where ranks meet: each carries every rank's status (torch.distributed).
-_SYNC_POINTS = frozenset({"barrier", "barrier_kv", "barrier_reload"})
 # Stages that block the host for long (copies, collectives): run off the event loop.
-_BLOCKING = frozenset({"offload", "reload"}) | _SYNC_POINTS
-
-
-class HybridSwitchError(RuntimeError):
-    """A switch failed: on another rank, or here without putting everything back.
-
-    The message says which rank failed at which stage and what remains (an engine
-    still awake, trainer state still offloaded and how to get it back).
-    """
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    """What one rank says at a sync point of a switch (picklable).
-
-    Attributes:
-        rank: the rank that says it.
-        cycle: its switch's cycle number (one per ``to_rollout``).
-        point: the sync point (``"barrier"``, ``"barrier_kv"``, ``"barrier_reload"``,
-            ``"to_rollout:end"``, ``"to_trainer:end"``, ``"recover"``).
-        ok: False once this rank's switch failed in this direction.
-        stage: where it failed.
-        error: what failed, as text.
-        asleep: whether its engine is asleep (nothing of it awake).
-    """
-
-    rank: int
-    cycle: int
-    point: str
-    ok: bool
-    stage: str | None = None
-    error: str | None = None
-    asleep: bool = True
-
-
-@runtime_checkable
-class RankSync(Protocol):
-    """How ranks meet: give every rank's :class:`RankStatus` for this rank's one.
-
-    Every rank calls :meth:`exchange` at the same points in the same order; the
-    default (``barrier="auto"``) does it with ``torch.distributed.all_gather_object``
-    on the default group, bounded by the process group's timeout.
-    """
-
-    def exchange(self, status: RankStatus) -> list[RankStatus]:
-        """Return every rank's status at this point, this rank's included."""
-
-
-class _DistRanks:
-    """Ranks meet through torch.distributed (the given group, or the default one)."""
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-
-    def exchange(self, status: RankStatus) -> list[RankStatus]:
-        return list(_torch.dist_all_gather_object(status, self.group))
-
-    def __repr__(self) -> str:
-        return "torch.distributed" if self.group is None else f"torch.distributed({self.group})"
-
-
-class _PlainBarrier:
-    """A callable barrier: it makes ranks wait for each other but carries no status.
-
-    It is called at the three stage barriers only (never at the points where a
-    status would be needed), so every rank calls it equally often, failed or not.
-    """
-
-    def __init__(self, barrier: Barrier) -> None:
-        self.barrier = barrier
-
-    def exchange(self, status: RankStatus) -> list[RankStatus]:
-        if status.point in _SYNC_POINTS:
-            self.barrier()
-        return [status]
+_BLOCKING = frozenset({"offload", "reload"}) | SYNC_POINTS
 
 
 @dataclass
@@ -145,15 +74,41 @@ class _Call:
 
 @dataclass(frozen=True)
 class StageReport:
-    """One stage of a switch: how long it took and device memory after it."""
+    """One stage of a switch: how long it took, and device memory before and after it.
+
+    Attributes:
+        name: the stage.
+        seconds: how long it took.
+        before, after: the :class:`~hybridmem.observe.memory.MemoryInfo` readings
+            at its boundaries (the timeline's span carries the same two).
+        started: ``time.time()`` at its start, comparable between processes of a host.
+    """
 
     name: str
     seconds: float
-    free_before: int | None
-    free_after: int | None
-    allocated_after: int | None
-    reserved_after: int | None
-    started: float  # time.time(), comparable between processes of one host
+    before: MemoryInfo
+    after: MemoryInfo
+    started: float
+
+    @property
+    def free_before(self) -> int | None:
+        """Device free bytes at the start (None without a CUDA context)."""
+        return self.before.free
+
+    @property
+    def free_after(self) -> int | None:
+        """Device free bytes at the end (None without a CUDA context)."""
+        return self.after.free
+
+    @property
+    def allocated_after(self) -> int | None:
+        """Bytes held by live tensors at the end (None without a CUDA context)."""
+        return self.after.allocated if self.after.available else None
+
+    @property
+    def reserved_after(self) -> int | None:
+        """Bytes torch's allocator held at the end (None without a CUDA context)."""
+        return self.after.reserved if self.after.available else None
 
     def __str__(self) -> str:
         free = (
@@ -190,24 +145,29 @@ class SwitchReport:
 
 
 def _adapter(engine: object, profile: BackendProfile) -> EngineAdapter:
+    """The engine as an adapter: given as one, or wrapped by the profile's adapter."""
     if isinstance(engine, EngineAdapter):
         return engine
-    if profile.name == "vllm":
-        return VLLMEngine(engine)
-    if profile.name == "sglang":
-        return SGLangEngine(engine)
-    raise TypeError(
-        f"wrap the engine in an adapter (hm.VLLMEngine, hm.SGLangEngine or an "
-        f"hm.EngineAdapter subclass); backend {profile.name!r} has no default adapter"
-    )
+    if profile.adapter is None:
+        raise TypeError(
+            f"wrap the engine in an adapter (hm.VLLMEngine, hm.SGLangEngine or an "
+            f"hm.EngineAdapter subclass); backend {profile.name!r} has no default adapter "
+            "(a BackendProfile names one with adapter=...)"
+        )
+    adapted = profile.adapter(engine)
+    if not isinstance(adapted, EngineAdapter):
+        raise TypeError(
+            f"backend {profile.name!r}: its adapter returned {adapted!r}, not an hm.EngineAdapter"
+        )
+    return adapted
 
 
 @dataclass
 class _Stage:
-    """A stage in progress: its name, free memory and clocks at the start, its span."""
+    """A stage in progress: its name, the memory reading and clocks at its start, its span."""
 
     name: str
-    free0: int | None
+    before: MemoryInfo
     clock: float
     wall: float
     span: Any
@@ -290,17 +250,18 @@ class HybridSwitch:
         self.barrier: Barrier | RankSync | None
         self._ranks: RankSync | None
         if barrier == "auto":
-            self._ranks = _DistRanks() if _torch.dist_initialized() else None
+            self._ranks = DistRanks() if _torch.dist_initialized() else None
             self.barrier = self._ranks
         elif barrier is None:
             self.barrier, self._ranks = None, None
         elif isinstance(barrier, RankSync):
             self.barrier, self._ranks = barrier, barrier
         elif callable(barrier):
-            self.barrier, self._ranks = barrier, _PlainBarrier(barrier)
+            self.barrier, self._ranks = barrier, PlainBarrier(barrier)
         else:
             raise TypeError(
-                f"barrier must be 'auto', None, a callable or an hm.RankSync, got {barrier!r}"
+                "barrier must be 'auto', None, a callable or a RankSync "
+                f"(hybridmem.engine.ranks), got {barrier!r}"
             )
         if isinstance(confirm_timeout_s, bool) or not isinstance(confirm_timeout_s, int | float):
             raise TypeError(f"confirm_timeout_s must be a number, got {confirm_timeout_s!r}")
@@ -708,24 +669,13 @@ class HybridSwitch:
             memory=info,
             rank=self.rank,
         )
-        return _Stage(name, info.free, time.perf_counter(), time.time(), span)
+        return _Stage(name, info, time.perf_counter(), time.time(), span)
 
     def _finish_stage(self, report: SwitchReport, stage: _Stage) -> None:
         info = self._memory()
         _timeline.end(stage.span, memory=info)
         seconds = time.perf_counter() - stage.clock
-        counted = info.available  # without a context the counters say nothing: None
-        report.stages.append(
-            StageReport(
-                stage.name,
-                seconds,
-                stage.free0,
-                info.free,
-                info.allocated if counted else None,
-                info.reserved if counted else None,
-                stage.wall,
-            )
-        )
+        report.stages.append(StageReport(stage.name, seconds, stage.before, info, stage.wall))
 
     def _finish(self, report: SwitchReport) -> SwitchReport:
         self.reports.append(report)

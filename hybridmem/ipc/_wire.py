@@ -26,7 +26,7 @@ import os
 import select
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -45,7 +45,6 @@ __all__ = [
     "Entry",
     "Peer",
     "PeerAborted",
-    "attach_shm",
     "byte_offset",
     "check_timeout",
     "drop_host_buffers",
@@ -150,15 +149,6 @@ def dtype_named(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"received an unknown dtype {name!r}: producer and receiver differ?")
     return dtype
-
-
-def attach_shm(name: str) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name)
-    # Python < 3.13 registers attached segments with this process's resource
-    # tracker, which would unlink the producer's segment when we exit.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
 
 
 def host_buffer(shm: shared_memory.SharedMemory, nbytes: int) -> tuple[torch.Tensor, bool]:

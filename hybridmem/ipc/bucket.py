@@ -54,7 +54,7 @@ from hybridmem.ipc.shareable import Fallback, IpcSafe, Transport, check_fallback
 from hybridmem.memory.release import release_cache
 from hybridmem.observe import timeline as _timeline
 
-__all__ = ["SyncReport", "WeightBucket"]
+__all__ = ["BucketHandle", "SyncReport", "WeightBucket"]  # BucketHandle: what .handle is
 
 MAX_BUFFERS = 8
 

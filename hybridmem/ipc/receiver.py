@@ -15,6 +15,7 @@ import torch
 from hybridmem import _torch
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._errors import IpcUnavailableError, SyncError
+from hybridmem._platform.stdlib import attach_shared_memory
 from hybridmem.ipc._wire import (
     CPU,
     DEFAULT_TIMEOUT_S,
@@ -23,7 +24,6 @@ from hybridmem.ipc._wire import (
     Channel,
     Entry,
     Peer,
-    attach_shm,
     byte_offset,
     check_timeout,
     drop_host_buffers,
@@ -123,7 +123,7 @@ class BucketReceiver:
 
     def _open_host(self, handle: BucketHandle) -> None:
         for name in handle.exports:
-            shm = attach_shm(str(name))
+            shm = attach_shared_memory(str(name))
             self._shms.append(shm)
             tensor, pinned = host_buffer(shm, handle.nbytes)
             if pinned:

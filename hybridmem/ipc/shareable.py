@@ -23,7 +23,7 @@ from hybridmem._errors import IpcUnavailableError
 from hybridmem._log import info_once, logger, warn_once
 from hybridmem._platform import linux as _linux
 from hybridmem.allocator.scopes import AllocatorScope
-from hybridmem.allocator.state import STATE, drop_cached_blocks
+from hybridmem.allocator.state import ENGINE, drop_cached_blocks
 from hybridmem.ipc.capabilities import cached_capabilities
 
 __all__ = [
@@ -76,7 +76,7 @@ def choose_transport(fallback: Fallback, device: int, *, probed: bool | None) ->
     """
     if fallback == "host":
         return "host"
-    blocker = STATE.classic_blocker()
+    blocker = ENGINE.classic_blocker()
     if blocker is None and probed is False:
         caps = cached_capabilities(device)
         blocker = f"the IPC probe found CUDA IPC broken here ({caps.reason if caps else '?'})"
@@ -206,7 +206,7 @@ def ipc_shareable(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if tensor.untyped_storage().nbytes() == 0:
         return tensor  # nothing to export
-    blocker = STATE.classic_blocker()
+    blocker = ENGINE.classic_blocker()
     if blocker is not None:
         raise IpcUnavailableError(
             f"cannot make a copy of this tensor shareable without pidfd: {blocker}. "

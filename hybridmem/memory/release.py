@@ -23,12 +23,13 @@ from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
 from hybridmem._scope import ScopedContext
 from hybridmem.observe import timeline as _timeline
+from hybridmem.observe.memory import MemoryInfo, read_memory
 
 __all__ = [
     "CacheRelease",
     "DeviceRelease",
     "ReleaseReport",
-    "aggressive_cache_release",
+    "cache_released",
     "release_cache",
 ]
 
@@ -41,24 +42,51 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 @dataclass(frozen=True)
 class DeviceRelease:
-    """Memory of one device before and after a release.
+    """Memory of one device before and after a release: two readings.
 
     Attributes:
         device: the CUDA device index.
-        allocated_before, allocated_after: bytes held by live tensors.
-        reserved_before, reserved_after: bytes torch's caching allocator holds.
-        free_before, free_after: device-wide free bytes (all processes).
-        total: device memory in bytes.
+        before, after: the :class:`~hybridmem.observe.memory.MemoryInfo` readings.
     """
 
     device: int
-    allocated_before: int
-    allocated_after: int
-    reserved_before: int
-    reserved_after: int
-    free_before: int
-    free_after: int
-    total: int
+    before: MemoryInfo
+    after: MemoryInfo
+
+    @property
+    def allocated_before(self) -> int:
+        """Bytes held by live tensors before."""
+        return self.before.allocated
+
+    @property
+    def allocated_after(self) -> int:
+        """Bytes held by live tensors after."""
+        return self.after.allocated
+
+    @property
+    def reserved_before(self) -> int:
+        """Bytes torch's caching allocator held before."""
+        return self.before.reserved
+
+    @property
+    def reserved_after(self) -> int:
+        """Bytes torch's caching allocator holds after."""
+        return self.after.reserved
+
+    @property
+    def free_before(self) -> int:
+        """Device-wide free bytes before (all processes)."""
+        return self.before.free or 0
+
+    @property
+    def free_after(self) -> int:
+        """Device-wide free bytes after (all processes)."""
+        return self.after.free or 0
+
+    @property
+    def total(self) -> int:
+        """Device memory in bytes."""
+        return self.after.total or 0
 
     @property
     def returned(self) -> int:
@@ -148,17 +176,6 @@ def _check_flags(sync: object, collect_garbage: object, ipc_collect: object) -> 
     check_bool("ipc_collect", ipc_collect)
 
 
-def _measure(device: int) -> tuple[int, int, int, int]:
-    stats = _torch.memory_stats(device)
-    free, total = _torch.mem_get_info(device)
-    return (
-        int(stats.get("allocated_bytes.all.current", 0)),
-        int(stats.get("reserved_bytes.all.current", 0)),
-        free,
-        total,
-    )
-
-
 def _allocated(devices: list[int]) -> int:
     return sum(int(_torch.memory_stats(d).get("allocated_bytes.all.current", 0)) for d in devices)
 
@@ -223,7 +240,7 @@ def _release(
         report = ReleaseReport((), False, 0, 0, False, time.perf_counter() - start)
         logger.debug("%s", report)
         return report
-    before = [_measure(d) for d in devices]
+    before = [read_memory(d) for d in devices]
     if sync:
         for d in devices:
             _torch.synchronize(d)
@@ -239,12 +256,9 @@ def _release(
     if ipc_collect:
         _torch.ipc_collect()
     _torch.empty_cache()
-    after = [_measure(d) for d in devices]
+    after = [read_memory(d) for d in devices]
     report = ReleaseReport(
-        devices=tuple(
-            DeviceRelease(d, b[0], a[0], b[1], a[1], b[2], a[2], a[3])
-            for d, b, a in zip(devices, before, after)
-        ),
+        devices=tuple(DeviceRelease(d, b, a) for d, b, a in zip(devices, before, after)),
         synchronized=sync,
         gc_rounds=rounds,
         gc_collected=collected,
@@ -262,7 +276,7 @@ _WHEN_VALUES = ("enter", "exit", "both")
 class CacheRelease(ScopedContext):
     """Scoped :func:`release_cache` on entry, exit or both.
 
-    See :func:`aggressive_cache_release`, which builds it.
+    See :func:`cache_released`, which builds it.
     """
 
     def __init__(
@@ -289,7 +303,7 @@ class CacheRelease(ScopedContext):
         self.last_report: ReleaseReport | None = None
 
     def __repr__(self) -> str:
-        return f"aggressive_cache_release(on={self.on!r}, device={self.device!r})"
+        return f"cache_released(on={self.on!r}, device={self.device!r})"
 
     def _release_now(self) -> None:
         self.last_report = release_cache(self.device, **self._kwargs)
@@ -312,11 +326,11 @@ class CacheRelease(ScopedContext):
 
 
 @overload
-def aggressive_cache_release(func: _F, /) -> _F: ...
+def cache_released(func: _F, /) -> _F: ...
 
 
 @overload
-def aggressive_cache_release(
+def cache_released(
     func: None = None,
     /,
     *,
@@ -328,7 +342,7 @@ def aggressive_cache_release(
 ) -> CacheRelease: ...
 
 
-def aggressive_cache_release(
+def cache_released(
     func: Any = None,
     /,
     *,
@@ -341,8 +355,8 @@ def aggressive_cache_release(
     """Release cached device memory when a block or call starts, ends, or both.
 
     The scoped, decorating form of :func:`release_cache`: usable as ``with``,
-    ``async with``, or as a decorator (``@aggressive_cache_release`` or
-    ``@aggressive_cache_release(on="both")``) on functions, coroutine functions,
+    ``async with``, or as a decorator (``@cache_released`` or
+    ``@cache_released(on="both")``) on functions, coroutine functions,
     generator functions and context-manager classes. A release on exit also runs
     when the block raises; a failure of that release is logged, never raised over
     the original exception.
@@ -356,7 +370,7 @@ def aggressive_cache_release(
         A :class:`CacheRelease`; its ``last_report`` holds the latest report.
 
     Example:
-        >>> @hm.aggressive_cache_release(on="exit")   # doctest: +SKIP
+        >>> @hm.cache_released(on="exit")   # doctest: +SKIP
         ... def offload_trainer(model): ...
     """
     ctx = CacheRelease(

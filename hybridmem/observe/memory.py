@@ -9,7 +9,7 @@ from hybridmem import _torch
 from hybridmem._devices import DeviceArg, resolve_devices
 from hybridmem._format import fmt_bytes
 
-__all__ = ["MemoryInfo", "memory_info"]
+__all__ = ["MemoryInfo", "memory_info", "read_memory"]
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,18 @@ def memory_info(device: DeviceArg = None) -> MemoryInfo:
     if not devices:
         index = device if isinstance(device, int) else None
         return MemoryInfo(device=index, available=False)
-    index = devices[0]
+    return read_memory(devices[0])
+
+
+def read_memory(index: int) -> MemoryInfo:
+    """Read device ``index``, which must already have a CUDA context (no checks: hot path).
+
+    What :func:`memory_info` returns once it has resolved its device; the reports
+    of a release and of a switch's stages are made of these readings.
+
+    Example:
+        >>> read_memory(0).allocated   # doctest: +SKIP
+    """
     stats = _torch.memory_stats(index)
     free, total = _torch.mem_get_info(index)
 

@@ -35,7 +35,6 @@ __all__ = [
     "Timeline",
     "begin",
     "end",
-    "events",
     "get_timeline",
     "record",
     "recording",
@@ -240,11 +239,6 @@ def get_timeline() -> Timeline:
 def recording() -> bool:
     """Whether events are being recorded now."""
     return _enabled
-
-
-def events() -> list[Event]:
-    """The events recorded so far (a copy)."""
-    return _TIMELINE.events()
 
 
 def begin(

@@ -93,7 +93,7 @@ def sharing() -> dict[str, Any]:
         for _ in range(1000):
             hm.ipc_shareable(staged)
         facts["check_us"] = (time.perf_counter() - started) * 1e3
-        facts["expandable_after"] = hm.allocator_config().expandable_segments
+        facts["expandable_after"] = hm.allocator_state().expandable_segments
         queue.put(("stop", None))
         facts["consumer"] = answers.get(timeout=300)
     consumer.join(timeout=60)

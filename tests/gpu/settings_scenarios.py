@@ -79,7 +79,7 @@ def env_both() -> dict[str, Any]:
         out["tensor_inside_true"] = _expandable_segment(torch.empty(64 * MiB, device="cuda"))
     out["after_true"] = _settings()
     out["tensor_after"] = _expandable_segment(torch.empty(64 * MiB, device="cuda"))
-    cfg = hm.allocator_config()
+    cfg = hm.allocator_state()
     out["variable"] = cfg.env_variable
     out["ignored"] = list(cfg.ignored_env)
     return out
@@ -103,7 +103,7 @@ def unrestorable() -> dict[str, Any]:
         out["torch_takes_zero"] = True
     except hm.AllocatorSettingsError:
         out["torch_takes_zero"] = False
-    hm.configure_allocator(pinned_reserve_segment_size_mb=64)
+    hm.set_allocator_defaults(pinned_reserve_segment_size_mb=64)
     with hm.allocator_settings(pinned_reserve_segment_size_mb=128):
         out["scoped_over_default"] = True
     with hm.expandable_segments(True):
@@ -132,9 +132,9 @@ def rollback() -> dict[str, Any]:
             return type(outcome)(outcome.state, None, outcome.items, outcome.notes)
         return outcome
 
-    real_string = allocator_state.AllocatorState._settings_string
+    real_string = allocator_state.SettingsEngine._settings_string
     TorchRules.run = lenient  # type: ignore[method-assign]
-    allocator_state.AllocatorState._settings_string = lambda self, target, current: (  # type: ignore[method-assign]
+    allocator_state.SettingsEngine._settings_string = lambda self, target, current: (  # type: ignore[method-assign]
         BAD
         if "expandable_segments" in target and current is not target
         else real_string(self, target, current)
@@ -146,7 +146,7 @@ def rollback() -> dict[str, Any]:
         out["error"] = str(exc)
     finally:
         TorchRules.run = real_run  # type: ignore[method-assign]
-        allocator_state.AllocatorState._settings_string = real_string  # type: ignore[method-assign]
+        allocator_state.SettingsEngine._settings_string = real_string  # type: ignore[method-assign]
     out["after"] = _settings()
     with hm.expandable_segments(True):
         out["next_inside"] = _settings()
@@ -158,7 +158,7 @@ def malformed() -> dict[str, Any]:
     """A malformed env value: one clear error, never torch's raw one."""
     out: dict[str, Any] = {}
     try:
-        hm.allocator_config()
+        hm.allocator_state()
     except hm.AllocatorSettingsError as exc:
         out["error"] = str(exc)
     try:

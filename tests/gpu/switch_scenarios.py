@@ -26,6 +26,7 @@ import torch.multiprocessing as tmp
 
 import hybridmem as hm
 from hybridmem import _torch
+from hybridmem.memory.offload import OffloadReport
 
 MiB = 1 << 20
 _ctx = tmp.get_context("spawn")
@@ -127,7 +128,7 @@ class SlowOffloader(hm.Offloader):
 
     delay = 0.0
 
-    def offload(self, *args: Any, **kwargs: Any) -> hm.OffloadReport:
+    def offload(self, *args: Any, **kwargs: Any) -> OffloadReport:
         report = super().offload(*args, **kwargs)
         time.sleep(self.delay)
         return report

@@ -38,7 +38,8 @@ with hm.record(sys.argv[1]):
             del kv
         with hm.phase("sleep", backend="vllm"):
             kept.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))  # the leak
-print(json.dumps({"events": len(hm.events()), "flagged": watch.flagged, "slope": watch.slope}))
+events = hm.get_timeline().events()
+print(json.dumps({"events": len(events), "flagged": watch.flagged, "slope": watch.slope}))
 """
 
 

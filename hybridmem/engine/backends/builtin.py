@@ -5,6 +5,7 @@ Each step names its evidence; docs/backends/ explains them at length.
 
 from __future__ import annotations
 
+from hybridmem.engine.backends.adapters import SGLangEngine, VLLMEngine
 from hybridmem.engine.backends.registry import BackendProfile, Step, When
 
 __all__ = ["BUILTIN", "DEFAULT", "SGLANG", "VLLM"]
@@ -85,6 +86,7 @@ VLLM = BackendProfile(
         "rollout": "classic segments while generating",
         "sleep": "release what sleep freed (level 1 offloads weights to CPU, level 2 drops them)",
     },
+    adapter=VLLMEngine,
 )
 
 _SGLANG_RECIPES = _recipes(
@@ -112,6 +114,7 @@ SGLANG = BackendProfile(
     description="SGLang with torch_memory_saver: release_memory_occupation / "
     "resume_memory_occupation(tags)",
     recipes=_SGLANG_RECIPES,
+    adapter=SGLangEngine,
     notes={
         "train": "expandable segments on",
         "wake_up": "release first; multi-stage resume (weights, then kv_cache) lowered peak "

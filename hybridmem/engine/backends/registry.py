@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import MappingProxyType
@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from hybridmem._log import logger, warn_once
 from hybridmem._phase_names import ALIASES, PHASES, canonical_phase
+from hybridmem.engine.backends.adapters import EngineAdapter
 
 __all__ = [
     "ACTIONS",
@@ -87,16 +88,30 @@ class BackendProfile:
         description: one line.
         recipes: phase name -> steps (phases left out do nothing).
         notes: phase name -> the versions and evidence behind its recipe.
+        adapter: what wraps a raw engine of this backend (a vLLM ``LLM``, an
+            SGLang ``Engine``) in an :class:`EngineAdapter` for
+            :class:`hybridmem.HybridSwitch`; None: callers pass an adapter. A plugin
+            that brings an engine brings its adapter here.
+
+    Example:
+        >>> hm.register_backend(hm.BackendProfile(   # doctest: +SKIP
+        ...     "myengine", "my engine", {"rollout": (...)}, adapter=MyEngineAdapter))
     """
 
     name: str
     description: str
     recipes: Mapping[str, tuple[Step, ...]]
     notes: Mapping[str, str] = field(default_factory=dict)
+    adapter: Callable[[Any], EngineAdapter] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a backend needs a non-empty str name, got {self.name!r}")
+        if self.adapter is not None and not callable(self.adapter):
+            raise TypeError(
+                f"backend {self.name!r}: adapter must be callable (an EngineAdapter "
+                f"subclass or a function returning one) or None, got {self.adapter!r}"
+            )
         recipes: dict[str, tuple[Step, ...]] = {}
         for phase, steps in self.recipes.items():
             if phase not in PHASES:

@@ -16,7 +16,7 @@ from hybridmem.allocator.rules import (
 
 __all__ = [
     "ENV_VARS",
-    "AllocatorConfig",
+    "AllocatorState",
     "Effective",
     "Setting",
     "Source",
@@ -40,7 +40,7 @@ class Setting:
         value: the value in torch's syntax (``"True"``, ``"256"``, ``"[256:4,>:1]"``),
             as torch reads it (whitespace dropped).
         source: ``"default"``, ``"env"`` or ``"runtime"``.
-        origin: the env variable, ``"configure_allocator"``, the scope that set
+        origin: the env variable, ``"set_allocator_defaults"``, the scope that set
             it (e.g. ``"expandable_segments(True)"``), ``"set outside hybridmem"``
             or ``"torch default"``.
     """
@@ -93,11 +93,11 @@ class Effective(dict[str, Setting]):
 
 
 @dataclass(frozen=True)
-class AllocatorConfig:
+class AllocatorState:
     """The effective, merged CUDA allocator settings and where each came from.
 
     This is the single truth hybridmem applies: env settings, overlaid by process
-    defaults (:func:`configure_allocator`), overlaid by active scopes
+    defaults (:func:`set_allocator_defaults`), overlaid by active scopes
     (:func:`expandable_segments`, :func:`allocator_settings`), in entry order.
 
     Attributes:
@@ -113,7 +113,7 @@ class AllocatorConfig:
         torch: the torch whose rules apply (``"torch 2.11"``).
 
     Example:
-        >>> cfg = hm.allocator_config()
+        >>> cfg = hm.allocator_state()
         >>> cfg.expandable_segments, cfg.source("max_split_size_mb")   # doctest: +SKIP
         (False, 'env')
     """

@@ -1,0 +1,43 @@
+"""The two corners of the standard library that hybridmem reaches past its public API.
+
+Each is guarded, with the Python versions it applies to, so the rest of the package
+never names a private attribute.
+
+Scope: process-global, thread-safe (both are reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import Callable
+from multiprocessing import resource_tracker, shared_memory
+
+__all__ = ["attach_shared_memory", "running_loop"]
+
+#: The running event loop of this thread, or None, without raising.
+#: ``asyncio._get_running_loop`` (Python 3.7+; listed in ``asyncio.events.__all__``
+#: for event-loop implementations): the public ``get_running_loop`` raises
+#: RuntimeError outside a loop, and every scope entry and exit asks (hot path).
+running_loop: Callable[[], asyncio.AbstractEventLoop | None] = asyncio._get_running_loop
+
+
+def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
+    """Open another process's shared memory segment without ever unlinking it.
+
+    Python 3.13+: ``SharedMemory(track=False)``. Before, attaching registers the
+    segment with this process's resource tracker, which unlinks it when this
+    process exits (the producer's segment, gone); it is unregistered under the
+    name the tracker was given (POSIX: with its leading slash).
+
+    Example:
+        >>> shm = attach_shared_memory("psm_1234")   # doctest: +SKIP
+    """
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    shm = shared_memory.SharedMemory(name=name)
+    tracked = name if name.startswith("/") or sys.platform == "win32" else "/" + name
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(tracked, "shared_memory")
+    return shm
