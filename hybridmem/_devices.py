@@ -15,12 +15,13 @@ __all__ = ["DeviceArg", "device_index", "resolve_devices"]
 DeviceArg: TypeAlias = int | str | torch.device | None
 
 _ALLOWED = "None (the current device), an int index, 'cuda', 'cuda:N' or torch.device('cuda', N)"
+_ONE = "one CUDA device: an int index, 'cuda:N' or torch.device('cuda', N)"
 
 
 def _index_of(device: int | str | torch.device, *, allow_all: bool) -> int | Literal["all"] | None:
     """Return the index named by ``device`` (None = current device) or ``"all"``."""
     if isinstance(device, bool):
-        raise TypeError(f"device must be {_ALLOWED}; got the bool {device!r}")
+        raise TypeError(f"device must be one CUDA device: {_ALLOWED}; got the bool {device!r}")
     if isinstance(device, int):
         index: int | None = device
     elif isinstance(device, str):
@@ -40,7 +41,7 @@ def _index_of(device: int | str | torch.device, *, allow_all: bool) -> int | Lit
         if device.type != "cuda":
             raise ValueError(
                 f"device {device} is not a CUDA device; hybridmem manages CUDA memory. "
-                f"Pass {_ALLOWED}."
+                f"Pass one CUDA device: {_ALLOWED}."
             )
         index = device.index
     else:
@@ -91,18 +92,32 @@ def resolve_devices(device: DeviceArg, *, allow_all: bool = False) -> list[int]:
     return [index] if _torch.has_context(index) else []
 
 
-def device_index(device: DeviceArg) -> int:
+def device_index(device: DeviceArg, *, current: bool = True) -> int:
     """Return the one CUDA device index that ``device`` names, without creating a context.
 
-    None means the current device: torch's current device once CUDA is initialised,
-    else 0 (the device a fresh process starts on). ``"all"`` is not accepted.
+    None, ``"cuda"`` and ``torch.device("cuda")`` mean the current device: torch's
+    current device once CUDA is initialised, else 0 (the device a fresh process
+    starts on). ``"all"`` is not accepted.
+
+    Args:
+        device: what the user passed.
+        current: whether the current device may be meant; False where the caller
+            has its own meaning for "no index" (an Offloader takes its targets'
+            device), so that ``"cuda"`` is refused instead of guessed.
 
     Raises:
         TypeError: ``device`` has the wrong type.
-        ValueError: ``device`` is negative, out of range or not CUDA.
+        ValueError: ``device`` is negative, out of range, not CUDA, or names no
+            index where ``current`` is False.
+
+    Example:
+        >>> device_index("cuda:1")   # doctest: +SKIP
+        1
     """
     index = None if device is None else _index_of(device, allow_all=False)
     if isinstance(index, int):
         return index
-    current = _torch.current_device()
-    return 0 if current is None else current
+    if not current:
+        raise ValueError(f"device must name {_ONE}; got {device!r}")
+    now = _torch.current_device()
+    return 0 if now is None else now

@@ -17,7 +17,8 @@ import torch
 
 from hybridmem.bench import BenchPlan, Figures, handback_ratio, plan
 from hybridmem.bench import run as bench_run
-from hybridmem.bench.run import TABLE_KEYS, _verdicts, format_table, noise
+from hybridmem.bench.report import TABLE_KEYS, format_table, noise
+from hybridmem.bench.report import verdicts as _verdicts
 from hybridmem.cli import main
 
 GiB = 2**30

@@ -11,8 +11,8 @@ import pytest
 
 import hybridmem as hm
 from hybridmem.engine import phases
-from hybridmem.engine import switch as switch_module
 from hybridmem.engine.ranks import RankStatus
+from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
 
@@ -407,12 +407,12 @@ def test_sglang_adapter_without_tags() -> None:
 def test_stage_report_formatting() -> None:
     before = MemoryInfo(0, True, allocated=1, reserved=2, free=10 * GiB, total=80 * GiB)
     after = MemoryInfo(0, True, allocated=1, reserved=2, free=5 * GiB, total=80 * GiB)
-    stage = switch_module.StageReport("wake_kv", 0.002, before, after, 0.0)
+    stage = StageReport("wake_kv", 0.002, before, after, 0.0)
     assert "wake_kv" in str(stage)
     assert "10.00 GiB -> 5.00 GiB" in str(stage)
     none = MemoryInfo(None, False)
-    assert "no device" in str(switch_module.StageReport("x", 0.0, none, none, 0.0))
-    report = switch_module.SwitchReport("to_rollout", 0, [stage])
+    assert "no device" in str(StageReport("x", 0.0, none, none, 0.0))
+    report = SwitchReport("to_rollout", 0, [stage])
     with pytest.raises(KeyError, match="no stage 'sleep'"):
         report.stage("sleep")
 

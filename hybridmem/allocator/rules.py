@@ -35,6 +35,11 @@ them). The families it encodes:
   unread.
 
 Pure Python, no torch import: the tests replay every recorded version anywhere.
+
+Why this module is long: it is one model of one C++ parser, checked case by case
+against the recorded answers of ten torch releases (tests/test_torch_rules.py).
+Its two parser families share the value readers; apart, a change to one reader
+would have to be made, and checked against torch, twice.
 """
 
 from __future__ import annotations

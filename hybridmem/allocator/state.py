@@ -20,6 +20,10 @@ Scope: allocator settings are process-global (every device, every thread). One
 re-entrant lock serialises changes. Scopes may exit in any order: the settings
 are derived from the scopes still active, so the final state is right even when
 two threads or tasks interleave, and a :class:`HybridMemWarning` names both.
+
+Why this module is long: one lock guards one merged state (env, defaults, scopes,
+what torch has), and every path that changes it (push, pop, defaults, roll back
+after a refusal) must read and write that state under the lock together.
 """
 
 from __future__ import annotations

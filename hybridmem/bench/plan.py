@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hybridmem._checks import check_number
 from hybridmem.observe.leakwatch import slope
 
 __all__ = ["MODELS", "STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]
@@ -70,10 +71,9 @@ def plan(
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
-    if total_bytes <= 0:
-        raise ValueError(f"total_bytes must be > 0, got {total_bytes}")
-    if cycles is not None and (isinstance(cycles, bool) or not isinstance(cycles, int)):
-        raise TypeError(f"cycles must be an int or None, got {cycles!r}")
+    check_number("total_bytes", total_bytes, above=0)
+    if cycles is not None:
+        check_number("cycles", cycles, integer=True, expected="an int or None")
     if cycles is not None and cycles < 2:
         raise ValueError(
             f"cycles must be >= 2 (drift needs two cycles after the first), got {cycles}"

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from hybridmem import _torch
-from hybridmem._checks import check_bool
+from hybridmem._checks import check_bool, check_number
 from hybridmem._log import logger
 from hybridmem._scope import ScopedContext
 from hybridmem.allocator import ExpandableSegments
@@ -122,10 +122,13 @@ def _check(step: Step, where: str) -> None:
             check_bool(f"{where}: {step.name}.{flag}", step.args.get(flag, True))
     elif step.action == "await_free":
         timeout = step.args.get("timeout_s", 5.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-            raise ValueError(
-                f"{where}: {step.name}.timeout_s must be a number >= 0, got {timeout!r}"
-            )
+        check_number(
+            f"{where}: {step.name}.timeout_s",
+            timeout,
+            minimum=0,
+            wrong_type=ValueError,
+            expected="a number >= 0",
+        )
 
 
 def _action(step: Step) -> Callable[[], None]:

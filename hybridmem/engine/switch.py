@@ -6,6 +6,14 @@ weights -> weight sync -> free staging -> [barrier] -> wake KV cache -> rollout 
 sleep -> confirm the memory came back -> release -> [barrier] -> reload. Never old
 weights + new weights + KV cache at once, and with many ranks no rank wakes its KV
 cache while another rank on the node is still offloading.
+
+Why this module is long: one class holds one state machine (what is offloaded,
+what is awake, which phases are entered), and its parts read and write that state
+together: the stage operations, the sans-IO direction (:meth:`HybridSwitch._direction`,
+a generator of calls), the two thin drivers that run it (sync, and async with
+blocking calls in worker threads), recovery, and the room check before a reload.
+Data and types live beside it (``ranks``, ``reports``); splitting the rest would
+pass the state through every call.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from functools import partial
 from typing import Any, Literal, cast
 
 from hybridmem import _torch
+from hybridmem._checks import check_number
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._errors import HybridSwitchError
 from hybridmem._format import fmt_bytes
@@ -36,17 +45,37 @@ from hybridmem.engine.ranks import (
     RankStatus,
     RankSync,
 )
+from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.release import release_cache
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo, memory_info
 
-__all__ = [
-    "HybridSwitch",
-    "StageReport",
-    "SwitchReport",
-]
+__all__ = ["HybridSwitch"]
 
+#: The stages of each direction, in order, as data: (stage, the method that runs it).
+#: None marks a sync point, which the drivers run as an exchange of every rank's
+#: status. Order: vLLM RFC #15254, verl #302 (see the module's docstring).
+STAGES: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "to_rollout": (
+        ("offload", "_offload"),
+        ("release", "_release"),
+        ("barrier", None),
+        ("wake_weights", "_wake_weights"),
+        ("weight_sync", "_sync"),
+        ("free_staging", "_free_staging"),
+        ("barrier_kv", None),
+        ("wake_kv", "_wake_kv"),
+        ("rollout", "_start_rollout"),
+    ),
+    "to_trainer": (
+        ("sleep", "_put_to_sleep"),
+        ("confirm", "_confirm"),
+        ("release", "_release"),
+        ("barrier_reload", None),
+        ("reload", "_reload"),
+    ),
+}
 # Stages that block the host for long (copies, collectives): run off the event loop.
 _BLOCKING = frozenset({"offload", "reload"}) | SYNC_POINTS
 
@@ -70,78 +99,6 @@ class _Call:
     fn: Callable[[], object]
     blocking: bool
     name: str
-
-
-@dataclass(frozen=True)
-class StageReport:
-    """One stage of a switch: how long it took, and device memory before and after it.
-
-    Attributes:
-        name: the stage.
-        seconds: how long it took.
-        before, after: the :class:`~hybridmem.observe.memory.MemoryInfo` readings
-            at its boundaries (the timeline's span carries the same two).
-        started: ``time.time()`` at its start, comparable between processes of a host.
-    """
-
-    name: str
-    seconds: float
-    before: MemoryInfo
-    after: MemoryInfo
-    started: float
-
-    @property
-    def free_before(self) -> int | None:
-        """Device free bytes at the start (None without a CUDA context)."""
-        return self.before.free
-
-    @property
-    def free_after(self) -> int | None:
-        """Device free bytes at the end (None without a CUDA context)."""
-        return self.after.free
-
-    @property
-    def allocated_after(self) -> int | None:
-        """Bytes held by live tensors at the end (None without a CUDA context)."""
-        return self.after.allocated if self.after.available else None
-
-    @property
-    def reserved_after(self) -> int | None:
-        """Bytes torch's allocator held at the end (None without a CUDA context)."""
-        return self.after.reserved if self.after.available else None
-
-    def __str__(self) -> str:
-        free = (
-            f"free {fmt_bytes(self.free_before)} -> {fmt_bytes(self.free_after)}"
-            if self.free_before is not None and self.free_after is not None
-            else "no device"
-        )
-        return f"{self.name:<14} {self.seconds * 1e3:8.2f} ms  {free}"
-
-
-@dataclass
-class SwitchReport:
-    """Every stage of one direction of a switch, with the rank that ran it."""
-
-    direction: Literal["to_rollout", "to_trainer"]
-    rank: int
-    stages: list[StageReport] = field(default_factory=list)
-
-    @property
-    def seconds(self) -> float:
-        """Total time of the stages."""
-        return sum(s.seconds for s in self.stages)
-
-    def stage(self, name: str) -> StageReport:
-        """The stage called ``name``."""
-        for stage in self.stages:
-            if stage.name == name:
-                return stage
-        raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self.stages]}")
-
-    def __str__(self) -> str:
-        head = f"rank {self.rank} {self.direction}: {self.seconds * 1e3:.1f} ms"
-        return "\n".join([head, *(f"  {s}" for s in self.stages)])
 
 
 def _adapter(engine: object, profile: BackendProfile) -> EngineAdapter:
@@ -263,10 +220,7 @@ class HybridSwitch:
                 "barrier must be 'auto', None, a callable or a RankSync "
                 f"(hybridmem.engine.ranks), got {barrier!r}"
             )
-        if isinstance(confirm_timeout_s, bool) or not isinstance(confirm_timeout_s, int | float):
-            raise TypeError(f"confirm_timeout_s must be a number, got {confirm_timeout_s!r}")
-        if confirm_timeout_s < 0:
-            raise ValueError(f"confirm_timeout_s must be >= 0, got {confirm_timeout_s}")
+        check_number("confirm_timeout_s", confirm_timeout_s, minimum=0)
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
@@ -412,29 +366,8 @@ class HybridSwitch:
 
         return self._then(self._exit_phase(), settle)  # sleep: releases (SGLang: waits)
 
-    # A stage's operation; None marks a sync point, which the drivers run as an
-    # exchange of every rank's status (see _exchange).
-    def _to_rollout(self) -> list[tuple[str, Callable[[], object] | None]]:
-        return [
-            ("offload", self._offload),
-            ("release", self._release),
-            ("barrier", None),
-            ("wake_weights", self._wake_weights),
-            ("weight_sync", self._sync),
-            ("free_staging", self._free_staging),
-            ("barrier_kv", None),
-            ("wake_kv", lambda: self._wake("kv_cache")),
-            ("rollout", self._start_rollout),
-        ]
-
-    def _to_trainer(self) -> list[tuple[str, Callable[[], object] | None]]:
-        return [
-            ("sleep", self._put_to_sleep),
-            ("confirm", self._confirm),
-            ("release", self._release),
-            ("barrier_reload", None),
-            ("reload", self._reload),
-        ]
+    def _wake_kv(self) -> Awaitable[Any] | None:
+        return self._wake("kv_cache")
 
     # ------------------------------------------------------------------ #
     # Ranks: every sync point carries each rank's status
@@ -657,7 +590,7 @@ class HybridSwitch:
         self, direction: Literal["to_rollout", "to_trainer"]
     ) -> list[tuple[str, Callable[[], object] | None]]:
         self._collected = False  # "once": one gc pass per direction
-        return self._to_rollout() if direction == "to_rollout" else self._to_trainer()
+        return [(name, None if op is None else getattr(self, op)) for name, op in STAGES[direction]]
 
     def _start_stage(self, name: str) -> _Stage:
         info = self._memory()

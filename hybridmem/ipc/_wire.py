@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hybridmem import _torch
+from hybridmem._checks import check_number
 from hybridmem._errors import SyncError
 from hybridmem.ipc.shareable import Transport
 
@@ -183,11 +184,9 @@ def check_timeout(timeout: object) -> float | None:
     """Validate a ``timeout=`` argument: seconds > 0, or None to wait without bound."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds (or None to wait forever), got {timeout}")
-    return float(timeout)
+    return float(
+        check_number("timeout", timeout, above=0, expected="a number of seconds > 0, or None")
+    )
 
 
 class Peer:

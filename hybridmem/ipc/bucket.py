@@ -10,6 +10,10 @@ GPU UUID, and hands out copies unless views are asked for.
 
 The wire format is in :mod:`hybridmem._bucket_wire`; the receiving side is
 :mod:`hybridmem.receiver`.
+
+Why this module is long: the producer's side of one protocol (plan, pack, send,
+wait for the receiver, reuse the buffers) with its transports (CUDA IPC, host
+shared memory); the wire format and the batch plan are in ``_wire`` and ``_plan``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 
 from hybridmem import _torch
+from hybridmem._checks import check_number
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._format import fmt_bytes
@@ -83,15 +88,6 @@ class SyncReport:
         )
 
 
-def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return value
-
-
 @dataclass(frozen=True)
 class _Plan:
     """How one list of (name, dtype, shape) is packed: batches and their messages."""
@@ -146,8 +142,10 @@ class WeightBucket:
         fallback: Fallback = "auto",
         buffers: int = 2,
     ) -> None:
-        size = align_up(_check_int("nbytes", nbytes, minimum=1))
-        self._buffers_count = _check_int("buffers", buffers, minimum=1, maximum=MAX_BUFFERS)
+        size = align_up(int(check_number("nbytes", nbytes, integer=True, minimum=1)))
+        self._buffers_count = int(
+            check_number("buffers", buffers, integer=True, minimum=1, maximum=MAX_BUFFERS)
+        )
         self.fallback = check_fallback(fallback)
         self._index = device_index(device)
         self.nbytes = size

@@ -21,6 +21,11 @@ anew every step costs more, and ``.cpu().pin_memory()`` doubles host peak memory
 
 Scope: one CUDA device per Offloader (the one its tensors are on; never device 0 by
 assumption). Not thread-safe: drive one Offloader from one thread.
+
+Why this module is long: one transaction (free every storage or none, copy back
+on failure, reload in place) over one pinned pool; its steps share the pool, the
+slots and the per-group state, and each failure path must undo exactly the steps
+before it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from typing import Any, Literal
 import torch
 
 from hybridmem import _torch
-from hybridmem._checks import check_bool
+from hybridmem._checks import check_bool, check_number
+from hybridmem._devices import DeviceArg, device_index
 from hybridmem._env import disabled
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
@@ -173,7 +179,7 @@ class Offloader:
         pin_memory: bool = True,
         grads: Literal["keep", "drop"] = "keep",
         max_host_bytes: int | None = None,
-        device: torch.device | str | int | None = None,
+        device: DeviceArg = None,
     ) -> None:
         if not targets:
             raise ValueError("Offloader needs at least one target (a module, optimizer or tensor)")
@@ -184,13 +190,14 @@ class Offloader:
         check_bool("pin_memory", pin_memory)
         if grads not in ("keep", "drop"):
             raise ValueError(f"grads must be 'keep' or 'drop', got {grads!r}")
-        if max_host_bytes is not None and (
-            isinstance(max_host_bytes, bool)
-            or not isinstance(max_host_bytes, int)
-            or max_host_bytes <= 0
-        ):
-            raise ValueError(
-                f"max_host_bytes must be a positive int or None, got {max_host_bytes!r}"
+        if max_host_bytes is not None:
+            check_number(
+                "max_host_bytes",
+                max_host_bytes,
+                integer=True,
+                above=0,
+                wrong_type=ValueError,
+                expected="a positive int or None",
             )
         self.pin_memory = pin_memory
         self.grads = grads
@@ -204,15 +211,11 @@ class Offloader:
         self._stream_device: torch.device | None = None
 
     @staticmethod
-    def _parse_device(device: torch.device | str | int | None) -> torch.device | None:
+    def _parse_device(device: DeviceArg) -> torch.device | None:
+        # None: the targets' device, found when they are walked (not the current one).
         if device is None:
             return None
-        if isinstance(device, bool):
-            raise TypeError(f"device must be a CUDA device, got {device!r}")
-        parsed = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        if parsed.type != "cuda" or parsed.index is None:
-            raise ValueError(f"device must name one CUDA device like 'cuda:1', got {device!r}")
-        return parsed
+        return torch.device("cuda", device_index(device, current=False))
 
     # ------------------------------------------------------------------ #
     # Introspection

@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from typing import Literal
 
+from hybridmem._checks import check_number
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_once
 from hybridmem._phase_names import canonical_phase
@@ -77,12 +78,10 @@ class LeakWatch:
         self.boundary = canonical_phase(boundary)
         if metric not in _METRICS:
             raise ValueError(f"metric must be one of {', '.join(_METRICS)}; got {metric!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
-            raise ValueError(f"window must be an int >= 3, got {window!r}")
-        if isinstance(slope_bytes, bool) or not isinstance(slope_bytes, int | float):
-            raise TypeError(f"slope_bytes must be a number, got {slope_bytes!r}")
-        if slope_bytes <= 0:
-            raise ValueError(f"slope_bytes must be > 0, got {slope_bytes}")
+        check_number(
+            "window", window, integer=True, minimum=3, wrong_type=ValueError, expected="an int >= 3"
+        )
+        check_number("slope_bytes", slope_bytes, above=0)
         self.metric = metric
         self.window = window
         self.slope_bytes = float(slope_bytes)

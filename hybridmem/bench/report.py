@@ -1,0 +1,210 @@
+"""The bench's results as a reader sees them: the table, the verdicts against targets, the plot.
+
+Pure functions of the result rows (no GPU, no processes), so they are tested on
+the CPU and re-run on saved JSON (``hybridmem bench --from-json``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["TABLE_KEYS", "TARGETS", "format_table", "noise", "plot_results", "verdicts"]
+
+GiB = 2**30
+
+# A difference smaller than this is noise even when the cycles agree closely:
+# (absolute, relative) per figure. Above it, the cycles' own spread is the noise.
+_NOISE_FLOOR: dict[str, tuple[float, float]] = {
+    "kv_obtained_gib": (0.05, 0.0),
+    "handback": (0.0005, 0.0),
+    "to_rollout_s": (0.005, 0.05),
+    "to_trainer_s": (0.005, 0.05),
+    "offload_gbps": (0.0, 0.02),
+    "peak_reserved_over_allocated": (0.002, 0.0),
+    "drift_mib_per_cycle": (0.5, 0.0),
+}
+# The per-cycle values behind a figure, where the results carry them (raw).
+_PER_CYCLE: dict[str, Callable[[dict[str, Any]], list[float]]] = {
+    "kv_obtained_gib": lambda raw: [k / GiB for k in raw.get("kv_obtained", [])],
+    "handback": lambda raw: list(raw.get("handback", [])),
+    "to_rollout_s": lambda raw: list(raw.get("to_rollout_s", [])),
+    "to_trainer_s": lambda raw: list(raw.get("to_trainer_s", [])),
+    "offload_gbps": lambda raw: list(raw.get("offload_gbps", [])),
+    "peak_reserved_over_allocated": lambda raw: [
+        r / a for r, a in zip(raw.get("peak_reserved", []), raw.get("peak_allocated", [])) if a
+    ],
+}
+
+#: issue #5's targets for hybridmem.
+TARGETS = {
+    "handback": (">=", 0.995),
+    "peak_reserved_over_allocated": ("<=", 1.03),
+    "offload_of_pinned": (">=", 0.90),
+    "drift_mib_per_cycle": ("<=", 2.0),
+}
+
+
+_BETTER_HIGHER = {"kv_obtained_gib", "handback", "offload_gbps", "offload_of_pinned"}
+
+
+#: The table's rows, in order (each a key of ``Figures.summary()``).
+TABLE_KEYS = (
+    "kv_obtained_gib",
+    "handback",
+    "to_rollout_s",
+    "to_trainer_s",
+    "offload_gbps",
+    "offload_of_pinned",
+    "peak_reserved_over_allocated",
+    "peak_reserved_over_allocated_max",
+    "drift_mib_per_cycle",
+    "overhead_s",
+)
+
+
+_MISSING = ("trainer_cached", "engine_cached", "context_growth")
+
+
+def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The figures of each strategy side by side, then what kept the hand-back below 1."""
+    lines = [f"{'figure':<34}" + "".join(f"{n:>14}" for n in rows)]
+    for key in TABLE_KEYS:
+        cells = []
+        for row in rows.values():
+            value = row.get(key)
+            cells.append(f"{value:>14.4g}" if isinstance(value, float | int) else f"{'-':>14}")
+        lines.append(f"{key:<34}" + "".join(cells))
+    lines.append("hand-back shortfall, MiB (median):")
+    for part in _MISSING:
+        parts = [(row.get("missing_mib") or {}).get(part) for row in rows.values()]
+        cells = [f"{v:>14.1f}" if isinstance(v, float | int) else f"{'-':>14}" for v in parts]
+        lines.append(f"{'  ' + part:<34}" + "".join(cells))
+    for name, row in rows.items():
+        lines.extend(f"{name}: {error}" for error in row.get("errors") or [])
+    return lines
+
+
+def _spread(values: list[float]) -> float:
+    """Half the interquartile range: how far a typical cycle is from the median."""
+    if len(values) < 4:
+        return 0.0
+    ordered = sorted(values)
+    return (ordered[(3 * len(ordered)) // 4] - ordered[len(ordered) // 4]) / 2
+
+
+def noise(key: str, mine: float, other: float, raws: tuple[Any, Any] = (None, None)) -> float:
+    """How big a difference between two strategies' ``key`` must be to mean anything."""
+    absolute, relative = _NOISE_FLOOR.get(key, (0.0, 0.02))
+    floor = max(absolute, relative * max(abs(mine), abs(other)))
+    per_cycle = _PER_CYCLE.get(key)
+    spread = 0.0
+    if per_cycle is not None:
+        spread = sum(_spread(per_cycle(raw)) for raw in raws if isinstance(raw, dict))
+    return max(floor, spread)
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float | int) else "-"
+
+
+def verdicts(rows: dict[str, dict[str, Any]], raws: dict[str, Any] | None = None) -> list[str]:
+    """hybridmem's figures against issue #5's targets and against each baseline.
+
+    Figures are rounded to 4 significant digits; hybridmem is called worse than a
+    baseline only when the difference exceeds the noise (:func:`noise`: the
+    cycles' spread, at least a floor per figure); a smaller one is "within noise".
+    """
+    if "hybridmem" not in rows:
+        return ["no verdicts: hybridmem was not run (combine saved runs with --from-json)"]
+    raws = raws or {}
+    ours = rows["hybridmem"]
+    lines = []
+    for key, (op, target) in TARGETS.items():
+        value = ours.get(key)
+        met = value is not None and (value >= target if op == ">=" else value <= target)
+        lines.append(f"{key}: {_fmt(value)} (target {op} {target}): {'met' if met else 'NOT met'}")
+    for key in (
+        "kv_obtained_gib",
+        "handback",
+        "to_rollout_s",
+        "to_trainer_s",
+        "offload_gbps",
+        "peak_reserved_over_allocated",
+        "drift_mib_per_cycle",
+    ):
+        mine = ours.get(key)
+        others = {s: rows[s].get(key) for s in ("naive", "handrolled") if s in rows}
+        if mine is None or not others or any(o is None for o in others.values()):
+            continue
+        higher = key in _BETTER_HIGHER
+        worse: list[str] = []
+        within: list[str] = []
+        for name, other in others.items():
+            assert other is not None  # checked above
+            behind = (other - mine) if higher else (mine - other)
+            if behind <= 0:
+                continue
+            margin = noise(key, mine, other, (raws.get("hybridmem"), raws.get(name)))
+            (worse if behind > margin else within).append(f"{name} {_fmt(other)}")
+        values = f"hybridmem {_fmt(mine)}"
+        if worse:
+            lines.append(f"{key}: {values}, worse than {' and '.join(worse)} (beyond noise)")
+        elif within:
+            lines.append(f"{key}: {values}, within noise of {' and '.join(within)}")
+        else:
+            listed = ", ".join(f"{n} {_fmt(o)}" for n, o in others.items())
+            lines.append(f"{key}: {values}, at least as good as {listed}")
+    return lines
+
+
+_COLOURS = {"naive": "#bbbbbb", "handrolled": "#e08060", "hybridmem": "#4080c0"}
+
+
+def plot_results(rows: dict[str, dict[str, Any]], path: str) -> None:
+    """One bar chart per figure, each bar labelled, targets drawn as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [
+        "kv_obtained_gib",
+        "handback",
+        "to_rollout_s",
+        "to_trainer_s",
+        "offload_of_pinned",
+        "peak_reserved_over_allocated",
+        "drift_mib_per_cycle",
+        "overhead_s",
+    ]
+    # Figures near 1 are drawn from just below the smallest value: from 0 their
+    # differences (tenths of a percent) would not show.
+    near_one = {"handback", "peak_reserved_over_allocated"}
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, key in zip(axes.flat, keys, strict=True):
+        names = list(rows)
+        values = [float(rows[n].get(key) or 0.0) for n in names]
+        bars = ax.bar(names, values, color=[_COLOURS.get(n, "#888888") for n in names])
+        ax.bar_label(bars, labels=[f"{v:.4g}" for v in values], fontsize=8, padding=2)
+        if key in TARGETS:
+            op, target = TARGETS[key]
+            ax.axhline(target, color="#333333", ls="--", lw=0.8, label=f"target {op} {target}")
+            ax.legend(fontsize=7, loc="lower right")
+        if key in near_one and values:
+            low = min([*values, TARGETS[key][1]])
+            high = max([*values, TARGETS[key][1]])
+            margin = max(high - low, 0.001)
+            ax.set_ylim(low - margin, high + margin * 0.6)
+        elif key == "drift_mib_per_cycle":  # around its 2 MiB target, or wider
+            ax.set_ylim(min([-1.0, *values]) * 1.15, max([3.0, *values]) * 1.15)
+        else:
+            ax.set_ylim(0, max([*values, 1e-9]) * 1.15)
+        ax.set_title(key, fontsize=9)
+        ax.tick_params(labelsize=8)
+    fig.suptitle(
+        "hybridmem bench: " + ", ".join(f"{n} {rows[n].get('cycles')} cycles" for n in rows)
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
