@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -631,3 +632,45 @@ def test_an_engine_that_does_not_let_go_fails_the_switch_before_the_reload(
     assert "after 0.05 s (confirm_timeout_s)" in message
     assert "still offloaded and intact" in message
     assert "reload" not in log  # no reload into memory that cannot hold it
+
+
+def test_a_plugin_backend_brings_its_engine_adapter(trainer: FakeTorch) -> None:
+    """HybridSwitch asks the profile for the adapter: a plugin's engine needs no wrapping."""
+    log: list[str] = []
+    wrapped: list[object] = []
+
+    class PluginAdapter(hm.EngineAdapter):
+        def __init__(self, engine: Any) -> None:
+            super().__init__(engine, ("sleep", "wake_up"))
+            wrapped.append(engine)
+            self.raw = engine
+
+        def sleep(self) -> None:
+            self.raw.sleep()
+
+        def wake_up(self, tags: Sequence[str]) -> None:
+            self.raw.wake_up(list(tags))
+
+    vllm = hm.get_backend("vllm")
+    hm.register_backend(
+        hm.BackendProfile("plugin", "a plugin's engine", vllm.recipes, adapter=PluginAdapter)
+    )
+    raw = FakeVLLM(log, trainer)
+    switch = hm.HybridSwitch(raw, "plugin", barrier=None, confirm_timeout_s=0.0)
+    assert isinstance(switch.engine, PluginAdapter)
+    assert wrapped == [raw]
+    with switch.rollout():
+        pass
+    assert log == ["wake:weights", "wake:kv_cache", "sleep:1"]
+    # the built-in profiles name theirs
+    assert hm.get_backend("vllm").adapter is hm.VLLMEngine
+    assert hm.get_backend("sglang").adapter is hm.SGLangEngine
+    assert hm.get_backend("default").adapter is None
+
+
+def test_a_profile_adapter_is_checked(trainer: FakeTorch) -> None:
+    with pytest.raises(TypeError, match="adapter must be callable"):
+        hm.BackendProfile("bad", "x", {}, adapter=3)  # type: ignore[arg-type]
+    hm.register_backend(hm.BackendProfile("liar", "x", {}, adapter=lambda engine: engine))
+    with pytest.raises(TypeError, match=r"its adapter returned .* not an hm\.EngineAdapter"):
+        hm.HybridSwitch(object(), "liar", barrier=None)
