@@ -31,7 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("hybridmem._torch",),
     ("hybridmem._devices", "hybridmem._scope"),
-    ("hybridmem.observe", "hybridmem.allocator"),  # side by side: neither imports the other
+    # side by side: none imports another
+    ("hybridmem.observe", "hybridmem.allocator", "hybridmem.packing"),
     ("hybridmem.memory",),
     ("hybridmem.ipc",),
     ("hybridmem.engine",),

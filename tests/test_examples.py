@@ -32,3 +32,9 @@ def test_sharding_manager_example_runs() -> None:
     assert "engine has the new weights: True" in result.stdout
     assert "in rollout: expandable=False" in result.stdout
     assert "in training: expandable=True" in result.stdout
+
+
+def test_packed_forward_runs() -> None:
+    result = run_python(str(REPO / "examples" / "packed_forward.py"))
+    assert result.returncode == 0, result.stderr
+    assert "unpacked output equals the padded computation" in result.stdout

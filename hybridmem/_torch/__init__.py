@@ -41,6 +41,7 @@ from hybridmem._torch.device import (
 )
 from hybridmem._torch.dist import (
     dist_all_gather_object,
+    dist_all_gather_tensors,
     dist_barrier,
     dist_initialized,
     dist_rank,
@@ -76,6 +77,7 @@ from hybridmem._torch.tensors import (
     is_device_tensor,
     local_tensor,
     new_stream,
+    nonzero_static,
     pin_host_tensor,
     resize_storage,
     storage_key,
@@ -105,6 +107,7 @@ __all__ = [
     "device_index_by_uuid",
     "device_uuid",
     "dist_all_gather_object",
+    "dist_all_gather_tensors",
     "dist_barrier",
     "dist_initialized",
     "dist_rank",
@@ -123,6 +126,7 @@ __all__ = [
     "memory_stats",
     "new_ipc_event",
     "new_stream",
+    "nonzero_static",
     "open_ipc_event",
     "pin_host_tensor",
     "process_rank",

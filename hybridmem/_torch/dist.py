@@ -61,3 +61,22 @@ def dist_all_gather_object(obj: object, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def dist_all_gather_tensors(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on every rank), in rank order.
+
+    A collective over ``group`` (None: the default group). When ``tensor`` requires
+    grad, ``torch.distributed.nn.functional.all_gather`` (public, torch 1.8+) carries
+    the gradient back to each rank; otherwise the plain ``all_gather``.
+    """
+    import torch.distributed as dist
+
+    if tensor.requires_grad:
+        from torch.distributed.nn import functional as dist_fn
+
+        gather: Any = dist_fn.all_gather  # untyped in torch
+        return list(gather(tensor, group=group if group is not None else dist.group.WORLD))
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return out

@@ -178,3 +178,27 @@ def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         else:
             for dst, src in zip(group_dsts, group_srcs, strict=True):
                 dst.copy_(src, non_blocking=True)
+
+
+def nonzero_static(flags: torch.Tensor, size: int) -> torch.Tensor:
+    """The flat indices of the first ``size`` true entries of a 1-D bool tensor; no sync.
+
+    ``torch.nonzero_static`` (CPU from torch 2.1, CUDA from pytorch#136415) knows its
+    output size up front, so it never asks the device how many entries are true;
+    where this torch lacks it, a cumulative sum and a scatter do the same. Missing
+    entries (fewer than ``size`` are true) read 0, an index that is always in range.
+    """
+    fn = getattr(torch, "nonzero_static", None)
+    if fn is not None and _STATIC_NONZERO.get(flags.device.type, True):
+        try:
+            return fn(flags, size=size, fill_value=0).view(-1)  # type: ignore[no-any-return]
+        except (NotImplementedError, RuntimeError):  # no kernel for this device here
+            _STATIC_NONZERO[flags.device.type] = False
+    rank = flags.cumsum(0) - 1
+    flat = torch.arange(flags.numel(), device=flags.device)
+    slot = torch.where(flags & (rank < size), rank, size + flat)
+    out = torch.zeros(size + flags.numel(), dtype=torch.int64, device=flags.device)
+    return out.scatter_(0, slot, flat)[:size]
+
+
+_STATIC_NONZERO: dict[str, bool] = {}

@@ -1,0 +1,225 @@
+"""Sequence packing: hybridmem.packing against the hand-written per-sample loop.
+
+For batches of 8, 64 and 256 rows of ``--seq-len`` (4096) tokens, right-padded with
+valid lengths drawn uniformly from [1, seq_len] (fixed seed), and three payloads
+(token ids, log-probs: no hidden dimension; hidden states of 4096 bf16), it times
+pack + unpack and counts device-to-host syncs (torch's sync debug mode, "warn",
+one warning per sync) for:
+
+- the loop: what verl 0.9.1's ``preprocess_packed_seqs`` / ``postprocess_packed_seqs``
+  do: ``.tolist()`` of the lengths, then ``x[i, mask[i]]`` per sample in each direction;
+- hybridmem with the lengths on the host (``lengths=``), and from the mask alone.
+
+The floor of an unpack is the bytes it must read (the valid rows) and write (the
+whole padded output) at the device's copy rate, measured in the same run (a
+``copy_`` of 4 GiB, read + write bytes per second). Targets (issue #15): zero syncs
+with host lengths; >= 20x the loop at batch 256 without a hidden dimension; with
+hidden 4096, unpack within 1.5x of the floor; never slower than the loop at batch 8.
+
+Run: ``python benchmarks/packing.py [--json FILE]`` (a CUDA GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from hybridmem.packing import pack, unpack
+
+PAYLOADS = {
+    "ids": ((), torch.int64),
+    "logprobs": ((), torch.float32),
+    "hidden4096_bf16": ((4096,), torch.bfloat16),
+}
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs (after one warm-up), device synced."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def syncs(fn: Callable[[], object]) -> int:
+    """How many synchronising CUDA calls ``fn`` makes (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def loop_pack(x: torch.Tensor, mask: torch.Tensor, align: int) -> tuple[torch.Tensor, Any]:
+    """The hand-written pattern: lengths to the host, then a boolean index per sample."""
+    seqlens = mask.sum(dim=-1, dtype=torch.int32)
+    lens = seqlens.tolist()
+    padded = [-(-n // align) * align for n in lens]
+    starts = [0]
+    for n in padded:
+        starts.append(starts[-1] + n)
+    out = torch.zeros((starts[-1], *x.shape[2:]), dtype=x.dtype, device=x.device)
+    for i in range(x.shape[0]):
+        out[starts[i] : starts[i] + lens[i]] = x[i, mask[i]]
+    return out.unsqueeze(0), (lens, starts)
+
+
+def loop_unpack(out: torch.Tensor, mask: torch.Tensor, meta: Any) -> torch.Tensor:
+    lens, starts = meta
+    batch, seq_len = mask.shape
+    full = torch.zeros((batch, seq_len, *out.shape[2:]), dtype=out.dtype, device=out.device)
+    for i in range(batch):
+        full[i, mask[i]] = out[0, starts[i] : starts[i] + lens[i]]
+    return full
+
+
+def copy_rate() -> float:
+    """Device copy rate in bytes moved (read + written) per second."""
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * (4 << 30) / timed(lambda: dst.copy_(src), 10)
+
+
+def case(batch: int, seq_len: int, payload: str, rate: float, repeat: int) -> dict[str, Any]:
+    rest, dtype = PAYLOADS[payload]
+    gen = torch.Generator().manual_seed(batch * 7 + seq_len)
+    lengths = torch.randint(1, seq_len + 1, (batch,), generator=gen).tolist()
+    mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).cuda()
+    if dtype == torch.int64:
+        x = torch.randint(1, 32000, (batch, seq_len), device="cuda")
+    else:
+        x = torch.randn((batch, seq_len, *rest), device="cuda").to(dtype)
+    align = 8
+    packed = pack(x, mask, lengths=lengths, align=align)
+    ref, meta = loop_pack(x, mask, align)
+    assert torch.equal(packed.tensor, ref), "hybridmem and the loop disagree"
+    assert torch.equal(unpack(packed.tensor, packed, seq_len=seq_len), loop_unpack(ref, mask, meta))
+
+    def loop_round() -> torch.Tensor:
+        out, found = loop_pack(x, mask, align)
+        return loop_unpack(out, mask, found)
+
+    def ours() -> torch.Tensor:
+        made = pack(x, mask, lengths=lengths, align=align)
+        return unpack(made.tensor, made, seq_len=seq_len)
+
+    row_bytes = x[0, 0].nbytes
+    n_valid = sum(lengths)
+    floor_s = (n_valid + batch * seq_len) * row_bytes / rate
+    row: dict[str, Any] = {
+        "batch": batch,
+        "seq_len": seq_len,
+        "payload": payload,
+        "valid_tokens": n_valid,
+        "loop_ms": timed(loop_round, repeat) * 1e3,
+        "loop_pack_ms": timed(lambda: loop_pack(x, mask, align), repeat) * 1e3,
+        "loop_syncs": syncs(loop_round),
+        # a fresh batch each time: pack, then its first unpack (index building included)
+        "hm_ms": timed(ours, repeat) * 1e3,
+        "pack_ms": timed(lambda: pack(x, mask, lengths=lengths, align=align), repeat) * 1e3,
+        "pack_from_mask_ms": timed(lambda: pack(x, mask, align=align), repeat) * 1e3,
+        # a second output of the same batch (logits after values): indices reused
+        "unpack_again_ms": timed(lambda: unpack(packed.tensor, packed, seq_len=seq_len), repeat)
+        * 1e3,
+        "syncs_host_lengths": syncs(ours),
+        "syncs_pack_from_mask": syncs(lambda: pack(x, mask, align=align)),
+        "unpack_floor_ms": floor_s * 1e3,
+    }
+    fresh = pack(x, mask, align=align)
+    row["syncs_unpack_after_mask_pack"] = syncs(
+        lambda: unpack(fresh.tensor, fresh, seq_len=seq_len)
+    )
+    row["unpack_ms"] = row["hm_ms"] - row["pack_ms"]
+    row["speedup"] = row["loop_ms"] / row["hm_ms"]
+    row["unpack_over_floor"] = row["unpack_ms"] / row["unpack_floor_ms"]
+    return row
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    zero = all(r["syncs_host_lengths"] == 0 for r in rows)
+    out.append(f"{'ok  ' if zero else 'MISS'} zero syncs with host lengths in every case")
+    one = all(
+        r["syncs_pack_from_mask"] == 1 and r["syncs_unpack_after_mask_pack"] == 0 for r in rows
+    )
+    out.append(f"{'ok  ' if one else 'MISS'} one sync in pack from the mask, none in unpack after")
+    for r in rows:
+        name = f"{r['payload']} batch {r['batch']}"
+        if r["batch"] == 256 and not r["payload"].startswith("hidden"):
+            ok = r["speedup"] >= 20
+            out.append(f"{'ok  ' if ok else 'MISS'} {name}: {r['speedup']:.1f}x the loop (>= 20x)")
+        if r["payload"].startswith("hidden"):
+            ok = r["unpack_over_floor"] <= 1.5
+            out.append(
+                f"{'ok  ' if ok else 'MISS'} {name}: unpack {r['unpack_over_floor']:.2f}x the "
+                "memory floor (<= 1.5x)"
+            )
+        if r["batch"] == 8:
+            ok = r["speedup"] >= 1.0
+            out.append(f"{'ok  ' if ok else 'MISS'} {name}: {r['speedup']:.1f}x the loop (>= 1x)")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/packing.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rate = copy_rate()
+    torch.cuda.empty_cache()
+    print(f"device copy rate: {rate / 1e9:.0f} GB/s (read + write), {torch.cuda.get_device_name()}")
+    rows = []
+    for payload in PAYLOADS:
+        for batch in args.batches:
+            rows.append(case(batch, args.seq_len, payload, rate, args.repeat))
+            torch.cuda.empty_cache()  # the case's tensors are gone: hand their memory back
+    head = (
+        f"{'payload':<16}{'batch':>6}{'loop ms':>10}{'syncs':>7}{'hm ms':>9}{'syncs':>6}"
+        f"{'from mask':>10}{'speedup':>9}{'unpack/floor':>13}"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['payload']:<16}{r['batch']:>6}{r['loop_ms']:>10.2f}"
+            f"{r['loop_syncs']:>7}{r['hm_ms']:>9.2f}{r['syncs_host_lengths']:>6}"
+            f"{r['syncs_pack_from_mask']:>10}{r['speedup']:>8.1f}x{r['unpack_over_floor']:>12.2f}x"
+        )
+    found = verdicts(rows)
+    print("\n".join(found))
+    if args.json:
+        report: dict[str, Any] = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+        }
+        report.update(copy_rate_gbps=rate / 1e9, rows=rows, verdicts=found)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
