@@ -27,7 +27,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ranks(tmp_path: Path, fail: str, world: int = 2) -> list[list[dict[str, Any]]]:
+def start_ranks(module: str, args: list[str], world: int = 2) -> None:
+    """Run ``python -m module *args`` as ``world`` gloo ranks; fail on a hang or an error."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -36,7 +37,7 @@ def run_ranks(tmp_path: Path, fail: str, world: int = 2) -> list[list[dict[str, 
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.gloo_ranks", str(tmp_path), fail],
+                [sys.executable, "-m", module, *args],
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -52,6 +53,10 @@ def run_ranks(tmp_path: Path, fail: str, world: int = 2) -> list[list[dict[str, 
                 other.kill()
             pytest.fail("a rank hung")
         assert proc.returncode == 0, err[-3000:]
+
+
+def run_ranks(tmp_path: Path, fail: str, world: int = 2) -> list[list[dict[str, Any]]]:
+    start_ranks("tests.gloo_ranks", [str(tmp_path), fail], world)
     return [
         [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
         for r in range(world)
@@ -104,3 +109,12 @@ def test_a_failure_after_the_last_barrier_still_fails_every_rank(tmp_path: Path,
                 assert outcome.startswith(
                     f"HybridSwitchError: rank {rank}: the switch rank {failing}"
                 )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_unpack_gathers_through_the_group(tmp_path: Path, world: int) -> None:
+    """Each rank packs its chunks; unpack(group=) gathers them; gradients come back."""
+    start_ranks("tests.gloo_packing", [str(tmp_path)], world)
+    for rank in range(world):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found == {"equal": True, "grad": True}, (rank, found)

@@ -119,3 +119,22 @@ def test_api_report_lists_every_guarded_api() -> None:
         "torch._C._cuda_hasPrimaryContext",
     }
     assert all(isinstance(v, bool) for v in report.values())
+
+
+def test_nonzero_static_and_its_fallback_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's nonzero_static where it exists; a cumsum + scatter where it does not."""
+    from hybridmem._torch import tensors
+
+    flags = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1], dtype=torch.bool)
+    cases = {3: [1, 2, 4], 4: [1, 2, 4, 7], 6: [1, 2, 4, 7, 0, 0], 0: []}
+    for size, want in cases.items():
+        assert _torch.nonzero_static(flags, size).tolist() == want
+
+    def missing(*args: object, **kwargs: object) -> torch.Tensor:
+        raise NotImplementedError("no kernel for this device")
+
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    monkeypatch.setattr(tensors, "_STATIC_NONZERO", {})
+    for size, want in cases.items():
+        assert _torch.nonzero_static(flags, size).tolist() == want
+    assert tensors._STATIC_NONZERO == {"cpu": False}  # asked once, then remembered

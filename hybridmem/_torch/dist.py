@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -64,19 +65,39 @@ def dist_all_gather_object(obj: object, group: Any = None) -> list[Any]:
 
 
 def dist_all_gather_tensors(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (same shape on every rank), in rank order.
+    """Every rank's ``tensor`` (same shape on every rank), in rank order; differentiable.
 
-    A collective over ``group`` (None: the default group). When ``tensor`` requires
-    grad, ``torch.distributed.nn.functional.all_gather`` (public, torch 1.8+) carries
-    the gradient back to each rank; otherwise the plain ``all_gather``.
+    A collective over ``group`` (None: the default group). Gradients flow back: each
+    rank's tensor gets the sum over ranks of the gradient of its slot. Built on the
+    public ``all_gather`` / ``all_reduce`` (``torch.distributed.nn.functional`` is
+    deprecated from torch 2.13 in favour of a private module), so it runs on gloo and
+    NCCL alike.
     """
     import torch.distributed as dist
 
-    if tensor.requires_grad:
-        from torch.distributed.nn import functional as dist_fn
+    if not tensor.requires_grad:
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor, group=group)
+        return out
+    return list(_all_gather_fn().apply(tensor, group))
 
-        gather: Any = dist_fn.all_gather  # untyped in torch
-        return list(gather(tensor, group=group if group is not None else dist.group.WORLD))
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, tensor, group=group)
-    return out
+
+@functools.cache
+def _all_gather_fn() -> Any:
+    import torch.distributed as dist
+
+    class AllGather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
+            ctx.group = group
+            out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(out, tensor.contiguous(), group=group)
+            return tuple(out)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
+            stacked = torch.stack([g.contiguous() for g in grads])
+            dist.all_reduce(stacked, group=ctx.group)
+            return stacked[dist.get_rank(ctx.group)], None
+
+    return AllGather
