@@ -22,8 +22,10 @@ Any mask works (right-, left- or arbitrarily padded): the valid tokens of a row 
 packed in their order. This module uses torch only (no allocator, no IPC); gradients
 flow through both directions.
 
-Scope: pure functions of their arguments; thread-safe. ``unpack`` with a ``group``
-is a collective over that group.
+Scope: the device of the input; thread-safe, except that a :class:`PackedBatch`
+keeps the index vectors it built (about 40 bytes per token on the device), so share
+one between threads only under a lock. ``unpack`` with a ``group`` is a collective
+over that group.
 
 Example:
     >>> packed = pack(input_ids, attention_mask, lengths=lengths, align=8)  # doctest: +SKIP

@@ -268,7 +268,7 @@ def test_malformed_env_is_a_clear_error(fake: FakeTorch, monkeypatch: pytest.Mon
 # --------------------------------------------------------------------------- #
 
 
-def test_configure_allocator_sets_defaults_under_scopes(fake: FakeTorch) -> None:
+def test_set_allocator_defaults_sets_defaults_under_scopes(fake: FakeTorch) -> None:
     cfg = hm.set_allocator_defaults(expandable_segments=True, max_split_size_mb=512)
     assert cfg.expandable_segments
     assert cfg.get("max_split_size_mb").origin == "set_allocator_defaults"
@@ -278,7 +278,7 @@ def test_configure_allocator_sets_defaults_under_scopes(fake: FakeTorch) -> None
     assert hm.allocator_state().expandable_segments
 
 
-def test_configure_allocator_respects_explicit_env_keys(
+def test_set_allocator_defaults_respects_explicit_env_keys(
     fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256,expandable_segments:False")
@@ -295,7 +295,7 @@ def test_configure_allocator_respects_explicit_env_keys(
     assert cfg["max_split_size_mb"] == "512"
 
 
-def test_configure_allocator_after_cuda_init_releases_on_mode_change(
+def test_set_allocator_defaults_after_cuda_init_releases_on_mode_change(
     fake_gpu: FakeTorch,
 ) -> None:
     hm.set_allocator_defaults(expandable_segments=True)
@@ -611,7 +611,7 @@ def test_bad_input(call: object, error: type[Exception], message: str) -> None:
         call()  # type: ignore[operator]
 
 
-def test_allocator_config_reports_sources_and_renders(
+def test_allocator_state_reports_sources_and_renders(
     fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)

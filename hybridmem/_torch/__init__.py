@@ -14,6 +14,10 @@ the torch version it applies to; one module per concern:
   identity;
 - ``dist``: torch.distributed.
 
+Some wrappers here are one line over a public API (CUDA streams and events, storage
+resizing): torch ships those untyped, and the typed wrapper keeps ``mypy --strict``
+honest in one place instead of a ``cast`` at every call.
+
 Other modules call these functions through this face (``_torch.empty_cache()``),
 so CPU tests can monkeypatch them here; real behaviour is checked by the GPU tests.
 Nothing here initialises CUDA: functions that need a CUDA context say so and are

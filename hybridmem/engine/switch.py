@@ -14,6 +14,12 @@ a generator of calls), the two thin drivers that run it (sync, and async with
 blocking calls in worker threads), recovery, and the room check before a reload.
 Data and types live beside it (``ranks``, ``reports``); splitting the rest would
 pass the state through every call.
+
+Three operations still ask which driver runs them (``_exit_phase``, ``_release``,
+``_confirm``): a phase is entered and left on the event loop's thread, because
+scopes pair each entry with its exit per thread and task, so under the async driver
+a phase's waits (SGLang's ``await_free``) are awaited on the loop instead of being
+moved to a worker thread as the offload and reload are.
 """
 
 from __future__ import annotations
