@@ -268,7 +268,7 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
     flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:])).contiguous()
     row_bytes = flat.shape[1] * flat.element_size()
     for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16):
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if row_bytes % size == 0 and flat.data_ptr() % size == 0 and flat.is_contiguous():
             return flat.view(torch.uint8).view(dtype)
     return flat.view(torch.uint8)
@@ -322,14 +322,15 @@ def pack(
     batch, seq_len = attention_mask.shape
     if check is not None:
         check_bool("check", check)
+    keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
     if lengths is None:
         # the one sync: the lengths decide every shape
-        host = [int(n) for n in (attention_mask != 0).sum(1).tolist()]
+        host = [int(n) for n in keep.sum(1).tolist()]
     else:
         host = _host_lengths(lengths, batch, seq_len)
         on_cpu = attention_mask.device.type == "cpu"
         if check or (check is None and on_cpu):
-            counted: list[int] = (attention_mask != 0).sum(1).tolist()
+            counted: list[int] = keep.sum(1).tolist()
             wrong = [(i, n, h) for i, (n, h) in enumerate(zip(counted, host)) if n != h]
             if wrong:
                 i, n, h = wrong[0]
@@ -339,7 +340,6 @@ def pack(
                 )
     step = int(align)
     padded = [-(-n // step) * step for n in host]
-    keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
     valid = _torch.nonzero_static(keep.reshape(-1), sum(host))
     cu = _to_device(_starts([*host, 0]) + _starts([*padded, 0]), input_ids.device)
     cu_seqlens, cu_seqlens_padded = cu.to(torch.int32).view(2, -1)
@@ -371,14 +371,21 @@ def pack(
     return packed
 
 
+def _widened(flat: torch.Tensor, width: int, seq_len: int) -> torch.Tensor:
+    """Flat indices into ``[batch, width]`` as the same (row, column) in ``[batch, seq_len]``."""
+    if seq_len == width:
+        return flat
+    return flat + (flat // width) * (seq_len - width)
+
+
 def _targets(packed: PackedBatch, rank: int, seq_len: int) -> torch.Tensor:
     """The flat output row of each of rank ``rank``'s positions; padding goes past the end."""
     found = packed._targets.get((rank, seq_len))
     if found is None:
         sources, pads = _plan(packed, rank)
-        found = sources.clone()
-        if seq_len != packed.seq_len:  # the same (row, column) in a wider row
-            found += (sources // packed.seq_len) * (seq_len - packed.seq_len)
+        found = _widened(sources, packed.seq_len, seq_len)
+        if found is sources:  # the padding's targets are written below: not into sources
+            found = found.clone()
         dump = torch.arange(pads.numel(), device=pads.device) + packed.batch * seq_len
         found.index_copy_(0, pads, dump)
         packed._targets[(rank, seq_len)] = found
@@ -394,9 +401,7 @@ def _blank_rows(packed: PackedBatch, seq_len: int) -> torch.Tensor:
     if found is None:
         device = packed._valid.device
         hit = torch.zeros(packed.batch * seq_len, dtype=torch.bool, device=device)
-        flat = packed._valid
-        if seq_len != packed.seq_len:
-            flat = flat + (flat // packed.seq_len) * (seq_len - packed.seq_len)
+        flat = _widened(packed._valid, packed.seq_len, seq_len)
         hit.index_fill_(0, flat, True)
         found = _torch.nonzero_static(~hit, packed.batch * seq_len - flat.numel())
         packed._blanks[seq_len] = found

@@ -9,6 +9,7 @@ imported. Only the seam (``hybridmem._torch``) touches torch's private names.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache  # read once: every test and every file's imports ask
 def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 

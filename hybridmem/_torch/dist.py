@@ -73,12 +73,7 @@ def dist_all_gather_tensors(tensor: torch.Tensor, group: Any = None) -> list[tor
     deprecated from torch 2.13 in favour of a private module), so it runs on gloo and
     NCCL alike.
     """
-    import torch.distributed as dist
-
-    if not tensor.requires_grad:
-        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, tensor, group=group)
-        return out
+    # without grad, apply() runs only the forward: one gather for both cases
     return list(_all_gather_fn().apply(tensor, group))
 
 
