@@ -7,6 +7,8 @@ copy in place, for each bucket size:
 - ``hybridmem``: one :class:`hybridmem.WeightBucket`, exported once, two buffers
   (one buffer too, to show what double buffering buys); the receiver takes copies
   (``receive()``, the default) or fills its own tensors in place (``out=``, "into");
+- ``hybridmem-fd``: the same with ``transport="fd"``: the buffers in expandable
+  segments, reaching the consumer by fd passing (no ``pidfd_getfd``);
 - ``fresh``: the hand-written pattern: every batch allocates a new buffer, exports it
   (``torch.multiprocessing`` reduction) and drops its reference at once, without
   ``ipc_collect``; the consumer opens it, copies, drops it, and acknowledges the
@@ -18,7 +20,10 @@ Every byte is copied into the bucket and out of it, so half of the device copy r
 target is >= 25% of the copy rate at 256 MiB buckets. GB/s is end to end: model bytes
 times the timed syncs, over the time from the first timed sync until the consumer
 reports its last copy finished. Also reported: producer device
-free memory lost over the timed syncs (memory growth per sync).
+free memory lost over the timed syncs (memory growth per sync), and what opening
+one handle costs the consumer, first and repeated: :func:`hybridmem.ipc_export`
+of a 256 MiB tensor in an expandable segment (fd passing) beside torch's CUDA IPC
+of the same tensor copied to a classic segment.
 
 Run on a GPU: ``python benchmarks/weight_sync.py [--model-mib 1024] [--buckets 64 256 1024]
 [--syncs 20] [--json FILE]``.
@@ -33,7 +38,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -74,6 +79,14 @@ def _consumer(conn: Connection, model_bytes: int) -> None:
             torch.cuda.synchronize()
             conn.send(("pong",))
             continue
+        if command[0] == "open":  # open one handle, time it, drop it
+            started = time.perf_counter()
+            tensor = command[1].open() if command[2] == "fd" else _open_classic(command[1])
+            seconds = time.perf_counter() - started
+            del tensor
+            torch.cuda.synchronize()
+            conn.send(("opened", seconds))
+            continue
         if command[0] == "bucket":
             _, handle, syncs, into = command
             with hm.BucketReceiver(handle) as receiver:
@@ -100,6 +113,44 @@ def _consumer(conn: Connection, model_bytes: int) -> None:
                 flat[start : start + nbytes].copy_(buffer[offset : offset + nbytes])
             torch.cuda.synchronize()
             del buffer
+
+
+def _open_classic(export: Any) -> Any:
+    import torch
+
+    from hybridmem import _torch
+
+    rebuild, args = export
+    return _torch.import_cuda_tensor(rebuild, args, torch.cuda.current_device())
+
+
+def _open_times(conn: Connection, count: int = 50) -> dict[str, float]:
+    """Median and first consumer-side open of one 256 MiB handle, fd and classic."""
+    import torch
+
+    import hybridmem as hm
+    from hybridmem import _torch
+
+    with hm.expandable_segments(True):
+        expandable = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    classic = hm.ipc_shareable(expandable)
+    out: dict[str, float] = {}
+    for kind in ("fd", "cuda"):
+        times: list[float] = []
+        exports: list[float] = []
+        for _ in range(count):
+            started = time.perf_counter()
+            handle = (
+                hm.ipc_export(expandable) if kind == "fd" else _torch.export_cuda_tensor(classic)
+            )
+            exports.append(time.perf_counter() - started)
+            conn.send(("open", handle, kind))
+            answer = conn.recv()
+            times.append(answer[1])
+        out[f"open_{kind}_first_ms"] = times[0] * 1e3
+        out[f"open_{kind}_median_ms"] = statistics.median(times[1:]) * 1e3
+        out[f"export_{kind}_median_ms"] = statistics.median(exports[1:]) * 1e3
+    return out
 
 
 def _fresh_sync(tensors: dict[str, Any], bucket: int, conn: Connection) -> None:
@@ -179,16 +230,22 @@ def main() -> None:
         pings.append(time.perf_counter() - start)
     handoff_ms = statistics.median(pings[20:]) * 1e3
     rows: list[dict[str, Any]] = []
+    opens = _open_times(conn)
     runs = [("hybridmem", b, 2, "copies") for b in args.buckets]
     runs += [("hybridmem", 256, n, "copies") for n in (1, 3, 4)]
     runs += [("hybridmem", 256, 2, "into")]
+    runs += [("hybridmem-fd", b, 2, "copies") for b in args.buckets]
+    runs += [("hybridmem-fd", 256, 2, "into")]
     runs += [("fresh", b, 0, "into") for b in args.buckets]
     for method, bucket_mib, buffers, receive in runs:
         bucket = bucket_mib * MiB
         total = WARMUP + args.syncs
         free: list[int] = []
-        if method == "hybridmem":
-            staging = hm.WeightBucket(bucket, buffers=buffers, fallback="raise")
+        if method.startswith("hybridmem"):
+            transport: Literal["fd", "cuda"] = "fd" if method == "hybridmem-fd" else "cuda"
+            staging = hm.WeightBucket(
+                bucket, buffers=buffers, fallback="raise", transport=transport
+            )
             conn.send(("bucket", staging.handle, total, receive == "into"))
         else:
             conn.send(("fresh", total))
@@ -198,7 +255,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 free.append(torch.cuda.mem_get_info()[0])
                 start = time.perf_counter()
-            if method == "hybridmem":
+            if method.startswith("hybridmem"):
                 staging.send(tensors, conn)
             else:
                 _fresh_sync(tensors, bucket, conn)
@@ -206,7 +263,7 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         torch.cuda.synchronize()
         free.append(torch.cuda.mem_get_info()[0])
-        if method == "hybridmem":
+        if method.startswith("hybridmem"):
             staging.close()
         gbps = payload * args.syncs / elapsed / 1e9
         rows.append(
@@ -230,18 +287,31 @@ def main() -> None:
         f"GPU hand-off round trip between the processes {handoff_ms:.3f} ms"
     )
     print(
-        f"{'method':<10} {'bucket':>8} {'bufs':>5} {'receive':>8} {'GB/s':>8} {'of copy':>8} "
+        "open one 256 MiB handle in the consumer: fd passing "
+        f"{opens['open_fd_first_ms']:.2f} ms first, {opens['open_fd_median_ms']:.2f} ms "
+        f"repeated; classic CUDA IPC {opens['open_cuda_first_ms']:.2f} ms first, "
+        f"{opens['open_cuda_median_ms']:.2f} ms repeated; export: fd "
+        f"{opens['export_fd_median_ms']:.2f} ms, classic {opens['export_cuda_median_ms']:.2f} ms"
+    )
+    print(
+        f"{'method':<13} {'bucket':>8} {'bufs':>5} {'receive':>8} {'GB/s':>8} {'of copy':>8} "
         f"{'MiB/sync':>9}"
     )
     for r in rows:
         print(
-            f"{r['method']:<10} {r['bucket_mib']:>6}Mi {r['buffers']:>5} {r['receive']:>8} "
+            f"{r['method']:<13} {r['bucket_mib']:>6}Mi {r['buffers']:>5} {r['receive']:>8} "
             f"{r['gbps']:>8.1f} {r['of_copy_rate']:>8.1%} {r['growth_mib_per_sync']:>9.1f}"
         )
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"copy_gbps": rate, "handoff_ms": handoff_ms, "model_bytes": payload, "rows": rows},
+                {
+                    "copy_gbps": rate,
+                    "handoff_ms": handoff_ms,
+                    "model_bytes": payload,
+                    "opens": opens,
+                    "rows": rows,
+                },
                 indent=2,
             )
         )

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from hybridmem.engine.switch import HybridSwitch
     from hybridmem.ipc.bucket import WeightBucket
     from hybridmem.ipc.capabilities import ipc_capabilities
+    from hybridmem.ipc.export import TensorHandle, ipc_export
+    from hybridmem.ipc.fd_reducer import ipc_fd_sharing
     from hybridmem.ipc.receiver import BucketReceiver
     from hybridmem.ipc.shareable import allow_ptrace_from_any, ipc_safe, ipc_shareable
     from hybridmem.memory.offload import Offloader, offloaded
@@ -72,6 +74,7 @@ _LAZY = {
     "SGLangEngine": "hybridmem.engine.backends.adapters",
     "Step": "hybridmem.engine.backends.registry",
     "SyncError": "hybridmem._errors",
+    "TensorHandle": "hybridmem.ipc.export",
     "VLLMEngine": "hybridmem.engine.backends.adapters",
     "WeightBucket": "hybridmem.ipc.bucket",
     "allocator_settings": "hybridmem.allocator.scopes",
@@ -82,6 +85,8 @@ _LAZY = {
     "get_backend": "hybridmem.engine.backends",
     "get_timeline": "hybridmem.observe.timeline",
     "ipc_capabilities": "hybridmem.ipc.capabilities",
+    "ipc_export": "hybridmem.ipc.export",
+    "ipc_fd_sharing": "hybridmem.ipc.fd_reducer",
     "ipc_safe": "hybridmem.ipc.shareable",
     "ipc_shareable": "hybridmem.ipc.shareable",
     "memory_info": "hybridmem.observe.memory",
@@ -122,6 +127,7 @@ __all__ = [
     "SGLangEngine",
     "Step",
     "SyncError",
+    "TensorHandle",
     "VLLMEngine",
     "WeightBucket",
     "__version__",
@@ -133,6 +139,8 @@ __all__ = [
     "get_backend",
     "get_timeline",
     "ipc_capabilities",
+    "ipc_export",
+    "ipc_fd_sharing",
     "ipc_safe",
     "ipc_shareable",
     "memory_info",

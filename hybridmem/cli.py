@@ -166,7 +166,14 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         if caps.blocking:
             problems.append(f"CUDA IPC does not work here: {caps.reason}. {caps.advice}")
         elif caps.cuda and not caps.expandable_ipc:
-            notes.append(f"tensors in expandable segments cannot be shared: {caps.reason}")
+            if caps.fd_passing:
+                notes.append(
+                    "torch cannot share tensors in expandable segments here "
+                    f"({caps.reason}), but fd passing can: hm.ipc_export, "
+                    "hm.ipc_fd_sharing() or WeightBucket(transport='fd')"
+                )
+            else:
+                notes.append(f"tensors in expandable segments cannot be shared: {caps.reason}")
         if report["ipc"]["expandable_toggle_works"] is False:
             notes.append(
                 "a tensor allocated after switching expandable segments on at runtime was "
@@ -216,6 +223,7 @@ def _print_human(report: dict[str, Any]) -> None:
         print(f"  classic segments:      {word(ipc['classic_ipc'])}")
         handle = f" (handle {ipc['expandable_handle']})" if ipc["expandable_handle"] else ""
         print(f"  expandable segments:   {word(ipc['expandable_ipc'])}{handle}")
+        print(f"  fd passing:            {word(ipc.get('fd_passing'))}")
         denied = f" (by {ipc['denied_by']})" if ipc["denied_by"] else ""
         print(f"  pidfd_getfd:           {ipc['pidfd_getfd']}{denied}")
         print(f"  expandable toggle:     {word(ipc['expandable_toggle_works'])}")

@@ -397,3 +397,25 @@ def test_doctor_names_the_variable_torch_ignores(
     report = json.loads(capsys.readouterr().out)
     assert report["allocator"]["ignored_env"] == ["PYTORCH_ALLOC_CONF"]
     assert report["allocator"]["settings"]["expandable_segments"]["value"] == "False"
+
+
+def test_doctor_says_fd_passing_works_where_pidfd_is_denied(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_caps(
+        monkeypatch,
+        self_fetch_errno="EPERM",
+        producer_fetch_errno="EPERM",
+        seccomp=2,
+        classic_ok=True,
+        expandable_ok=False,
+        fd_ok=True,
+        classic_legacy_ipc=True,
+        expandable_legacy_ipc=False,
+    )
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "fd passing:            works" in out
+    assert "but fd passing can: hm.ipc_export" in out
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ipc"]["fd_passing"] is True

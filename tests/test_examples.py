@@ -38,3 +38,9 @@ def test_packed_forward_runs() -> None:
     result = run_python(str(REPO / "examples" / "packed_forward.py"))
     assert result.returncode == 0, result.stderr
     assert "unpacked output equals the padded computation" in result.stdout
+
+
+def test_expandable_sharing_example_explains_itself_without_a_gpu() -> None:
+    result = run_python(str(REPO / "examples" / "expandable_sharing.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "needs a CUDA GPU" in result.stdout

@@ -21,10 +21,12 @@ from pathlib import Path
 __all__ = [
     "SYS_PIDFD_GETFD",
     "SYS_PIDFD_OPEN",
+    "boot_id",
     "container_hints",
     "errno_name",
     "fetch_fd",
     "is_linux",
+    "pid_namespace",
     "seccomp_mode",
     "set_ptracer_any",
     "yama_ptrace_scope",
@@ -149,3 +151,27 @@ def set_ptracer_any() -> int | None:
         )
     )
     return ctypes.get_errno() if result != 0 else None
+
+
+def boot_id() -> str | None:
+    """Return this boot of this machine's id (``/proc/sys/kernel/random/boot_id``).
+
+    The same in every container of one host (their host names differ), different
+    on another host: two processes can share device memory only if theirs match.
+    None where the kernel does not say.
+    """
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def pid_namespace() -> str | None:
+    """Return this process's pid namespace (``pid:[4026531836]``), None where unknown.
+
+    Pids mean the same in two processes only if these match.
+    """
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None

@@ -1,4 +1,4 @@
-"""The two corners of the standard library that hybridmem reaches past its public API.
+"""The three corners of the standard library that hybridmem reaches past its public API.
 
 Each is guarded, with the Python versions it applies to, so the rest of the package
 never names a private attribute.
@@ -13,8 +13,10 @@ import contextlib
 import sys
 from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
-__all__ = ["attach_shared_memory", "running_loop"]
+__all__ = ["attach_shared_memory", "forking_reducer", "running_loop"]
 
 #: The running event loop of this thread, or None, without raising.
 #: ``asyncio._get_running_loop`` (Python 3.7+; listed in ``asyncio.events.__all__``
@@ -41,3 +43,15 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
     with contextlib.suppress(Exception):
         resource_tracker.unregister(tracked, "shared_memory")
     return shm
+
+
+def forking_reducer(cls: type) -> Any:
+    """Return the reducer registered for ``cls`` with ``ForkingPickler.register``, or None.
+
+    ``ForkingPickler`` (what ``multiprocessing`` queues and pipes pickle with) has a
+    public ``register`` but no public getter; the registry is the class attribute
+    ``_extra_reducers`` (Python 3.4 to 3.14). A scope that registers its own reducer
+    reads the previous one here, to put it back on exit.
+    """
+    registry = getattr(ForkingPickler, "_extra_reducers", None)
+    return registry.get(cls) if isinstance(registry, dict) else None

@@ -51,6 +51,7 @@ from hybridmem._torch.dist import (
     dist_rank,
     process_rank,
 )
+from hybridmem._torch.dlpack import live_external_tensors, tensor_from_memory
 from hybridmem._torch.ipc import (
     device_index_by_uuid,
     device_uuid,
@@ -125,6 +126,7 @@ __all__ = [
     "is_device_tensor",
     "is_legacy_ipc_capable",
     "last_allocator_settings",
+    "live_external_tensors",
     "local_tensor",
     "mem_get_info",
     "memory_stats",
@@ -148,6 +150,7 @@ __all__ = [
     "synchronize",
     "synchronize_event",
     "synchronize_stream",
+    "tensor_from_memory",
     "torch_version",
     "torch_version_string",
     "unpin_host_tensor",

@@ -3,10 +3,11 @@
 ``python _ipc_probe.py produce --device N [--cuda]`` starts a consumer child
 (``consume``) at once, so both import torch in parallel, then plays the producer:
 with ``--cuda`` it allocates one tensor in a classic segment and one in an
-expandable segment and exports both the way ``torch.multiprocessing`` does. The
+expandable segment and exports both the way ``torch.multiprocessing`` does, and
+the expandable one again by fd passing (:func:`hybridmem.ipc_export`). The
 consumer checks the two syscalls an expandable-segment import needs
 (``pidfd_open`` + ``pidfd_getfd``, on itself and on the producer), then opens
-both tensors and checks their bytes. The producer prints one JSON object.
+the three exports and checks their bytes. The producer prints one JSON object.
 
 Everything that can fail is caught and reported as text: the parent turns the
 facts into :class:`hybridmem.IpcCapabilities`. Run by path (``sys.path[0]`` is
@@ -101,6 +102,15 @@ def _export(device: int, facts: dict[str, Any]) -> dict[str, Any]:
                 exports[kind] = _torch.export_cuda_tensor(tensor)
             except Exception as exc:  # torch refuses (too old, IPC handles off)
                 facts[f"{kind}_export_error"] = _error(exc)
+        if facts["expandable_legacy_ipc"] is False:
+            # The same expandable tensor once more, its pages' fds passed over a
+            # Unix socket (hm.ipc_export): needs no pidfd_getfd in the consumer.
+            try:
+                from hybridmem.ipc.export import ipc_export
+
+                exports["fd_passing"] = ipc_export(tensors["expandable"], timeout=60.0)
+            except Exception as exc:
+                facts["fd_export_error"] = _error(exc)
         facts["keep"] = tensors  # alive until the consumer answered; dropped before printing
     except Exception as exc:
         facts["cuda_error"] = _error(exc)
@@ -161,6 +171,14 @@ def consume(device: int, cuda: bool) -> dict[str, Any]:
             except Exception as exc:
                 facts[f"{kind}_ok"] = False
                 facts[f"{kind}_import_error"] = _error(exc)
+        if "fd_passing" in request:  # ("fd" is the pipe's fd number, for fetch_fd)
+            try:
+                tensor = request["fd_passing"].open(timeout=30.0)
+                facts["fd_ok"] = bool((tensor == EXPANDABLE_VALUE).all().item())
+                del tensor
+            except Exception as exc:
+                facts["fd_ok"] = False
+                facts["fd_import_error"] = _error(exc)
     return facts
 
 

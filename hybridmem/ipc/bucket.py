@@ -4,29 +4,33 @@ Frameworks that re-allocate and re-export a staging buffer every step leak one
 bucket per step (+2.04 GiB per sync with 2 GiB buckets, OOM around sync 32; verl
 #6958), and receivers that keep views into a reused buffer read garbage (verl
 #6688). A :class:`WeightBucket` allocates its buffers once, in classic segments
-(no pidfd needed by the consumer), exports them once (:attr:`WeightBucket.handle`)
-and reuses them for every sync; the :class:`BucketReceiver` opens them once, by
-GPU UUID, and hands out copies unless views are asked for.
+(``"cuda"``) or in expandable segments shared by fd passing (``"fd"``): either way
+no pidfd is needed by the consumer; it exports them once
+(:attr:`WeightBucket.handle`) and reuses them for every sync; the
+:class:`BucketReceiver` opens them once, by GPU UUID, and hands out copies unless
+views are asked for.
 
-The wire format is in :mod:`hybridmem._bucket_wire`; the receiving side is
-:mod:`hybridmem.receiver`.
+The wire format is in :mod:`hybridmem.ipc._wire`; the receiving side is
+:mod:`hybridmem.ipc.receiver`.
 
 Why this module is long: the producer's side of one protocol (plan, pack, send,
-wait for the receiver, reuse the buffers) with its transports (CUDA IPC, host
-shared memory); the wire format and the batch plan are in ``_wire`` and ``_plan``.
+wait for the receiver, reuse the buffers) with its transports (CUDA IPC, fd
+passing, host shared memory); the wire format and the batch plan are in ``_wire``
+and ``_plan``, the fd export in ``export``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -35,7 +39,10 @@ from hybridmem._checks import check_number
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._format import fmt_bytes
-from hybridmem._log import logger
+from hybridmem._log import logger, warn_once
+from hybridmem._platform import cuda_vmm
+from hybridmem.allocator.scopes import ExpandableSegments
+from hybridmem.allocator.state import ENGINE
 from hybridmem.ipc._plan import ALIGN, Batch, align_up, plan_batches
 from hybridmem.ipc._wire import (
     CPU,
@@ -55,13 +62,23 @@ from hybridmem.ipc._wire import (
     word_unit,
 )
 from hybridmem.ipc.capabilities import ipc_capabilities
+from hybridmem.ipc.export import TensorHandle, ipc_export
 from hybridmem.ipc.shareable import Fallback, IpcSafe, Transport, check_fallback, choose_transport
 from hybridmem.memory.release import release_cache
 from hybridmem.observe import timeline as _timeline
 
-__all__ = ["BucketHandle", "SyncReport", "WeightBucket"]  # BucketHandle: what .handle is
+__all__ = [
+    "BucketHandle",
+    "SyncReport",
+    "TransportChoice",
+    "WeightBucket",
+]  # BucketHandle: what .handle is
 
 MAX_BUFFERS = 8
+
+#: What ``WeightBucket(transport=...)`` accepts.
+TransportChoice = Literal["auto", "cuda", "fd", "host"]
+_CHOICES: tuple[str, ...] = get_args(TransportChoice)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -98,12 +115,28 @@ class _Plan:
     batch_units: tuple[tuple[int, torch.dtype], ...]  # per batch: the narrowest of its tensors
 
 
+def _check_transport(transport: object, fallback: Fallback) -> str:
+    if not isinstance(transport, str) or transport not in _CHOICES:
+        raise ValueError(
+            f"transport must be one of {', '.join(map(repr, _CHOICES))}; got {transport!r}"
+        )
+    if transport == "fd" and fallback == "host":
+        raise ValueError(
+            "transport='fd' with fallback='host' contradict each other (fallback='host' "
+            "always uses host memory); pass fallback='auto' or 'raise', or transport='host'"
+        )
+    return transport
+
+
 class WeightBucket:
     """A persistent staging buffer that ships named tensors to another process.
 
-    Allocated once (``buffers`` buffers of ``nbytes``, in classic segments so the
-    consumer needs no ``pidfd_getfd``), exported once (:attr:`handle`), reused by
-    every :meth:`send`. Tensors larger than the bucket are split across batches;
+    Allocated once (``buffers`` buffers of ``nbytes``), exported once
+    (:attr:`handle`), reused by every :meth:`send`. The consumer needs no
+    ``pidfd_getfd`` on any transport: ``"cuda"`` buffers are in classic segments,
+    ``"fd"`` buffers are in expandable segments and reach the consumer by fd
+    passing (:func:`hybridmem.ipc_export`), ``"host"`` buffers are shared memory.
+    Tensors larger than the bucket are split across batches;
     each batch is copied in (one multi-tensor copy), synchronised, and handed off
     with its metadata. Device memory stays flat across syncs.
 
@@ -117,9 +150,15 @@ class WeightBucket:
             :class:`IpcUnavailableError` where it cannot.
         buffers: number of buffers, 1 to 8 (2: fill one while the receiver drains
             the other).
+        transport: ``"auto"`` (default) and ``"cuda"``: CUDA IPC of classic
+            segments, host memory where ``fallback`` allows it; ``"fd"``: buffers
+            in expandable segments, their pages' fds passed over a Unix socket
+            (where ``fd`` export is impossible, ``fallback="auto"`` warns and
+            takes ``"cuda"``, ``"raise"`` raises); ``"host"``: host shared memory.
 
     Raises:
-        TypeError, ValueError: bad arguments (the message names them).
+        TypeError, ValueError: bad arguments (the message names them), or
+            ``transport="fd"`` with ``fallback="host"`` (they contradict).
         IpcUnavailableError: CUDA IPC impossible and ``fallback="raise"``.
 
     Scope: one producer thread at a time (the methods are not re-entrant); the
@@ -141,15 +180,17 @@ class WeightBucket:
         *,
         fallback: Fallback = "auto",
         buffers: int = 2,
+        transport: TransportChoice = "auto",
     ) -> None:
         size = align_up(int(check_number("nbytes", nbytes, integer=True, minimum=1)))
         self._buffers_count = int(
             check_number("buffers", buffers, integer=True, minimum=1, maximum=MAX_BUFFERS)
         )
         self.fallback = check_fallback(fallback)
+        choice = _check_transport(transport, self.fallback)
         self._index = device_index(device)
         self.nbytes = size
-        self.transport = self._choose()
+        self.transport = self._choose(choice)
         self._shms: list[shared_memory.SharedMemory] = []
         self._pinned: list[int] = []
         self._views: list[torch.Tensor] = []
@@ -165,8 +206,9 @@ class WeightBucket:
         self._filled: list[Any] = []  # interprocess events, recorded after each fill
         self._drained: list[Any] | None = None  # the receiver's, once it sent them
         self._peer = Peer(None, "receiver")  # learnt from its hello
+        self._minted: list[TensorHandle] = []  # "fd": exports of the last handle read
         exports = self._allocate()
-        self.handle = BucketHandle(
+        self._handle = BucketHandle(
             transport=self.transport,
             nbytes=size,
             buffers=self._buffers_count,
@@ -186,7 +228,54 @@ class WeightBucket:
     # ------------------------------------------------------------------ #
     # Set-up
     # ------------------------------------------------------------------ #
-    def _choose(self) -> Transport:
+    @property
+    def handle(self) -> BucketHandle:
+        """What a :class:`BucketReceiver` opens; picklable, send it once.
+
+        For the ``"fd"`` transport each read makes fresh one-time exports of the
+        buffers (one receiver per read) and withdraws the unopened ones of the
+        read before.
+        """
+        if self.transport != "fd" or self._closed:
+            return self._handle
+        self._withdraw_minted()
+        self._minted = [ipc_export(buffer, timeout=None) for buffer in self._views]
+        return dataclasses.replace(self._handle, exports=tuple(self._minted))
+
+    def _withdraw_minted(self) -> None:
+        for minted in self._minted:
+            minted.withdraw()
+        self._minted = []
+
+    def _fd_blocker(self) -> str | None:
+        """Why buffers in expandable segments cannot be exported by fd here (None: they can)."""
+        if not _torch.cuda_available():
+            return "no CUDA device is visible"
+        if ENGINE.backend() == "cudaMallocAsync":
+            return "the allocator backend is cudaMallocAsync (its pools are not exportable)"
+        if _torch.settings_setter_name() is None:
+            return "this torch cannot switch expandable segments on at run time"
+        if not cuda_vmm.has_vmm():
+            return "the CUDA driver lacks the virtual memory API (CUDA 10.2+)"
+        return None
+
+    def _choose(self, choice: str) -> Transport:
+        if choice == "host":
+            return "host"
+        if choice == "fd":
+            blocker = self._fd_blocker()
+            if blocker is None:
+                return "fd"
+            if self.fallback == "raise":
+                raise IpcUnavailableError(
+                    f"WeightBucket(transport='fd'): {blocker}; use transport='cuda' "
+                    "(classic segments) or 'host'"
+                )
+            warn_once(
+                f"bucket-fd:{blocker}",
+                f"WeightBucket(transport='fd') is not possible here ({blocker}); "
+                "using classic-segment CUDA IPC",
+            )
         if self.fallback == "host":
             return "host"
         if not _torch.cuda_available():
@@ -206,6 +295,14 @@ class WeightBucket:
 
     def _allocate(self) -> list[Any]:
         exports: list[Any] = []
+        if self.transport == "fd":
+            # Buffers in expandable segments; the handle exports them by fd when read.
+            with ExpandableSegments(True), torch.cuda.device(self._index):
+                for _ in range(self._buffers_count):
+                    buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                    self._views.append(buffer)
+                    self._filled.append(_torch.new_ipc_event(self._index))
+            return exports
         if self.transport == "cuda":
             with IpcSafe(fallback="raise"), torch.cuda.device(self._index):
                 for _ in range(self._buffers_count):
@@ -547,11 +644,12 @@ class WeightBucket:
         if self._closed:
             return
         self._closed = True
+        self._withdraw_minted()
         self._views.clear()
         self._word_views.clear()
         self._peer.close()
         drop_host_buffers(self._pinned, self._shms, unlink=True)
-        if self.transport == "cuda" and _torch.cuda_initialized():
+        if self.transport in ("cuda", "fd") and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)
 
     def __enter__(self) -> WeightBucket:

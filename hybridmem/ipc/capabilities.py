@@ -51,6 +51,9 @@ class IpcCapabilities:
         reason: why something does not work (None when everything does).
         advice: what to do about it.
         elapsed_s: how long the probe took.
+        fd_passing: an expandable-segment tensor reached the consumer intact by fd
+            passing (:func:`hybridmem.ipc_export`, no ``pidfd_getfd``); None when
+            not probed.
         details: the probe's raw facts (errors as text), for bug reports.
     """
 
@@ -67,6 +70,7 @@ class IpcCapabilities:
     reason: str | None
     advice: str
     elapsed_s: float
+    fd_passing: bool | None = None
     details: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -89,6 +93,7 @@ class IpcCapabilities:
             f"  classic segments:    {word(self.classic_ipc)}",
             f"  expandable segments: {word(self.expandable_ipc)}"
             + (f" (handle {self.expandable_handle})" if self.expandable_handle else ""),
+            f"  fd passing:          {word(self.fd_passing)}",
             f"  pidfd_getfd:         {self.pidfd_getfd}"
             + (f" (by {self.denied_by})" if self.denied_by else ""),
         ]
@@ -144,7 +149,12 @@ def _expandable_reason(
     return import_error or "the expandable-segment tensor did not arrive intact"
 
 
-def _advice(classic: bool | None, expandable: bool | None, denied_by: str | None) -> str:
+def _advice(
+    classic: bool | None,
+    expandable: bool | None,
+    denied_by: str | None,
+    fd_passing: bool | None = None,
+) -> str:
     if classic is None:
         return "no CUDA IPC to set up here; hybridmem's IPC helpers fall back to host memory"
     if not classic:
@@ -155,6 +165,13 @@ def _advice(classic: bool | None, expandable: bool | None, denied_by: str | None
         )
     if expandable:
         return "nothing to do: tensors from either segment kind can be shared"
+    if fd_passing:
+        return (
+            "share expandable-segment tensors by fd passing: hm.ipc_export(tensor), "
+            "torch.multiprocessing queues inside hm.ipc_fd_sharing(), or "
+            "hm.WeightBucket(transport='fd'); or keep shared tensors in classic segments "
+            "(hm.ipc_safe(), hm.ipc_shareable())"
+        )
     advice = (
         "share only tensors from classic segments: allocate them inside hm.ipc_safe(), "
         "pass them through hm.ipc_shareable(), or stage weights in a hm.WeightBucket"
@@ -174,10 +191,12 @@ def _interpret(device: int, facts: dict[str, Any], elapsed: float) -> IpcCapabil
     pidfd, denied_by, errno = _pidfd_status(facts)
     classic: bool | None = None
     expandable: bool | None = None
+    fd_passing: bool | None = None
     reason: str | None = None
     if cuda:
         classic = bool(facts.get("classic_ok"))
         expandable = bool(facts.get("expandable_ok"))
+        fd_passing = bool(facts.get("fd_ok"))
         if not classic:
             reason = str(
                 facts.get("classic_import_error")
@@ -186,6 +205,9 @@ def _interpret(device: int, facts: dict[str, Any], elapsed: float) -> IpcCapabil
             )
         elif not expandable:
             reason = _expandable_reason(facts, pidfd, denied_by, errno)
+            if not fd_passing:
+                why = facts.get("fd_import_error") or facts.get("fd_export_error")
+                reason += f"; fd passing fails too ({why or 'not tried'})"
     else:
         reason = str(facts.get("cuda_error") or "no CUDA device is visible")
         if "consumer_error" in facts:
@@ -202,8 +224,9 @@ def _interpret(device: int, facts: dict[str, Any], elapsed: float) -> IpcCapabil
         seccomp=facts.get("seccomp"),
         container_hints=_linux.container_hints(),
         reason=reason,
-        advice=_advice(classic, expandable, denied_by),
+        advice=_advice(classic, expandable, denied_by, fd_passing),
         elapsed_s=elapsed,
+        fd_passing=fd_passing,
         details=facts,
     )
 

@@ -81,7 +81,7 @@ class BucketReceiver:
         self._filled: list[Any] = []  # the producer's events, one per buffer
         self._drained: list[Any] = []  # ours, recorded once a buffer is read
         self._events_sent = False
-        if handle.transport == "cuda":
+        if handle.transport in ("cuda", "fd"):
             source = self._source_device(handle)
             self.device = torch.device(
                 "cuda", device_index(device) if device is not None else source
@@ -111,6 +111,10 @@ class BucketReceiver:
         return index
 
     def _open_cuda(self, handle: BucketHandle, source: int) -> None:
+        if handle.transport == "fd":  # one-time exports, opened by fd passing
+            for export in handle.exports:
+                self._buffers.append(export.open())
+            return
         for rebuild, args in handle.exports:
             try:
                 self._buffers.append(_torch.import_cuda_tensor(rebuild, args, source))

@@ -42,7 +42,7 @@ __all__ = [
 #: :class:`~hybridmem.IpcUnavailableError`.
 Fallback = Literal["auto", "host", "raise"]
 #: How tensors cross the process boundary: CUDA IPC or host shared memory.
-Transport = Literal["cuda", "host"]
+Transport = Literal["cuda", "fd", "host"]
 
 _FALLBACKS: tuple[str, ...] = get_args(Fallback)
 _ptracer_lock = threading.Lock()

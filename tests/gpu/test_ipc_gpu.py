@@ -37,6 +37,8 @@ def test_a_plain_sharing_fails_and_b_safe_sharing_works() -> None:
     assert caps["expandable_ipc"] is False
     assert (caps["pidfd_getfd"], caps["denied_by"]) == ("denied", "seccomp")
     assert "seccomp" in caps["reason"]
+    assert caps["fd_passing"] is True  # but fd passing gets the tensor there
+    assert "hm.ipc_export" in caps["advice"]
     assert facts["consumer_exit"] == 0
 
 

@@ -1,0 +1,110 @@
+"""Unix sockets that pass file descriptors (SCM_RIGHTS) and name their peer (SO_PEERCRED).
+
+A file descriptor sent with ``SCM_RIGHTS`` arrives as a new descriptor in the
+receiver, with no ptrace right needed (``pidfd_getfd`` needs one, and container
+seccomp profiles deny it). The sockets live in Linux's abstract namespace: no file
+to clean up, nothing left behind by a crash; anyone in the same network namespace
+could connect, so the listener checks the peer's uid with ``SO_PEERCRED`` and
+each export carries a one-time token (see :mod:`hybridmem.ipc.fd_server`).
+``SOCK_SEQPACKET`` keeps message boundaries, so a message and its fds arrive whole.
+
+Stdlib only. Scope: the sockets are the caller's; nothing here is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import struct
+
+__all__ = [
+    "PREFIX",
+    "Credentials",
+    "close_fds",
+    "connect",
+    "listen",
+    "new_address",
+    "peer_credentials",
+    "receive_with_fds",
+    "send_with_fds",
+]
+
+#: Every hybridmem socket's name starts with this, after the abstract namespace's NUL.
+PREFIX = b"hybridmem-fd-"
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+Credentials = tuple[int, int, int]
+
+
+def new_address() -> bytes:
+    """Return a fresh, unguessable abstract-namespace address (128 random bits)."""
+    return b"\0" + PREFIX + secrets.token_hex(16).encode()
+
+
+def listen(address: bytes, backlog: int = 16) -> socket.socket:
+    """Bind a non-blocking ``SOCK_SEQPACKET`` listener at ``address``.
+
+    Raises:
+        OSError: the address is taken (EADDRINUSE) or sockets are not allowed.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(address)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def connect(address: bytes, timeout: float | None) -> socket.socket:
+    """Connect to ``address``; every later call on the socket has ``timeout`` seconds.
+
+    Raises:
+        ConnectionRefusedError, FileNotFoundError: nobody listens there.
+        TimeoutError: no answer within ``timeout``.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def peer_credentials(sock: socket.socket) -> Credentials:
+    """Return the connected peer's ``(pid, uid, gid)``, as the kernel saw them at connect.
+
+    The pid is in this process's pid namespace (0 when the peer's is not visible).
+    """
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    pid, uid, gid = _CREDENTIALS.unpack(raw)
+    return int(pid), int(uid), int(gid)
+
+
+def send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send one message with ``fds`` attached (they stay open here; close them after)."""
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.sendall(data)
+
+
+def receive_with_fds(sock: socket.socket, maxlen: int, maxfds: int) -> tuple[bytes, list[int]]:
+    """Receive one message and the fds that came with it (the caller closes them).
+
+    An empty message means the peer closed the connection.
+    """
+    data, fds, _flags, _addr = socket.recv_fds(sock, maxlen, maxfds)
+    return data, list(fds)
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close each fd, ignoring ones already closed."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
