@@ -663,3 +663,23 @@ def test_an_export_that_fails_in_the_pickler_is_logged(
     with hm.ipc_fd_sharing(), pytest.raises(hm.IpcUnavailableError):
         ForkingPickler.dumps(torch.ones(3))
     assert any("was not sent: not exportable" in r.getMessage() for r in caplog.records)
+
+
+def test_an_export_the_server_cannot_offer_closes_its_fds(monkeypatch: pytest.MonkeyPatch) -> None:
+    fds = [memfd(b"x"), memfd(b"y")]
+    storage = torch.zeros(4).untyped_storage()
+    monkeypatch.setattr(cuda_vmm, "has_vmm", lambda: True)
+    monkeypatch.setattr(cuda_vmm, "on_device", lambda index: contextlib.nullcontext(0))
+    monkeypatch.setattr(
+        export_module, "_export_pages", lambda t, s, i: ([(0x1000, 16)], list(fds), None, b"e")
+    )
+
+    def no_socket(export: fd_server.Export) -> bytes:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(fd_server, "offer", no_socket)
+    with pytest.raises(OSError, match="Too many open files"):
+        export_module._export_fd(torch.zeros(4), storage, 0, {}, None, None)
+    for fd in fds:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(fd)  # closed

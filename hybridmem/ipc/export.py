@@ -369,7 +369,11 @@ def _export_fd(
         deadline=None if timeout is None else time.monotonic() + timeout,
         consumer_pid=consumer_pid,
     )
-    socket_address = fd_server.offer(export)
+    try:
+        socket_address = fd_server.offer(export)
+    except BaseException:  # no socket: nothing may stay exported
+        export.drop()
+        raise
     logger.debug(
         "ipc_export: %s in %d pages offered by fd (consumer pid %s)",
         fmt_bytes(nbytes),
