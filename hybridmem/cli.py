@@ -38,6 +38,7 @@ from hybridmem._files import FileProblem, timeline_env_problem
 # Nothing here imports torch at module level: `hybridmem doctor` starts its IPC probe
 # first, so the probe's interpreters import torch while this one does.
 from hybridmem._version import __version__
+from hybridmem.engine.memory_saver import memory_saver_facts
 from hybridmem.ipc import _launch as _probe_launch
 
 if TYPE_CHECKING:
@@ -73,12 +74,6 @@ def _engine_notes(engines: dict[str, str | None], expandable_env: bool) -> list[
             f"vllm {engines['vllm']} with expandable_segments:True in the env: vLLM's sleep-mode "
             "pool asserts 'Expandable segments are not compatible with memory pool'. Keep the "
             "env off and turn them on for training only (hm.phase('train'))"
-        )
-    if engines.get("torch_memory_saver"):
-        notes.append(
-            f"torch_memory_saver {engines['torch_memory_saver']} refuses to start with "
-            "expandable segments: SGLang's memory saver needs them off while it runs "
-            "(hm.phase('rollout', backend='sglang'))"
         )
     return notes
 
@@ -160,6 +155,13 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         == "True"
     )
     notes.extend(_engine_notes(engines, expandable_env))
+    saver = memory_saver_facts(
+        expandable_effective=expandable_env, version=engines.get("torch_memory_saver")
+    )
+    report["torch_memory_saver"] = saver.as_dict() if saver else None
+    if saver is not None:
+        problems.extend(saver.problems)
+        notes.extend(saver.notes)
     if probe:
         caps = ipc_capabilities()
         report["ipc"] = _ipc_section(caps)
@@ -213,6 +215,10 @@ def _print_human(report: dict[str, Any]) -> None:
             print(f"  {key:34} {item['value']:>18}  [{item['source']}: {item['origin']}]")
     engines = report.get("engines", {})
     print("\nengines: " + ", ".join(f"{k} {v or '(not installed)'}" for k, v in engines.items()))
+    saver = report.get("torch_memory_saver")
+    if saver:
+        library = saver["preload_library"] or "none in LD_PRELOAD"
+        print(f"torch_memory_saver {saver['version']}: hook mode {saver['hook_mode']} ({library})")
     ipc = report.get("ipc")
     if ipc is not None:
 

@@ -147,7 +147,9 @@ def test_doctor_engine_versions_and_known_incompatibilities(
 
     monkeypatch.setattr(metadata, "version", version)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert main(["doctor", "--json", "--no-probe"]) == 0
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    # torch_memory_saver cannot start: blocking for SGLang, so the doctor fails
+    assert main(["doctor", "--json", "--no-probe"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["engines"] == {
         "vllm": "0.10.1",
@@ -155,7 +157,17 @@ def test_doctor_engine_versions_and_known_incompatibilities(
         "torch_memory_saver": "0.0.8",
     }
     assert any("Expandable segments are not compatible" in n for n in report["notes"])
-    assert any("torch_memory_saver 0.0.8 refuses" in n for n in report["notes"])
+    assert any("torch_memory_saver 0.0.8: PYTORCH_CUDA_ALLOC_CONF" in p for p in report["problems"])
+    saver = report["torch_memory_saver"]
+    assert (saver["version"], saver["hook_mode"], saver["refuses_to_start"]) == (
+        "0.0.8",
+        "torch",
+        True,
+    )
+    assert main(["doctor", "--no-probe"]) == 1
+    assert (
+        "torch_memory_saver 0.0.8: hook mode torch (none in LD_PRELOAD)" in capsys.readouterr().out
+    )
 
 
 # --------------------------------------------------------------------------- #
