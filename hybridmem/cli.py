@@ -304,6 +304,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the trainer's model: a transformers Llama if importable (auto), or torch modules",
     )
     bench.add_argument(
+        "--engine",
+        choices=["auto", "tms", "tms-torch", "handmade"],
+        default="auto",
+        help="the rollout engine's memory: torch_memory_saver regions in preload (tms) or "
+        "torch (tms-torch) hook mode, or by hand; auto: tms where it is installed",
+    )
+    bench.add_argument(
+        "--anatomy",
+        action="store_true",
+        help="record, at each KV wake, what each process's cache is made of and which "
+        "allocations hold it (into --json; slower)",
+    )
+    bench.add_argument(
         "--from-json",
         nargs="+",
         metavar="FILE",
@@ -346,6 +359,8 @@ def _run(args: argparse.Namespace) -> int:
             timeline=args.timeline,
             cycles=args.cycles,
             model=args.model,
+            engine=args.engine,
+            anatomy=args.anatomy,
         )
     if args.command == "plot":
         return _plot(args.timeline, args.output, args.title)

@@ -144,6 +144,7 @@ class FakeTorch:
             "synchronize": lambda i: self.events.append(f"sync:{i}"),
             "empty_cache": self.empty_cache,
             "ipc_collect": lambda: self.events.append("ipc_collect"),
+            "clear_blas_workspaces": lambda: True,
             "memory_stats": self.memory_stats,
             "mem_get_info": self.mem_get_info,
         }
@@ -206,7 +207,7 @@ class FakeTorch:
             dev.reserved = dev.allocated
 
     def gc_collect(self, generation: int = 2) -> int:
-        self.events.append("gc")
+        self.events.append("gc" if generation >= 2 else f"gc:{generation}")
         found = self.gc_results.pop(0) if self.gc_results else 0
         freed = self.gc_frees.pop(0) if self.gc_frees else 0
         for dev in self.devices.values():

@@ -15,10 +15,12 @@ def clean_env(**env: str) -> dict[str, str]:
     """This process's environment without allocator or hybridmem settings, plus ``env``.
 
     ``PYTORCH_*`` and ``HYBRIDMEM_*`` variables are dropped (each test states its
-    own), and the repository is put on ``PYTHONPATH``.
+    own), and the repository is put first on ``PYTHONPATH``.
     """
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "HYBRIDMEM_"))}
-    clean["PYTHONPATH"] = str(REPO)
+    # The repository first; what was on the path stays (wheels carried to a GPU host).
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    clean["PYTHONPATH"] = os.pathsep.join([str(REPO), *kept])
     clean.update(env)
     return clean
 

@@ -216,3 +216,52 @@ def test_scoped_release_runs_on_exception(fake_gpu: FakeTorch) -> None:
 def test_scoped_bad_input(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         hm.cache_released(**kwargs)  # type: ignore[call-overload]
+
+
+def test_young_collection_collects_generations_0_and_1(fake_gpu: FakeTorch) -> None:
+    report = hm.release_cache(collect_garbage="young")
+    assert fake_gpu.events == ["sync:0", "gc:1", "ipc_collect", "empty_cache"]
+    assert report.gc_rounds == 1
+    with pytest.raises(TypeError, match="collect_garbage must be True, False or 'young'"):
+        hm.release_cache(collect_garbage="old")  # type: ignore[arg-type]
+
+
+def test_the_gate_pays_a_full_pass_only_when_memory_stayed(fake_gpu: FakeTorch) -> None:
+    from hybridmem.memory.release import GC_SLACK_BYTES, GarbageGate
+
+    gate = GarbageGate()
+    gate.release(None, "a")  # nothing to compare with yet
+    assert fake_gpu.events.count("gc") == 1
+    for _ in range(3):
+        fake_gpu.events.clear()
+        gate.release(None, "a")
+        assert fake_gpu.events.count("gc:1") == 1
+        assert "gc" not in fake_gpu.events
+    # A little more (under the slack) is not worth a full pass.
+    fake_gpu.devices[0].allocated += GC_SLACK_BYTES // 2
+    fake_gpu.events.clear()
+    gate.release(None, "a")
+    assert "gc" not in fake_gpu.events
+    # A planted cycle holding a gigabyte: the young pass misses it, the full one frees it.
+    fake_gpu.devices[0].allocated += GiB
+    fake_gpu.gc_results, fake_gpu.gc_frees = [0, 3], [0, GiB]
+    fake_gpu.events.clear()
+    report = gate.release(None, "a")
+    assert fake_gpu.events.index("gc:1") < fake_gpu.events.index("gc")
+    assert report.allocated_after == 2 * GiB + GC_SLACK_BYTES // 2
+    assert gate.full_passes == 2
+    gate.release(None, "b")  # another point of the cycle has its own reference
+    assert gate.full_passes == 3
+
+
+def test_blas_workspaces_go_before_the_cache_is_emptied(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import patch_seam
+
+    patch_seam(monkeypatch, "clear_blas_workspaces", lambda: fake_gpu.events.append("blas"))
+    hm.release_cache()
+    assert fake_gpu.events == ["sync:0", "gc", "ipc_collect", "blas", "empty_cache"]
+    fake_gpu.events.clear()
+    hm.release_cache(sync=False)  # kernels may still use them: kept
+    assert "blas" not in fake_gpu.events

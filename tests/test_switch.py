@@ -418,6 +418,39 @@ def test_stage_report_formatting() -> None:
         report.stage("sleep")
 
 
+def test_switch_collects_young_generations_and_a_full_pass_only_when_memory_stays(
+    trainer: FakeTorch,
+) -> None:
+    switch, _ = make(trainer)  # the default: "adaptive"
+    assert switch.collect_garbage == "adaptive"
+    # The first switch has nothing to compare with: a full pass at each release point
+    # (to rollout: after the offload and after the weight sync).
+    switch.to_rollout()
+    assert trainer.events.count("gc:1") == 2
+    assert trainer.events.count("gc") == 2
+    switch.to_trainer()
+    for _ in range(3):  # memory comes back as before: young generations only
+        trainer.events.clear()
+        switch.to_rollout()
+        assert trainer.events.count("gc:1") == 2
+        assert "gc" not in trainer.events
+        trainer.events.clear()
+        switch.to_trainer()
+        assert "gc" not in trainer.events
+    # A reference cycle holds 1 GiB that only a full pass frees: it is found.
+    held = trainer.devices[0].allocated
+    trainer.devices[0].allocated += GiB
+    trainer.gc_results = [0, 7]  # the young pass finds nothing, the full one the cycle
+    trainer.gc_frees = [0, GiB]
+    trainer.events.clear()
+    switch.to_rollout()
+    assert trainer.events.count("gc:1") == 2
+    assert "gc" in trainer.events  # after the offload, where memory stayed
+    assert trainer.events.index("gc:1") < trainer.events.index("gc")
+    assert switch.garbage.full_passes == 4  # the first cycle's 3 release points, then this
+    assert trainer.devices[0].allocated == held  # the cycle's gigabyte is back
+
+
 def test_switch_without_garbage_collection(trainer: FakeTorch) -> None:
     switch, _ = make(trainer, collect_garbage=False)
     with switch.rollout():
@@ -430,12 +463,14 @@ def test_switch_without_garbage_collection(trainer: FakeTorch) -> None:
         pass
     assert trainer.events.count("gc") >= 5
     for bad in (1, 0, "always", None):
-        with pytest.raises(TypeError, match="collect_garbage must be True, False or 'once'"):
+        with pytest.raises(
+            TypeError, match="collect_garbage must be True, False, 'once' or 'adaptive'"
+        ):
             make(trainer, collect_garbage=bad)
 
 
 def test_switch_collects_garbage_once_per_direction(trainer: FakeTorch) -> None:
-    switch, _ = make(trainer)  # the default: "once"
+    switch, _ = make(trainer, collect_garbage="once")
     assert switch.collect_garbage == "once"
     for _ in range(3):
         trainer.events.clear()

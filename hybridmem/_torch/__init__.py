@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from hybridmem._torch.device import (
+    clear_blas_workspaces,
     cuda_available,
     cuda_built,
     cuda_initialized,
@@ -69,6 +70,7 @@ from hybridmem._torch.settings import (
     GETTER,
     NEW_SETTER,
     last_allocator_settings,
+    record_memory_history,
     runtime_allocator_backend,
     set_allocator_settings,
     settings_setter_name,
@@ -100,6 +102,7 @@ from hybridmem._torch.version import (
 
 __all__ = [
     "api_report",
+    "clear_blas_workspaces",
     "copy_many",
     "cuda_available",
     "cuda_built",
@@ -137,6 +140,7 @@ __all__ = [
     "pin_host_tensor",
     "process_rank",
     "record_event",
+    "record_memory_history",
     "resize_storage",
     "runtime_allocator_backend",
     "set_allocator_settings",

@@ -76,6 +76,27 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def clear_blas_workspaces() -> bool:
+    """Free the cuBLAS workspaces torch keeps per handle and stream; False if impossible.
+
+    torch allocates a workspace (32 MiB on Hopper: ``CUBLAS_WORKSPACE_CONFIG``'s
+    default ``:4096:8``) through its caching allocator at the first matmul on a
+    stream and keeps it for the process's life. A workspace allocated while a large
+    segment had room lands inside it and keeps the whole segment from being
+    released: on the H200 bench, one 32 MiB workspace pinned an 852 MiB classic
+    segment (820 MiB of cache that ``empty_cache`` could not return). The next
+    matmul allocates a new one. ``torch._C._cuda_clearCublasWorkspaces`` (torch
+    1.13+, private; what CUDA-graph capture uses). Call it only when no kernel that
+    uses a workspace is queued (after a synchronise) and no other thread runs
+    matmuls.
+    """
+    fn = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if not cuda_initialized() or not callable(fn):
+        return False
+    fn()
+    return True
+
+
 def ipc_collect() -> None:
     """Release memory held for tensors shared over CUDA IPC that consumers dropped."""
     if cuda_initialized():

@@ -1,10 +1,12 @@
 """The bench's rollout engine: a process that sleeps, wakes and generates on the same GPU.
 
 It holds a copy of the trainer's weights and a KV cache of a fixed fraction of the
-device, frees both when it sleeps (like vLLM's sleep mode or SGLang's memory saver)
-and takes them back when it wakes: the KV cache it obtains is what the trainer's
-switch left it. Weights arrive three ways: per-tensor CUDA IPC exports, a fresh
-exported buffer per batch, or a :class:`hybridmem.WeightBucket`.
+device, frees both when it sleeps and takes them back when it wakes, the way SGLang
+does: in torch_memory_saver regions, paused and resumed by tag (or, where that is
+not installed, by hand: see :mod:`hybridmem.bench.engine_memory`). The KV cache it
+obtains is what the trainer's switch left it. Weights arrive three ways: per-tensor
+CUDA IPC exports, a fresh exported buffer per batch, or a
+:class:`hybridmem.WeightBucket`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 import torch
 
 from hybridmem import _torch
-from hybridmem.engine.backends.adapters import EngineAdapter
+from hybridmem.bench.anatomy import cache_anatomy
+from hybridmem.bench.engine_memory import make_engine_memory
 from hybridmem.ipc._wire import Peer, recv_within
 from hybridmem.ipc.receiver import BucketReceiver
 from hybridmem.observe.memory import memory_info
@@ -51,18 +54,6 @@ class BoundedConn:
 
 GiB = 2**30
 Weights = dict[str, torch.Tensor]
-
-
-def _kv_cache(target: int) -> tuple[torch.Tensor | None, int]:
-    """Allocate up to ``target`` bytes, stepping down by 1 GiB on OOM."""
-    size = target // GiB * GiB
-    while size > 0:
-        try:
-            return torch.empty(size, dtype=torch.uint8, device="cuda"), size
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            size -= GiB
-    return None, 0
 
 
 def _sync_bucket(receiver: BucketReceiver, conn: Connection, weights: Weights) -> None:
@@ -109,7 +100,14 @@ def _generate(weights: Weights, kv: torch.Tensor, width: int) -> None:
     torch.cuda.synchronize()
 
 
-def serve(conn: Connection, device: int, kv_target: int, shapes: dict[str, Any]) -> None:
+def serve(
+    conn: Connection,
+    device: int,
+    kv_target: int,
+    shapes: dict[str, Any],
+    memory_kind: str = "handmade",
+    anatomy: bool = False,
+) -> None:
     """The engine process's loop (the target of a ``spawn`` process).
 
     Each command runs in its own function: a loop variable left in this frame (a
@@ -117,11 +115,12 @@ def serve(conn: Connection, device: int, kv_target: int, shapes: dict[str, Any])
     sleep, and its memory would show up as the engine's cache after the next wake.
     """
     torch.cuda.set_device(device)
+    if anatomy:
+        _torch.record_memory_history(True)
     torch.zeros(1, device="cuda")
-    weights: Weights | None = None
-    kv: torch.Tensor | None = None
+    memory = make_engine_memory(memory_kind, shapes, kv_target, device)
     receiver: BucketReceiver | None = None
-    conn.send(("ready", torch.cuda.memory_reserved()))
+    conn.send(("ready", torch.cuda.memory_reserved(), memory.name))
     while True:
         command, *args = conn.recv()
         answer: tuple[Any, ...] = ("ok",)
@@ -129,52 +128,50 @@ def serve(conn: Connection, device: int, kv_target: int, shapes: dict[str, Any])
             conn.send(answer)
             return
         if command == "wake":
-            obtained = 0
-            if "weights" in args[0]:
-                weights = {
-                    name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-                    for name, (shape, dtype) in shapes.items()
-                }
-            if "kv_cache" in args[0]:
-                kv, obtained = _kv_cache(kv_target)
-            answer = ("ok", obtained)
+            answer = ("ok", memory.wake(list(args[0])))
         elif command == "sleep":
-            weights = kv = None
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            memory.sleep()
         elif command == "stats":
-            answer = ("ok", torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+            answer = ("ok", *memory.held())
+        elif command == "anatomy":
+            answer = ("ok", cache_anatomy())
         elif command == "bucket":
             receiver = BucketReceiver(args[0])
         elif command == "sync_bucket":
             assert receiver is not None
-            assert weights is not None
-            _sync_bucket(receiver, conn, weights)
+            assert memory.weights is not None
+            _sync_bucket(receiver, conn, memory.weights)
             torch.cuda.synchronize()
         elif command == "sync_tensors":
-            assert weights is not None
-            _sync_tensors(args[0], weights, device)
+            assert memory.weights is not None
+            _sync_tensors(args[0], memory.weights, device)
         elif command == "sync_fresh":
-            assert weights is not None
-            _sync_fresh(conn, weights, device)
+            assert memory.weights is not None
+            _sync_fresh(conn, memory.weights, device)
         elif command == "generate":
-            assert weights is not None
-            assert kv is not None
+            assert memory.weights is not None
+            assert memory.kv is not None
             started = time.perf_counter()
-            _generate(weights, kv, int(args[0]))
+            _generate(memory.weights, memory.kv, int(args[0]))
             answer = ("ok", time.perf_counter() - started)
         else:
             answer = ("error", f"unknown command {command!r}")
         conn.send(answer)
 
 
-class EngineClient(EngineAdapter):
-    """The trainer's handle on the engine process; measures hand-back before the KV wake."""
+class EngineClient:
+    """The trainer's handle on the engine process, with SGLang's method names.
 
-    name = "bench"
+    ``release_memory_occupation()`` and ``resume_memory_occupation(tags)``, as an
+    ``sglang.Engine`` has them, so strategies drive it through
+    :class:`hybridmem.SGLangEngine`; the hand-back is measured before the KV wake.
+    """
 
-    def __init__(self, conn: BoundedConn, context_bytes: int, total_bytes: int) -> None:
-        super().__init__(conn, ())
+    def __init__(
+        self, conn: BoundedConn, context_bytes: int, total_bytes: int, *, anatomy: bool = False
+    ) -> None:
+        self.anatomy = anatomy
+        self.last_anatomy: dict[str, Any] = {}
         self.conn = conn
         self.context_bytes = context_bytes
         self.total_bytes = total_bytes
@@ -192,8 +189,9 @@ class EngineClient(EngineAdapter):
             raise RuntimeError(f"engine answered {answer!r}")
         return tuple(answer)
 
-    def wake_up(self, tags: Any) -> None:
-        tags = list(tags)
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Wake ``tags`` (``weights``, ``kv_cache``; None: both); measure before the KV."""
+        tags = list(tags) if tags is not None else ["weights", "kv_cache"]
         if "kv_cache" in tags:
             _, engine_allocated, engine_reserved = self.call("stats")
             torch.cuda.synchronize()
@@ -215,9 +213,15 @@ class EngineClient(EngineAdapter):
                 "engine_cached": engine_reserved - engine_allocated,
                 "context_growth": context - self.context_bytes,
             }
+            if self.anatomy:  # what those caches are made of, and who holds them
+                self.last_anatomy = {
+                    "trainer": cache_anatomy(),
+                    "engine": self.call("anatomy")[1],
+                }
         answer = self.call("wake", tags)
         if "kv_cache" in tags:
             self.last_kv = int(answer[1])
 
-    def sleep(self) -> None:
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Put the engine to sleep (its regions paused, or its tensors freed)."""
         self.call("sleep")

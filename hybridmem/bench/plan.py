@@ -8,12 +8,14 @@ from typing import Any
 from hybridmem._checks import check_number
 from hybridmem.observe.leakwatch import slope
 
-__all__ = ["MODELS", "STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]
+__all__ = ["ENGINES", "MODELS", "STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]
 
 #: The three ways of switching that the bench compares.
 STRATEGIES = ("naive", "handrolled", "hybridmem")
 #: Which trainer model to build (see :class:`BenchPlan`).
 MODELS = ("auto", "torch", "transformers")
+#: Where the rollout engine keeps its memory (``hybridmem.bench.engine_memory``).
+ENGINES = ("auto", "tms", "tms-torch", "handmade")
 GiB = 2**30
 # fp32 parameters, gradients and two AdamW moments: 16 bytes per parameter.
 _STATE_BYTES_PER_PARAM = 16
@@ -37,6 +39,12 @@ class BenchPlan:
     #: ``"auto"`` (transformers' Llama when importable, else torch's modules),
     #: ``"torch"`` or ``"transformers"``.
     model: str = "auto"
+    #: the rollout engine's memory (``ENGINE_MEMORIES``): ``"auto"`` is
+    #: torch_memory_saver in preload mode where it is installed, else hand-made.
+    engine: str = "auto"
+    #: record where allocations were made, and at each KV wake what each process's
+    #: cache is made of (``raw["anatomy"]``); slows the run (diagnostics).
+    anatomy: bool = False
 
     @property
     def params(self) -> int:
@@ -54,7 +62,12 @@ class BenchPlan:
 
 
 def plan(
-    total_bytes: int, *, quick: bool, cycles: int | None = None, model: str = "auto"
+    total_bytes: int,
+    *,
+    quick: bool,
+    cycles: int | None = None,
+    model: str = "auto",
+    engine: str = "auto",
 ) -> BenchPlan:
     """Size the engine from the device's memory.
 
@@ -68,9 +81,13 @@ def plan(
             window over which drift is judged).
         cycles: override the number of cycles (at least 2: drift needs two points).
         model: the trainer's model: ``"auto"``, ``"torch"`` or ``"transformers"``.
+        engine: the rollout engine's memory: ``"auto"``, ``"tms"`` (torch_memory_saver,
+            preload mode), ``"tms-torch"`` (its torch mode) or ``"handmade"``.
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     check_number("total_bytes", total_bytes, above=0)
     if cycles is not None:
         check_number("cycles", cycles, integer=True, expected="an int or None")
@@ -96,6 +113,7 @@ def plan(
         kv_fraction=0.5,
         bucket_bytes=256 << 20,
         model=model,
+        engine=engine,
     )
 
 
@@ -128,6 +146,13 @@ class Figures:
     missing: list[dict[str, int]] = field(default_factory=list)
     #: the model the trainer built (e.g. ``"transformers LlamaForCausalLM"``).
     model: str = ""
+    #: the engine that ran (``"torch_memory_saver (preload)"``, ``"handmade"``).
+    engine: str = ""
+    #: with ``BenchPlan.anatomy``: per cycle, the trainer's and the engine's cache
+    #: anatomy at the KV wake (``hybridmem.bench.anatomy.cache_anatomy``).
+    anatomy: list[dict[str, Any]] = field(default_factory=list)
+    #: per cycle, bytes the engine kept cached once asleep (outside paused regions).
+    engine_cached_after_sleep: list[int] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
@@ -142,6 +167,7 @@ class Figures:
         return {
             "strategy": self.strategy,
             "model": self.model,
+            "engine": self.engine,
             "cycles": self.cycles,
             "kv_obtained_gib": (median([float(k) for k in self.kv_obtained]) or 0) / GiB,
             "kv_target_gib": self.kv_target / GiB,
@@ -158,6 +184,18 @@ class Figures:
             if len(steady) >= 2
             else None,
             "overhead_s": median(self.overhead_s),
+            "trainer_cached_mib": (
+                median([float(m["trainer_cached"]) for m in self.missing]) or 0.0
+            )
+            / 2**20
+            if self.missing
+            else None,
+            "engine_cached_after_sleep_mib": (
+                median([float(v) for v in self.engine_cached_after_sleep]) or 0.0
+            )
+            / 2**20
+            if self.engine_cached_after_sleep
+            else None,
             "missing_mib": {
                 key: (median([float(m[key]) for m in self.missing]) or 0.0) / 2**20
                 for key in (self.missing[0] if self.missing else {})

@@ -8,6 +8,7 @@ as one JSON line (progress goes to stderr as ``progress I N`` lines).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
@@ -105,10 +106,15 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     import torch.multiprocessing as mp
 
     from hybridmem.bench.engine import BoundedConn, EngineClient, serve
+    from hybridmem.bench.engine_memory import preload_env, resolve
     from hybridmem.bench.strategies import make_strategy
 
     torch.manual_seed(0)
     torch.set_float32_matmul_precision("high")  # TF32, as trainers run fp32 weights
+    if p.anatomy:
+        from hybridmem import _torch
+
+        _torch.record_memory_history(True)
     device = torch.cuda.current_device()
     torch.zeros(1, device="cuda")
     total = torch.cuda.mem_get_info()[1]
@@ -122,16 +128,19 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     # The engine process records nothing (it would write the trainer's file).
     os.environ.pop(_timeline.TIMELINE_ENV, None)
     conn, child = ctx.Pipe()
+    memory_kind = resolve(p.engine)
     engine_process = ctx.Process(
-        target=serve, args=(child, device, int(total * p.kv_fraction), shapes)
+        target=serve,
+        args=(child, device, int(total * p.kv_fraction), shapes, memory_kind, p.anatomy),
     )
-    engine_process.start()
+    with preload_env(memory_kind):  # SGLang's engine runs with TMS's LD_PRELOAD
+        engine_process.start()
     bounded = BoundedConn(conn, engine_process.pid)
-    _, engine_reserved = bounded.recv()
+    _, engine_reserved, engine_name = bounded.recv()
     torch.cuda.synchronize()
     free = torch.cuda.mem_get_info()[0]
     context = total - free - torch.cuda.memory_reserved() - engine_reserved
-    engine = EngineClient(bounded, context, total)
+    engine = EngineClient(bounded, context, total, anatomy=p.anatomy)
 
     def train() -> None:
         for _ in range(p.train_steps):
@@ -153,6 +162,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
         name, p.cycles, int(total * p.kv_fraction), [], [], [], [], [], 0.0, [], [], [], [], []
     )
     figures.model = model_name
+    figures.engine = engine_name
     figures.pinned_gbps = _pinned_ceiling(
         sum(
             t.nbytes
@@ -210,6 +220,8 @@ def _cycle(
         figures.kv_obtained.append(engine.last_kv)
         figures.handback.append(engine.last_handback)
         figures.missing.append(dict(engine.last_missing))
+        if engine.last_anatomy:
+            figures.anatomy.append(engine.last_anatomy)
         engine_before = engine.engine_seconds
         with _step("generate"):
             engine.call("generate", p.d_model)
@@ -224,6 +236,8 @@ def _cycle(
             figures.offload_gbps.append(out.copy_bytes / out.copy_s / 1e9)
         work = out.copy_s + back.copy_s + out.sync_s + engine.engine_seconds - generate
         figures.overhead_s.append(max(0.0, to_rollout + to_trainer - work))
+        _, asleep_allocated, asleep_reserved = engine.call("stats")  # untimed: asleep now
+        figures.engine_cached_after_sleep.append(asleep_reserved - asleep_allocated)
     except torch.OutOfMemoryError as exc:
         figures.errors.append(f"cycle {cycle}: {str(exc).splitlines()[0]}")
         torch.cuda.empty_cache()
@@ -282,6 +296,8 @@ def bench(
     timeline: str | None = None,
     cycles: int | None = None,
     model: str = "auto",
+    engine: str = "auto",
+    anatomy: bool = False,
 ) -> int:
     """``hybridmem bench``: run the strategies, print the table and verdicts; exit code.
 
@@ -294,6 +310,9 @@ def bench(
             (and ``.trace.json``), for ``hybridmem plot``.
         cycles: override the plan's number of cycles.
         model: the trainer's model (``MODELS``).
+        engine: the rollout engine's memory (``ENGINES``; ``auto``: torch_memory_saver
+            where installed).
+        anatomy: record what each process's cache is made of at every KV wake.
     """
     from hybridmem import _torch
 
@@ -313,12 +332,21 @@ def bench(
 
     # The device's size without creating a context here (the children do the work).
     total = torch.cuda.get_device_properties(device_index(None)).total_memory
-    p = plan(int(total), quick=quick, cycles=cycles, model=model)
+    from hybridmem.bench.engine_memory import resolve
+
+    try:
+        engine_kind = resolve(engine)
+    except (RuntimeError, ValueError) as exc:
+        print(f"hybridmem bench: {exc}", file=sys.stderr)
+        return 2
+    p = plan(int(total), quick=quick, cycles=cycles, model=model, engine=engine_kind)
+    if anatomy:
+        p = dataclasses.replace(p, anatomy=True)
     print(
         f"bench plan: {p.params / 1e6:.0f} M parameters "
         f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
         f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps, "
-        f"model {p.model}"
+        f"model {p.model}, engine {engine_kind}"
     )
     started = time.perf_counter()
     results = {name: _child(name, p, timeline) for name in strategies}
@@ -420,9 +448,11 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
     for name, row in rows.items():
         p = plans.get(name) or {}
         model = f", {row['model']}" if row.get("model") else ""
+        engine = f", engine {row['engine']}" if row.get("engine") else ""
         print(
             f"{name}: {row.get('cycles')} cycles, {p.get('params', 0) / 1e6:.0f} M parameters"
             + model
+            + engine
         )
     judged = verdicts(rows, {name: results[name].get("raw") for name in rows})
     print("\n" + "\n".join(format_table(rows)))

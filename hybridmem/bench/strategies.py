@@ -6,8 +6,13 @@
   torch's raw setter (which drops the user's other settings), a 3-round
   ``gc.collect()`` + ``empty_cache`` loop around each step, ``non_blocking`` ``.to``
   offload, a fresh exported buffer for every weight-sync batch.
-- ``hybridmem``: ``phase("train")``, an :class:`~hybridmem.Offloader`, a
-  :class:`~hybridmem.WeightBucket` and a :class:`~hybridmem.HybridSwitch`.
+- ``hybridmem``: ``phase("train", backend="sglang")``, an
+  :class:`~hybridmem.Offloader`, a :class:`~hybridmem.WeightBucket` and a
+  :class:`~hybridmem.HybridSwitch` with the ``sglang`` backend.
+
+Every strategy drives the engine through :class:`hybridmem.SGLangEngine`: the bench's
+engine speaks SGLang's memory API and keeps its memory as SGLang does (see
+:mod:`hybridmem.bench.engine_memory`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 from hybridmem import _torch
 from hybridmem.bench.engine import EngineClient
 from hybridmem.bench.plan import BenchPlan
-from hybridmem.engine.backends.adapters import EngineAdapter
+from hybridmem.engine.backends.adapters import EngineAdapter, SGLangEngine
 from hybridmem.engine.phases import phase
 from hybridmem.engine.switch import HybridSwitch
 from hybridmem.ipc._plan import plan_batches
@@ -66,6 +71,7 @@ class Strategy:
         self.model = model
         self.optimizer = optimizer
         self.engine = engine
+        self.adapter = SGLangEngine(engine)  # the engine speaks SGLang's memory API
 
     def train_scope(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -127,13 +133,13 @@ class Naive(Strategy):
     def to_rollout(self) -> Moved:
         moved = self._move_optimizer("cpu", non_blocking=False)
         torch.cuda.empty_cache()
-        self.engine.wake_up(["weights"])
+        self.adapter.wake_up(["weights"])
         moved.sync_s = self._sync_per_tensor()
-        self.engine.wake_up(["kv_cache"])
+        self.adapter.wake_up(["kv_cache"])
         return moved
 
     def to_trainer(self) -> Moved:
-        self.engine.sleep()
+        self.adapter.sleep()
         return self._move_optimizer("cuda", non_blocking=False)
 
 
@@ -154,14 +160,14 @@ class Handrolled(Strategy):
         _torch.set_allocator_settings("expandable_segments:False")
         moved = self._move_optimizer("cpu", non_blocking=True)
         _aggressive_empty_cache()
-        self.engine.wake_up(["weights"])
+        self.adapter.wake_up(["weights"])
         moved.sync_s = self._sync_fresh_buffers()
         _aggressive_empty_cache()
-        self.engine.wake_up(["kv_cache"])
+        self.adapter.wake_up(["kv_cache"])
         return moved
 
     def to_trainer(self) -> Moved:
-        self.engine.sleep()
+        self.adapter.sleep()
         _aggressive_empty_cache()
         return self._move_optimizer("cuda", non_blocking=True)
 
@@ -175,7 +181,7 @@ class Hybridmem(Strategy):
         self.bucket = WeightBucket(self.plan.bucket_bytes, fallback="raise")
         self.engine.call("bucket", self.bucket.handle)
         self.switch = HybridSwitch(
-            self.engine, "default", self.offloader, sync_weights=self._sync, barrier=None
+            self.adapter, "sglang", self.offloader, sync_weights=self._sync, barrier=None
         )
         self._sync_s = 0.0
 
@@ -189,7 +195,7 @@ class Hybridmem(Strategy):
         self._sync_s = time.perf_counter() - started
 
     def train_scope(self) -> contextlib.AbstractContextManager[Any]:
-        return phase("train", backend="default")
+        return phase("train", backend="sglang")
 
     def to_rollout(self) -> Moved:
         report = self.switch.to_rollout()

@@ -53,7 +53,7 @@ from hybridmem.engine.ranks import (
 )
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.memory.offload import Offloader
-from hybridmem.memory.release import release_cache
+from hybridmem.memory.release import GarbageGate, release_cache
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo, memory_info
 
@@ -171,14 +171,18 @@ class HybridSwitch:
             ``confirm`` saying how much is free and needed, and the trainer state
             stays offloaded (intact, retrievable) rather than reloading into memory
             that cannot hold it.
-        collect_garbage: when releases run a ``gc.collect()`` pass: ``"once"``
-            (default) in the first release of each direction (after the offload;
-            after the engine sleeps), which frees what reference cycles held
-            before memory changes hands; ``True`` in every release (five per
-            cycle, the switch's own and its recipes'); ``False`` never (when no
-            reference cycle holds device memory). A pass costs tens to hundreds of
-            milliseconds in a trainer process; a release without one, well under
-            a millisecond plus the driver's frees.
+        collect_garbage: when releases run a ``gc.collect()`` pass:
+            ``"adaptive"`` (default): the switch's own release of each direction
+            (after the offload; after the engine sleeps) collects the young
+            generations, and a full pass only when more device memory stayed
+            allocated than after the last release at that point
+            (:class:`~hybridmem.memory.release.GarbageGate`): a planted reference
+            cycle holding device memory is still freed, an idle release costs
+            milliseconds; ``"once"``: a full pass in the first release of each
+            direction; ``True`` in every release (five per cycle, the switch's own
+            and its recipes'); ``False`` never. A full pass costs tens to hundreds
+            of milliseconds in a trainer process; a release without one, well
+            under a millisecond plus the driver's frees.
         device: the device to measure and release (None: the current device at each
             stage); an index, ``"cuda:N"`` or a ``torch.device``.
 
@@ -201,7 +205,7 @@ class HybridSwitch:
         barrier: Barrier | RankSync | Literal["auto"] | None = "auto",
         confirm_timeout_s: float = 5.0,
         device: DeviceArg = None,
-        collect_garbage: bool | Literal["once"] = "once",
+        collect_garbage: bool | Literal["once", "adaptive"] = "adaptive",
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         self.engine = _adapter(engine, self.profile)
@@ -230,12 +234,15 @@ class HybridSwitch:
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
-        if not (isinstance(collect_garbage, bool) or collect_garbage == "once"):
+        if not (isinstance(collect_garbage, bool) or collect_garbage in ("once", "adaptive")):
             raise TypeError(
-                f"collect_garbage must be True, False or 'once', got {collect_garbage!r}"
+                "collect_garbage must be True, False, 'once' or 'adaptive', got "
+                f"{collect_garbage!r}"
             )
-        self.collect_garbage: bool | Literal["once"] = collect_garbage
+        self.collect_garbage: bool | Literal["once", "adaptive"] = collect_garbage
         self._collected = False  # a gc pass ran (or is planned) in this direction
+        self.garbage = GarbageGate()  # "adaptive": young first, full when memory stayed
+        self._heading = "to_rollout"  # the direction being switched
         self.device = None if device is None else device_index(device)
         self.rank = _torch.process_rank()
         self.reports: list[SwitchReport] = []
@@ -322,13 +329,21 @@ class HybridSwitch:
 
     def _gc_now(self) -> bool:
         """Whether the next release collects garbage (and count it as done)."""
+        if self.collect_garbage == "adaptive":
+            return False  # the recipes' releases: the switch's own use the gate
         if self.collect_garbage == "once":
             first = not self._collected
             self._collected = True
             return first
         return bool(self.collect_garbage)
 
-    def _release(self) -> Awaitable[Any] | None:
+    def _release(self, point: str = "release") -> Awaitable[Any] | None:
+        if self.collect_garbage == "adaptive":
+            key = f"{self._heading}:{point}"  # like is compared with like
+            if self._async_mode:  # a full pass takes tens of milliseconds: off the loop
+                return asyncio.to_thread(self.garbage.release, self.device, key)
+            self.garbage.release(self.device, key)
+            return None
         gc = self._gc_now()
         if self._async_mode:  # a gc pass takes tens of milliseconds: off the loop
             return asyncio.to_thread(release_cache, self.device, collect_garbage=gc)
@@ -345,7 +360,7 @@ class HybridSwitch:
 
     def _free_staging(self) -> object:
         # weight_sync: its recipe collects IPC leftovers and releases
-        return self._then(self._exit_phase(), self._release)
+        return self._then(self._exit_phase(), lambda: self._release("free_staging"))
 
     def _start_rollout(self) -> object:
         return self._then(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
@@ -596,6 +611,7 @@ class HybridSwitch:
         self, direction: Literal["to_rollout", "to_trainer"]
     ) -> list[tuple[str, Callable[[], object] | None]]:
         self._collected = False  # "once": one gc pass per direction
+        self._heading = direction  # "adaptive": the gate compares like with like
         return [(name, None if op is None else getattr(self, op)) for name, op in STAGES[direction]]
 
     def _start_stage(self, name: str) -> _Stage:

@@ -3,8 +3,9 @@
 Usage: ``python -m tests.gpu.switch_scenarios NAME``; the last line printed is a
 JSON object of facts. The toy engine runs in its own process, denied
 ``pidfd_getfd`` by a seccomp filter; it holds weights and a KV cache sized from
-device free memory, frees both when it sleeps and takes them back when it wakes,
-like an SGLang engine with the memory saver, and is driven through
+device free memory, in torch_memory_saver regions paused when it sleeps and
+resumed when it wakes, as SGLang's memory saver does (``toy_engine``), or by hand
+where torch_memory_saver is missing (``handmade_engine``), and is driven through
 ``hm.SGLangEngine`` over a pipe.
 """
 
@@ -43,60 +44,55 @@ def _model() -> torch.nn.Module:
     ).cuda()
 
 
-def _engine(conn: Connection, device: int, kv_fraction: float) -> None:
-    """The toy rollout engine: sleeps (frees) and wakes (allocates) weights and KV cache."""
+def _engine(conn: Connection, device: int, kv_fraction: float, kind: str) -> None:
+    """The toy rollout engine: sleeps (frees) and wakes (takes back) weights and KV cache."""
+    from hybridmem.bench.engine_memory import make_engine_memory
     from tests.seccomp import deny_pidfd_getfd
 
     deny_pidfd_getfd()
     torch.cuda.set_device(device)
     torch.zeros(1, device="cuda")
-    weights: dict[str, torch.Tensor] | None = None
-    kv: torch.Tensor | None = None
-    kv_bytes = 0
     receiver: hm.BucketReceiver | None = None
     template = {k: v.detach() for k, v in _model().state_dict().items()}
-    shapes = {k: (v.shape, v.dtype) for k, v in template.items()}
+    shapes = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in template.items()}
     del template
     torch.cuda.empty_cache()
+    memory = make_engine_memory(kind, shapes, 0, device)
     checks: list[float] = []
     while True:
         command = conn.recv()
         kind = command[0]
         if kind == "stop":
-            conn.send(("checks", checks))
+            conn.send(("checks", checks, memory.name))
             break
         if kind == "handle":
             receiver = hm.BucketReceiver(command[1])
             conn.send(("ok",))
         elif kind == "resume":
             tags = command[1] or ["weights", "kv_cache"]
-            if "weights" in tags:
-                weights = {
-                    k: torch.empty(s, dtype=d, device="cuda") for k, (s, d) in shapes.items()
-                }
-            if "kv_cache" in tags:
-                if not kv_bytes:  # sized once, from what the trainer handed back
-                    kv_bytes = int(torch.cuda.mem_get_info()[0] * kv_fraction) // MiB * MiB
-                kv = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda")
+            if "kv_cache" in tags and not memory.kv_target:
+                # sized once, from what the trainer handed back (whole GiB)
+                memory.kv_target = int(torch.cuda.mem_get_info()[0] * kv_fraction)
+            memory.wake(list(tags))
             conn.send(("ok",))
         elif kind == "release":
-            weights = kv = None
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            memory.sleep()
             conn.send(("ok",))
         elif kind == "sync":
             assert receiver is not None
-            assert weights is not None
-            for _ in receiver.receive(conn, out=weights):
+            assert memory.weights is not None
+            for _ in receiver.receive(conn, out=memory.weights):
                 pass
             conn.send(("ok",))
         elif kind == "generate":
+            weights, kv = memory.weights, memory.kv
             assert weights is not None
             assert kv is not None
             x = torch.randn(64, 2048, device="cuda")
             y = torch.nn.functional.gelu(x @ weights["0.weight"].t()) @ weights["2.weight"].t()
             kv[: 1 << 20].fill_(1)
             checks.append(float(weights["0.weight"].double().sum()))
+            del weights, kv  # no reference left in this frame through the next sleep
             conn.send(("ok", float(y.abs().mean())))
 
 
@@ -140,14 +136,18 @@ def _cycles(
     *,
     barrier: Any = "auto",
     delay: float = 0.0,
+    engine: str = "handmade",
 ) -> dict[str, Any]:
     """Run ``cycles`` train/rollout cycles against a toy engine on ``device``."""
+    from hybridmem.bench.engine_memory import preload_env
+
     torch.cuda.set_device(device)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     conn, child = _ctx.Pipe()
-    engine_process = _ctx.Process(target=_engine, args=(child, device, KV_FRACTION))
-    engine_process.start()
+    engine_process = _ctx.Process(target=_engine, args=(child, device, KV_FRACTION, engine))
+    with preload_env(engine):  # SGLang's engine runs with TMS's LD_PRELOAD
+        engine_process.start()
     client = ToyEngineClient(conn)
     bucket = hm.WeightBucket(16 * MiB, device)
     client._call("handle", bucket.handle)
@@ -191,7 +191,7 @@ def _cycles(
             {s.name: int(s.free_after or 0) for s in (*to_rollout.stages, *to_trainer.stages)}
         )
     client.conn.send(("stop",))
-    _, checks = conn.recv()
+    _, checks, engine_name = conn.recv()
     engine_process.join(timeout=60)
     bucket.close()
     reports = [
@@ -210,12 +210,13 @@ def _cycles(
         "times": reports,
         "last": [str(r) for r in last],
         "rank": switch.rank,
+        "engine": engine_name,
     }
 
 
-def toy_engine(cycles: int = 50) -> dict[str, Any]:
+def _fifty(engine: str, cycles: int = 50) -> dict[str, Any]:
     """50 cycles on one GPU: phase-boundary free memory stable, weights arrive intact."""
-    facts = _cycles(cycles, 0)
+    facts = _cycles(cycles, 0, engine=engine)
     boundaries = facts.pop("boundaries")
     drift = {
         stage: boundaries[-1][stage] - boundaries[1][stage] for stage in boundaries[0]
@@ -233,6 +234,16 @@ def toy_engine(cycles: int = 50) -> dict[str, Any]:
         free_after_reload=[b["reload"] for b in boundaries[::10]],
     )
     return facts
+
+
+def toy_engine() -> dict[str, Any]:
+    """The engine's weights and KV cache in torch_memory_saver regions (preload mode)."""
+    return _fifty("tms")
+
+
+def handmade_engine() -> dict[str, Any]:
+    """The fallback where torch_memory_saver is missing: tensors freed and made again."""
+    return _fifty("handmade")
 
 
 def _rank(rank: int, world: int, port: int, cycles: int, out: str, use_barrier: bool) -> None:
@@ -286,7 +297,11 @@ def ranks() -> dict[str, Any]:
     return {"with_barrier": with_barrier, "without_barrier": control}
 
 
-SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {"toy_engine": toy_engine, "ranks": ranks}
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "toy_engine": toy_engine,
+    "handmade_engine": handmade_engine,
+    "ranks": ranks,
+}
 
 if __name__ == "__main__":
     print(json.dumps(SCENARIOS[sys.argv[1]](), default=str))

@@ -1,18 +1,42 @@
-"""HybridSwitch with a real two-process toy engine (run on the H200; ranks on two GPUs)."""
+"""HybridSwitch with a real two-process toy engine (run on the H200; ranks on two GPUs).
+
+The engine keeps its weights and KV cache in torch_memory_saver regions, as SGLang
+does; the hand-made engine is the fallback, tested on its own.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from hybridmem.bench.engine_memory import available, preload_library
 from tests.gpu.test_allocator_gpu import run_scenario
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 MODULE = "tests.gpu.switch_scenarios"
+needs_tms = pytest.mark.skipif(
+    not (available() and preload_library()),
+    reason="needs torch_memory_saver 0.0.10 with its preload library (DEVELOPERS.md: carry "
+    "the wheel, pip install --target)",
+)
 
 
-def test_fifty_cycles_with_a_restricted_toy_engine() -> None:
+@needs_tms
+def test_fifty_cycles_with_a_restricted_engine_on_torch_memory_saver() -> None:
     facts = run_scenario("toy_engine", MODULE)
+    assert facts["engine"] == "torch_memory_saver (preload)"
+    _check_fifty(facts)
+
+
+def test_fifty_cycles_with_the_handmade_fallback_engine() -> None:
+    facts = run_scenario("handmade_engine", MODULE)
+    assert facts["engine"] == "handmade"
+    _check_fifty(facts)
+
+
+def _check_fifty(facts: dict[str, Any]) -> None:
     drift = {k: v / MiB for k, v in facts["drift_bytes"].items()}
     spread = {k: v / MiB for k, v in facts["spread_bytes"].items()}
     print(f"\ntoy_engine: drift MiB {drift}\nspread MiB {spread}")

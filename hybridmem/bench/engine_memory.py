@@ -1,0 +1,255 @@
+"""Where a rollout engine keeps its weights and KV cache: torch_memory_saver, or by hand.
+
+SGLang keeps both in torch_memory_saver (TMS) regions (tags ``weights`` and
+``kv_cache``): allocated once, freed by ``pause()`` in ``release_memory_occupation``
+and mapped again by ``resume()`` in ``resume_memory_occupation(tags)``, at the same
+addresses. :class:`SaverMemory` does exactly that, in TMS's ``preload`` hook mode
+(SGLang's default: the engine process starts with ``LD_PRELOAD`` of TMS's library,
+see :func:`preload_env`) or its ``torch`` mode. :class:`HandmadeMemory` is the
+fallback where TMS is missing: tensors freed and allocated again, the cache emptied.
+
+Both report what the engine holds *physically* (:meth:`EngineMemory.held`): torch
+counts a paused region as reserved and allocated, though its memory is back on the
+device; the trainer's hand-back figures need what is really held.
+
+Scope: one engine process; not thread-safe (the engine serves one command at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ENGINE_MEMORIES",
+    "EngineMemory",
+    "HandmadeMemory",
+    "SaverMemory",
+    "available",
+    "make_engine_memory",
+    "preload_env",
+    "preload_library",
+    "resolve",
+]
+
+#: What ``--engine`` accepts: TMS in either hook mode, the hand-made engine, or
+#: ``auto`` (TMS in preload mode when it is installed, else hand-made).
+ENGINE_MEMORIES = ("auto", "tms", "tms-torch", "handmade")
+GiB = 1 << 30
+Shapes = Mapping[str, tuple[tuple[int, ...], str]]
+
+
+def available() -> bool:
+    """Whether torch_memory_saver is importable here (never imports it)."""
+    return importlib.util.find_spec("torch_memory_saver") is not None
+
+
+def preload_library() -> str | None:
+    """TMS's preload library for this torch's CUDA major version (None: not installed).
+
+    The wheel ships one per CUDA major (``..._preload_cu12``, ``..._preload_cu13``)
+    beside the package folder; ``LD_PRELOAD`` must name exactly one.
+    """
+    spec = importlib.util.find_spec("torch_memory_saver")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))).parent
+    major = (torch.version.cuda or "").split(".")[0]
+    for pattern in (
+        f"torch_memory_saver_hook_mode_preload_cu{major}.*.so",
+        "torch_memory_saver_hook_mode_preload.*.so",
+    ):
+        found = sorted(folder.glob(pattern))
+        if found:
+            return str(found[0])
+    return None
+
+
+def resolve(kind: str) -> str:
+    """Turn ``auto`` into what will run here; check the others.
+
+    Raises:
+        ValueError: an unknown kind.
+        RuntimeError: ``tms``/``tms-torch`` asked for where TMS is not installed.
+    """
+    if kind not in ENGINE_MEMORIES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINE_MEMORIES)}, got {kind!r}")
+    if kind == "auto":
+        return "tms" if available() and preload_library() else "handmade"
+    if kind.startswith("tms") and not available():
+        raise RuntimeError(
+            f"engine {kind!r} needs torch_memory_saver: pip install torch-memory-saver "
+            "(or pass --engine handmade)"
+        )
+    return kind
+
+
+@contextlib.contextmanager
+def preload_env(kind: str) -> Iterator[None]:
+    """Set ``LD_PRELOAD`` for an engine process started inside (``tms`` only).
+
+    A ``spawn`` child execs a new interpreter with this process's environment, so the
+    variable reaches it; this process is not affected (the loader read it at exec).
+    """
+    if kind != "tms":
+        yield
+        return
+    library = preload_library()
+    if library is None:
+        raise RuntimeError("torch_memory_saver's preload library was not found")
+    before = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = f"{library}:{before}" if before else library
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
+class EngineMemory:
+    """An engine's weights and KV cache: wake by tags, sleep, say what is held."""
+
+    name = ""
+
+    def __init__(self, shapes: Shapes, kv_target: int, device: int) -> None:
+        self.shapes = dict(shapes)
+        self.kv_target = kv_target
+        self.device = device
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.kv: torch.Tensor | None = None
+        self.kv_bytes = 0
+
+    def _new_weights(self) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+            for name, (shape, dtype) in self.shapes.items()
+        }
+
+    def _new_kv(self, target: int) -> tuple[torch.Tensor | None, int]:
+        """Allocate up to ``target`` bytes, stepping down by 1 GiB on OOM."""
+        size = target // GiB * GiB
+        while size > 0:
+            try:
+                return torch.empty(size, dtype=torch.uint8, device="cuda"), size
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                size -= GiB
+        return None, 0
+
+    def wake(self, tags: list[str]) -> int:
+        """Take memory back for ``tags``; return the KV cache's bytes (0: no KV wake)."""
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Give the device memory back."""
+        raise NotImplementedError
+
+    def held(self) -> tuple[int, int]:
+        """``(allocated, reserved)`` bytes this engine holds on the device now."""
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+class HandmadeMemory(EngineMemory):
+    """The fallback engine: tensors freed on sleep (and the cache emptied), made on wake."""
+
+    name = "handmade"
+
+    def wake(self, tags: list[str]) -> int:
+        if "weights" in tags:
+            self.weights = self._new_weights()
+        if "kv_cache" in tags:
+            self.kv, self.kv_bytes = self._new_kv(self.kv_target)
+            return self.kv_bytes
+        return 0
+
+    def sleep(self) -> None:
+        self.weights = self.kv = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+class SaverMemory(EngineMemory):
+    """SGLang's way: weights and KV cache in TMS regions, paused and resumed by tag.
+
+    The regions are allocated at the first wake of each tag (the KV cache as large as
+    ``kv_target`` allows then, as SGLang sizes it at start-up), and resumed at the
+    same addresses after. Weights have no CPU backup (SGLang's default): the trainer
+    syncs them after every wake.
+    """
+
+    def __init__(self, shapes: Shapes, kv_target: int, device: int, *, hook_mode: str) -> None:
+        super().__init__(shapes, kv_target, device)
+        module: Any = importlib.import_module("torch_memory_saver")
+        self.saver = module.torch_memory_saver
+        if hook_mode == "torch":
+            self.saver.hook_mode = "torch"
+        self.name = f"torch_memory_saver ({hook_mode})"
+        self.hook_mode = hook_mode
+        self._paused: set[str] = set()
+        # What torch counts for each region (it keeps counting a paused one).
+        self._counted: dict[str, tuple[int, int]] = {}
+
+    def _in_region(self, tag: str, make: Any) -> Any:
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        with self.saver.region(tag=tag):
+            made = make()
+        torch.cuda.synchronize()
+        self._counted[tag] = (
+            torch.cuda.memory_allocated() - allocated,
+            torch.cuda.memory_reserved() - reserved,
+        )
+        return made
+
+    def wake(self, tags: list[str]) -> int:
+        obtained = 0
+        for tag in ("weights", "kv_cache"):
+            if tag not in tags:
+                continue
+            if tag in self._paused:
+                self.saver.resume(tag)
+                self._paused.discard(tag)
+            elif tag == "weights" and self.weights is None:
+                self.weights = self._in_region("weights", self._new_weights)
+            elif tag == "kv_cache" and self.kv is None:
+                self.kv, self.kv_bytes = self._in_region(
+                    "kv_cache", lambda: self._new_kv(self.kv_target)
+                )
+            if tag == "kv_cache":
+                obtained = self.kv_bytes
+        return obtained
+
+    def sleep(self) -> None:
+        torch.cuda.synchronize()
+        for tag in ("kv_cache", "weights"):  # SGLang's order
+            if tag in self._counted and tag not in self._paused:
+                self.saver.pause(tag)
+                self._paused.add(tag)
+        torch.cuda.empty_cache()  # what the engine made outside its regions
+
+    def held(self) -> tuple[int, int]:
+        allocated, reserved = super().held()
+        for tag in self._paused:
+            counted_allocated, counted_reserved = self._counted[tag]
+            allocated -= counted_allocated
+            reserved -= counted_reserved
+        return allocated, reserved
+
+
+def make_engine_memory(kind: str, shapes: Shapes, kv_target: int, device: int) -> EngineMemory:
+    """The engine memory for a resolved ``kind`` (see :func:`resolve`)."""
+    if kind == "handmade":
+        return HandmadeMemory(shapes, kv_target, device)
+    if kind in ("tms", "tms-torch"):
+        mode = "torch" if kind == "tms-torch" else "preload"
+        return SaverMemory(shapes, kv_target, device, hook_mode=mode)
+    raise ValueError(f"unknown engine memory {kind!r}")

@@ -1,0 +1,181 @@
+"""What each step of the sglang recipe buys, against the real torch_memory_saver (TMS).
+
+Usage: ``python -m tests.gpu.tms_scenarios NAME MODE`` (MODE ``preload`` or
+``torch``); the last line printed is a JSON object of facts. ``preload`` runs need
+``LD_PRELOAD`` of TMS's library in the process that allocates regions:
+:func:`run` sets it for the child it starts.
+
+- ``same``: one process trains with expandable segments on (``hm.phase("train",
+  backend="sglang")``) and then allocates engine regions three ways: still with
+  expandable segments on (the control), inside ``hm.phase("wake_up")`` and inside
+  ``hm.phase("rollout")`` of the sglang backend. Each region set (a 1 GiB KV cache,
+  256 MiB of weights with CPU backup) is paused and resumed: how much device memory
+  ``pause()`` gave back, whether ``resume()`` took it again, and whether the weights
+  came back intact.
+- ``other``: the trainer trains with expandable segments on and keeps its memory
+  while an engine process, started by it, runs the same three cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+import hybridmem as hm
+from hybridmem import _torch
+
+MiB = 1 << 20
+KV_BYTES = 1 << 30
+WEIGHT_BYTES = 256 * MiB
+
+
+def _saver(mode: str) -> Any:
+    import importlib
+
+    saver = importlib.import_module("torch_memory_saver").torch_memory_saver  # optional
+    if mode == "torch":
+        saver.hook_mode = "torch"
+    return saver
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def _case(saver: Any, name: str, scope: Any) -> dict[str, Any]:
+    """Allocate a KV region and a weights region under ``scope``; pause and resume them."""
+    with scope:
+        with saver.region(tag=f"kv_{name}"):
+            kv = torch.empty(KV_BYTES, dtype=torch.uint8, device="cuda")
+            kv.fill_(1)
+        with saver.region(tag=f"w_{name}", enable_cpu_backup=True):
+            weights = torch.full((WEIGHT_BYTES,), 7, dtype=torch.uint8, device="cuda")
+    out: dict[str, Any] = {
+        "kv_legacy_ipc": _torch.is_legacy_ipc_capable(kv),  # False: an expandable segment
+        "weights_legacy_ipc": _torch.is_legacy_ipc_capable(weights),
+    }
+    before = _free()
+    saver.pause(f"kv_{name}")
+    saver.pause(f"w_{name}")
+    paused = _free()
+    saver.resume(f"kv_{name}")
+    saver.resume(f"w_{name}")
+    resumed = _free()
+    out["freed_mib"] = (paused - before) / MiB
+    out["retaken_mib"] = (paused - resumed) / MiB
+    out["weights_intact"] = bool((weights == 7).all())
+    kv.fill_(2)  # writable again
+    out["kv_writable"] = bool((kv[:4096] == 2).all())
+    return out
+
+
+def engine_cases(mode: str) -> dict[str, Any]:
+    """The three ways an engine may allocate its regions, in this process."""
+    saver = _saver(mode)
+    torch.zeros(1, device="cuda")
+    return {
+        "control_expandable_on": _case(saver, "control", hm.expandable_segments(True)),
+        "wake_up_phase": _case(saver, "wake", hm.phase("wake_up", backend="sglang")),
+        "rollout_phase": _case(saver, "rollout", hm.phase("rollout", backend="sglang")),
+        "default_settings": _case(saver, "plain", contextlib.nullcontext()),
+        "pid": os.getpid(),
+    }
+
+
+def _train(steps: int = 3) -> list[torch.Tensor]:
+    """A few training steps with expandable segments on; return what stays allocated."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4096, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 4096)
+    ).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with hm.phase("train", backend="sglang"):
+        for _ in range(steps):
+            x = torch.randn(512, 4096, device="cuda")
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        kept = [p.detach() for p in model.parameters()]
+        states = [t for s in optimizer.state.values() for t in s.values() if t.numel() > 1]
+    # The largest state last: small ones may sit in the small pool's classic segments.
+    return kept + sorted(states, key=lambda t: t.numel())
+
+
+def same(mode: str) -> dict[str, Any]:
+    """Trainer and engine in one process: the trainer's toggle is the engine's problem."""
+    saver = _saver(mode)
+    torch.zeros(1, device="cuda")
+    kept = _train()
+    facts: dict[str, Any] = {
+        "mode": mode,
+        "trainer_legacy_ipc": _torch.is_legacy_ipc_capable(kept[-1]),  # trained expandable
+        "expandable_after_train": hm.allocator_state().expandable_segments,
+    }
+    facts["cases"] = {
+        "control_expandable_on": _case(saver, "control", hm.expandable_segments(True)),
+        "wake_up_phase": _case(saver, "wake", hm.phase("wake_up", backend="sglang")),
+        "rollout_phase": _case(saver, "rollout", hm.phase("rollout", backend="sglang")),
+    }
+    return facts
+
+
+def other(mode: str) -> dict[str, Any]:
+    """The trainer trains and keeps its memory; its engine process allocates regions."""
+    torch.zeros(1, device="cuda")
+    kept = _train()
+    facts: dict[str, Any] = {
+        "mode": mode,
+        "trainer_legacy_ipc": _torch.is_legacy_ipc_capable(kept[-1]),
+        "trainer_allocated_mib": torch.cuda.memory_allocated() / MiB,
+    }
+    with hm.expandable_segments(True):  # the trainer is still in its training mode
+        child = run("engine_cases", mode, preload=mode == "preload")
+    facts["engine"] = child
+    facts["trainer_pid"] = os.getpid()
+    return facts
+
+
+def run(name: str, mode: str, *, preload: bool) -> dict[str, Any]:
+    """Run scenario ``name`` in a fresh process, with TMS's LD_PRELOAD if ``preload``."""
+    from hybridmem.bench.engine_memory import preload_library
+
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if preload:
+        library = preload_library()
+        assert library is not None, "torch_memory_saver's preload library is missing"
+        env["LD_PRELOAD"] = library
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.tms_scenarios", name, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    try:
+        facts: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        facts = {}
+    if not facts:
+        raise RuntimeError(f"{name} {mode} failed ({done.returncode}): {done.stderr[-3000:]}")
+    # The facts were printed; how the process then tore down is recorded, not asserted
+    # (torch_memory_saver's pools are destroyed at interpreter exit).
+    facts["exit_code"] = done.returncode
+    if done.returncode != 0:
+        facts["stderr_tail"] = done.stderr[-1500:]
+    return facts
+
+
+SCENARIOS = {"same": same, "other": other, "engine_cases": engine_cases}
+
+if __name__ == "__main__":
+    print(json.dumps(SCENARIOS[sys.argv[1]](sys.argv[2]), default=str))

@@ -1,0 +1,239 @@
+"""The bench engine's memory: torch_memory_saver regions (a fake TMS here) or by hand."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridmem.bench import anatomy, engine_memory
+from hybridmem.bench.engine_memory import (
+    HandmadeMemory,
+    SaverMemory,
+    make_engine_memory,
+    preload_env,
+    resolve,
+)
+from tests.conftest import patch_seam
+
+MiB = 1 << 20
+SHAPES = {"w": ((4, 4), "float32"), "b": ((4,), "bfloat16")}
+
+
+class FakeSaver:
+    """torch_memory_saver's API: regions by tag, pause/resume, a hook mode."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.hook_mode = "preload"
+        self.tag: str | None = None
+
+    @contextlib.contextmanager
+    def region(self, tag: str, enable_cpu_backup: bool = False) -> Iterator[None]:
+        self.calls.append(f"region:{tag}")
+        self.tag = tag
+        try:
+            yield
+        finally:
+            self.tag = None
+
+    def pause(self, tag: str) -> None:
+        self.calls.append(f"pause:{tag}")
+
+    def resume(self, tag: str) -> None:
+        self.calls.append(f"resume:{tag}")
+
+
+class FakeCuda:
+    """Device memory counters on the CPU: what torch.cuda reports."""
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.reserved = 0
+
+
+@pytest.fixture
+def cpu_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """Tensors made on the CPU, counted as device memory (2 MiB segments)."""
+    counters = FakeCuda()
+    real_empty = torch.empty
+
+    def empty(*shape: Any, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        tensor = real_empty(*shape, dtype=dtype)
+        counters.allocated += tensor.nbytes
+        counters.reserved += -(-tensor.nbytes // (2 * MiB)) * 2 * MiB
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: counters.allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: counters.reserved)
+    return counters
+
+
+@pytest.fixture
+def saver(monkeypatch: pytest.MonkeyPatch) -> FakeSaver:
+    fake = FakeSaver()
+    module = types.ModuleType("torch_memory_saver")
+    module.torch_memory_saver = fake  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", module)
+    return fake
+
+
+def test_handmade_frees_on_sleep_and_makes_again_on_wake(cpu_cuda: FakeCuda) -> None:
+    memory = HandmadeMemory(SHAPES, 3 * (1 << 30), 0)
+    assert memory.wake(["weights"]) == 0
+    assert memory.weights is not None
+    assert memory.weights["b"].dtype == torch.bfloat16
+    assert memory.wake(["kv_cache"]) == 3 << 30  # whole GiB
+    memory.sleep()
+    assert memory.weights is None
+    assert memory.kv is None
+    assert memory.name == "handmade"
+
+
+def test_saver_allocates_regions_once_then_pauses_and_resumes_by_tag(
+    cpu_cuda: FakeCuda, saver: FakeSaver
+) -> None:
+    memory = SaverMemory(SHAPES, 1 << 30, 0, hook_mode="preload")
+    assert memory.name == "torch_memory_saver (preload)"
+    memory.wake(["weights"])
+    assert memory.wake(["kv_cache"]) == 1 << 30
+    weights, kv = memory.weights, memory.kv
+    assert kv is not None
+    assert saver.calls == ["region:weights", "region:kv_cache"]
+    held_awake = memory.held()
+    memory.sleep()
+    assert saver.calls[-2:] == ["pause:kv_cache", "pause:weights"]  # SGLang's order
+    # torch still counts paused regions; what is held is what is outside them: nothing
+    assert (cpu_cuda.allocated, cpu_cuda.reserved) == held_awake
+    assert memory.held() == (0, 0)
+    memory.wake(["weights"])
+    assert saver.calls[-1] == "resume:weights"
+    assert memory.weights is weights  # the same tensors, at the same addresses
+    assert memory.held()[0] == held_awake[0] - kv.nbytes
+    memory.wake(["kv_cache"])
+    assert saver.calls[-1] == "resume:kv_cache"
+    assert memory.kv is kv
+    assert memory.held() == held_awake
+    memory.sleep()
+    memory.sleep()  # twice: nothing paused twice
+    assert saver.calls.count("pause:kv_cache") == 2
+
+
+def test_torch_hook_mode_is_set_before_first_use(cpu_cuda: FakeCuda, saver: FakeSaver) -> None:
+    memory = make_engine_memory("tms-torch", SHAPES, 1 << 30, 0)
+    assert isinstance(memory, SaverMemory)
+    assert saver.hook_mode == "torch"
+    assert memory.name == "torch_memory_saver (torch)"
+    assert isinstance(make_engine_memory("handmade", SHAPES, 0, 0), HandmadeMemory)
+    with pytest.raises(ValueError, match="unknown engine memory"):
+        make_engine_memory("vllm", SHAPES, 0, 0)
+
+
+def test_resolve_picks_tms_only_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_memory, "available", lambda: False)
+    assert resolve("auto") == "handmade"
+    with pytest.raises(RuntimeError, match="pip install torch-memory-saver"):
+        resolve("tms")
+    monkeypatch.setattr(engine_memory, "available", lambda: True)
+    monkeypatch.setattr(engine_memory, "preload_library", lambda: "/x/lib.so")
+    assert resolve("auto") == "tms"
+    assert resolve("tms-torch") == "tms-torch"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        resolve("fast")
+
+
+def test_preload_env_is_set_for_the_child_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_memory, "preload_library", lambda: "/x/tms_preload.so")
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    with preload_env("tms"):
+        assert os.environ["LD_PRELOAD"] == "/x/tms_preload.so:/other.so"
+    assert os.environ["LD_PRELOAD"] == "/other.so"
+    monkeypatch.delenv("LD_PRELOAD")
+    with preload_env("tms"):
+        assert os.environ["LD_PRELOAD"] == "/x/tms_preload.so"
+    assert "LD_PRELOAD" not in os.environ
+    with preload_env("tms-torch"):  # torch mode needs no preload
+        assert "LD_PRELOAD" not in os.environ
+    monkeypatch.setattr(engine_memory, "preload_library", lambda: None)
+    with pytest.raises(RuntimeError, match="preload library was not found"), preload_env("tms"):
+        pass
+
+
+def test_preload_library_matches_the_cuda_major(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "torch_memory_saver"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in ("preload_cu12", "preload_cu13"):
+        (tmp_path / f"torch_memory_saver_hook_mode_{name}.abi3.so").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert str(engine_memory.preload_library()).endswith("preload_cu13.abi3.so")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert str(engine_memory.preload_library()).endswith("preload_cu12.abi3.so")
+
+
+def test_anatomy_names_what_holds_a_cached_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    python_frame = {"filename": "/srv/train.py", "line": 12, "name": "build"}
+    snapshot = {
+        "segments": [
+            {
+                "total_size": 852 * MiB,
+                "allocated_size": 32 * MiB,
+                "is_expandable": False,
+                "segment_type": "large",
+                "stream": 0,
+                "blocks": [
+                    {
+                        "state": "active_allocated",
+                        "size": 32 * MiB,
+                        "frames": [{"filename": "??", "line": 0, "name": "torch::unwind"}],
+                    },
+                    {"state": "inactive", "size": 820 * MiB},
+                ],
+            },
+            {
+                "total_size": 12 * MiB,
+                "allocated_size": 11 * MiB,
+                "segment_type": "large",
+                "stream": 0,
+                "blocks": [
+                    {
+                        "state": "active_allocated",
+                        "size": 11 * MiB,
+                        "frames": [
+                            {"filename": "/x/torch/nn/module.py", "line": 1, "name": "to"},
+                            python_frame,
+                        ],
+                    }
+                ],
+            },
+            {"total_size": 2 * MiB, "allocated_size": 2 * MiB, "blocks": []},  # full: left out
+        ]
+    }
+    patch_seam(monkeypatch, "snapshot", lambda: snapshot)
+    found = anatomy.cache_anatomy()
+    assert found["cached"] == 821 * MiB
+    first, second = found["segments"]
+    assert (first["kind"], first["total"], first["cached"], first["live_blocks"]) == (
+        "classic",
+        852 * MiB,
+        820 * MiB,
+        1,
+    )
+    assert first["holders"][0]["where"] == "??:0 torch::unwind"  # no Python frame: C++
+    assert second["holders"][0]["where"] == "/srv/train.py:12 build"
+    assert anatomy.where(None) == "unknown (memory history off)"
+    patch_seam(monkeypatch, "snapshot", lambda: None)
+    assert anatomy.cache_anatomy() == {}
