@@ -251,15 +251,17 @@ def _print_human(report: dict[str, Any]) -> None:
     print("\nverdict:", "ok" if report["ok"] else "something blocks hybridmem (see problems)")
 
 
-def _plot(timelines: list[str], output: str, title: str) -> int:
-    from hybridmem.observe.plot import PlotError, plot_timeline
+def _plot(timelines: list[str], output: str | None, title: str, trace: str | None) -> int:
+    from hybridmem.observe.plot import PlotError, plot_timeline, write_merged_trace
 
     try:
-        path = plot_timeline(timelines, output, title=title)
+        if trace:
+            print(f"wrote {write_merged_trace(timelines, trace)}")
+        if output:
+            print(f"wrote {plot_timeline(timelines, output, title=title)}")
     except PlotError as exc:
         print(f"hybridmem plot: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {path}")
     return 0
 
 
@@ -277,9 +279,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     doctor.add_argument(
         "--no-probe", action="store_true", help="skip the CUDA IPC probe (child processes)"
     )
-    plot = commands.add_parser("plot", help="draw a recorded timeline: memory over time by phase")
-    plot.add_argument("timeline", nargs="+", help="JSON-lines timeline file(s), one per rank")
-    plot.add_argument("-o", "--output", required=True, help="the PNG to write")
+    plot = commands.add_parser(
+        "plot", help="draw recorded timelines: memory over time by phase, one row per process"
+    )
+    plot.add_argument(
+        "timeline",
+        nargs="+",
+        help="JSON-lines timeline file(s), one per process (trainer, engine, ranks): merged",
+    )
+    plot.add_argument("-o", "--output", help="the PNG to write")
+    plot.add_argument(
+        "--trace", help="also write the files merged as one Chrome trace (one row per process)"
+    )
     plot.add_argument("--title", default="", help="the figure's title")
     bench = commands.add_parser(
         "bench", help="run a synthetic hybrid engine three ways and compare (needs a GPU)"
@@ -325,12 +336,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument(
         "--timeline",
         metavar="PREFIX",
-        help="record each strategy's cycles to PREFIX.<strategy>.jsonl (for hybridmem plot)",
+        help="record each strategy's cycles: the trainer to PREFIX.<strategy>.jsonl, the "
+        "engine to PREFIX.<strategy>.engine.jsonl (hybridmem plot merges them)",
     )
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "plot" and not (args.output or args.trace):
+        parser.error("plot needs -o FILE.png, --trace FILE.json, or both")
     if args.command == "bench" and args.cycles is not None and args.cycles < 2:
         parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
     problem = timeline_env_problem()
@@ -363,7 +377,7 @@ def _run(args: argparse.Namespace) -> int:
             anatomy=args.anatomy,
         )
     if args.command == "plot":
-        return _plot(args.timeline, args.output, args.title)
+        return _plot(args.timeline, args.output, args.title, args.trace)
     probe = not args.no_probe
     if probe and "torch" not in sys.modules:
         # Device 0: this process never initialises CUDA, so that is its current device.

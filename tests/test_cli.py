@@ -288,7 +288,7 @@ def test_plot_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")]) == 1
     assert "cannot read timeline" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        main(["plot", str(empty)])  # -o is required
+        main(["plot", str(empty)])  # -o or --trace is required
     assert exit_info.value.code == 2
 
 

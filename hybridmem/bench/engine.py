@@ -11,6 +11,7 @@ CUDA IPC exports, a fresh exported buffer per batch, or a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -19,10 +20,12 @@ import torch
 
 from hybridmem import _torch
 from hybridmem.bench.anatomy import cache_anatomy
-from hybridmem.bench.engine_memory import make_engine_memory
+from hybridmem.bench.engine_memory import EngineMemory, make_engine_memory
 from hybridmem.ipc._wire import Peer, recv_within
 from hybridmem.ipc.receiver import BucketReceiver
+from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import memory_info
+from hybridmem.observe.timeline import record
 
 __all__ = ["BoundedConn", "EngineClient", "serve"]
 
@@ -107,56 +110,90 @@ def serve(
     shapes: dict[str, Any],
     memory_kind: str = "handmade",
     anatomy: bool = False,
+    timeline: str | None = None,
 ) -> None:
     """The engine process's loop (the target of a ``spawn`` process).
 
     Each command runs in its own function: a loop variable left in this frame (a
     view of the last weight synced) would keep that weight alive through the next
     sleep, and its memory would show up as the engine's cache after the next wake.
+    With ``timeline``, every command is an ``engine:COMMAND`` phase span, written
+    there (``hybridmem plot`` merges it with the trainer's file).
     """
+    recording = record(timeline, process="engine") if timeline else contextlib.nullcontext()
+    with recording:
+        _serve(conn, device, kv_target, shapes, memory_kind, anatomy)
+
+
+def _serve(
+    conn: Connection,
+    device: int,
+    kv_target: int,
+    shapes: dict[str, Any],
+    memory_kind: str,
+    anatomy: bool,
+) -> None:
     torch.cuda.set_device(device)
     if anatomy:
         _torch.record_memory_history(True)
     torch.zeros(1, device="cuda")
-    memory = make_engine_memory(memory_kind, shapes, kv_target, device)
-    receiver: BucketReceiver | None = None
-    conn.send(("ready", torch.cuda.memory_reserved(), memory.name))
+    engine = _Engine(make_engine_memory(memory_kind, shapes, kv_target, device), conn, device)
+    conn.send(("ready", torch.cuda.memory_reserved(), engine.memory.name))
     while True:
         command, *args = conn.recv()
-        answer: tuple[Any, ...] = ("ok",)
         if command == "stop":
-            conn.send(answer)
+            conn.send(("ok",))
             return
+        span = _timeline.begin(f"engine:{command}", "phase", backend="bench")
+        try:
+            answer = engine.run(command, args)
+        finally:
+            _timeline.end(span)
+        conn.send(answer)
+
+
+class _Engine:
+    """The engine's state between commands: its memory and the bucket it receives from."""
+
+    def __init__(self, memory: EngineMemory, conn: Connection, device: int) -> None:
+        self.memory = memory
+        self.conn = conn
+        self.device = device
+        self.receiver: BucketReceiver | None = None
+
+    def run(self, command: str, args: list[Any]) -> tuple[Any, ...]:
+        """Run one command; return the answer to send."""
+        memory = self.memory
         if command == "wake":
-            answer = ("ok", memory.wake(list(args[0])))
-        elif command == "sleep":
+            return ("ok", memory.wake(list(args[0])))
+        if command == "sleep":
             memory.sleep()
         elif command == "stats":
-            answer = ("ok", *memory.held())
+            return ("ok", *memory.held())
         elif command == "anatomy":
-            answer = ("ok", cache_anatomy())
+            return ("ok", cache_anatomy())
         elif command == "bucket":
-            receiver = BucketReceiver(args[0])
+            self.receiver = BucketReceiver(args[0])
         elif command == "sync_bucket":
-            assert receiver is not None
+            assert self.receiver is not None
             assert memory.weights is not None
-            _sync_bucket(receiver, conn, memory.weights)
+            _sync_bucket(self.receiver, self.conn, memory.weights)
             torch.cuda.synchronize()
         elif command == "sync_tensors":
             assert memory.weights is not None
-            _sync_tensors(args[0], memory.weights, device)
+            _sync_tensors(args[0], memory.weights, self.device)
         elif command == "sync_fresh":
             assert memory.weights is not None
-            _sync_fresh(conn, memory.weights, device)
+            _sync_fresh(self.conn, memory.weights, self.device)
         elif command == "generate":
             assert memory.weights is not None
             assert memory.kv is not None
             started = time.perf_counter()
             _generate(memory.weights, memory.kv, int(args[0]))
-            answer = ("ok", time.perf_counter() - started)
+            return ("ok", time.perf_counter() - started)
         else:
-            answer = ("error", f"unknown command {command!r}")
-        conn.send(answer)
+            return ("error", f"unknown command {command!r}")
+        return ("ok",)
 
 
 class EngineClient:

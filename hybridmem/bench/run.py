@@ -98,7 +98,8 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     """Run one strategy in this process (which must have a GPU); return its figures.
 
     With ``timeline``, the cycles are recorded (:func:`hybridmem.record`) there, each
-    bench step a ``bench:...`` phase span, for ``hybridmem plot``.
+    bench step a ``bench:...`` phase span, and the engine records its own commands to
+    ``TIMELINE.engine``: ``hybridmem plot`` merges both on one time axis.
     """
     import os
 
@@ -125,13 +126,22 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
         for k, v in model.state_dict().items()
     }
     ctx = mp.get_context("spawn")
-    # The engine process records nothing (it would write the trainer's file).
+    # The engine process records to a file of its own, never the trainer's.
     os.environ.pop(_timeline.TIMELINE_ENV, None)
+    engine_timeline = f"{timeline}.engine" if timeline else None
     conn, child = ctx.Pipe()
     memory_kind = resolve(p.engine)
     engine_process = ctx.Process(
         target=serve,
-        args=(child, device, int(total * p.kv_fraction), shapes, memory_kind, p.anatomy),
+        args=(
+            child,
+            device,
+            int(total * p.kv_fraction),
+            shapes,
+            memory_kind,
+            p.anatomy,
+            engine_timeline,
+        ),
     )
     with preload_env(memory_kind):  # SGLang's engine runs with TMS's LD_PRELOAD
         engine_process.start()
@@ -171,7 +181,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
             if isinstance(t, torch.Tensor)
         )
     )
-    recording = record(timeline) if timeline else contextlib.nullcontext()
+    recording = record(timeline, process="trainer") if timeline else contextlib.nullcontext()
     with recording:
         for cycle in range(p.cycles):
             print(f"progress {cycle} {p.cycles}", file=sys.stderr, flush=True)
@@ -307,7 +317,8 @@ def bench(
         plot_path: draw the summary figures (needs matplotlib).
         strategies: which of ``STRATEGIES`` to run, in order.
         timeline: record each strategy's cycles to ``TIMELINE.<strategy>.jsonl``
-            (and ``.trace.json``), for ``hybridmem plot``.
+            (and ``.trace.json``) and its engine's to
+            ``TIMELINE.<strategy>.engine.jsonl``, for ``hybridmem plot``.
         cycles: override the plan's number of cycles.
         model: the trainer's model (``MODELS``).
         engine: the rollout engine's memory (``ENGINES``; ``auto``: torch_memory_saver

@@ -4,9 +4,11 @@ A process-wide, thread-safe recorder that costs one bool check when off. Turned 
 by :func:`record` (context manager and decorator) or ``HYBRIDMEM_TIMELINE=path``
 (from import until exit). Events carry the name, the backend, the start (wall
 clock, comparable between processes of one host), the duration, the device, the
-rank, and allocated / reserved / device-free memory before and after. Export as
-JSON lines (one event per line) and as a Chrome trace (``chrome://tracing`` and
-Perfetto load it), one file per rank in multi-process jobs.
+rank, the process (pid and a label such as ``trainer`` or ``engine``), and
+allocated / reserved / device-free memory before and after. Export as JSON lines
+(one event per line) and as a Chrome trace (``chrome://tracing`` and Perfetto load
+it), one file per process; ``hybridmem plot`` merges the files of several processes
+(a trainer and its engine, several ranks) on one time axis.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ __all__ = [
     "Recording",
     "Timeline",
     "begin",
+    "chrome_trace",
     "end",
     "get_timeline",
+    "process_label",
     "record",
     "recording",
     "traced",
@@ -65,6 +69,8 @@ class Event:
             (total minus free, every process) bytes; empty when no device has a
             context.
         args: anything else worth keeping (bytes moved, tags...).
+        process: what this process is (``"trainer"``, ``"engine"``; empty when
+            nobody said: see :func:`record`).
     """
 
     name: str
@@ -79,6 +85,7 @@ class Event:
     before: dict[str, int] = field(default_factory=dict)
     after: dict[str, int] = field(default_factory=dict)
     args: dict[str, Any] = field(default_factory=dict)
+    process: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -131,6 +138,8 @@ class Timeline:
         self._events: list[Event] = []
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Event], None]] = []
+        #: what this process is, put on every event (``record(process=...)``).
+        self.process = ""
 
     def add(self, event: Event) -> None:
         """Keep ``event`` and tell the listeners."""
@@ -190,26 +199,55 @@ class Timeline:
         return lines, trace
 
 
-def chrome_trace(events: list[Event]) -> dict[str, Any]:
-    """The Chrome trace-event form: one complete event per span, memory as counters."""
+def process_label(event: dict[str, Any]) -> str:
+    """How a row is named: ``"engine (rank 0, pid 812)"``, or ``"rank 0, pid 812"``."""
+    where = f"rank {event.get('rank', 0)}, pid {event.get('pid', 0)}"
+    return f"{event['process']} ({where})" if event.get("process") else where
+
+
+def chrome_trace(events: list[Event] | list[dict[str, Any]]) -> dict[str, Any]:
+    """The Chrome trace-event form: one complete event per span, memory as counters.
+
+    One trace process per OS process (named by :func:`process_label`), so the files
+    of a trainer and its engine, or of several ranks, merge on one time axis (start
+    times are wall clock, comparable between the processes of one host).
+    """
+    rows = [e.as_dict() if isinstance(e, Event) else e for e in events]
     trace: list[dict[str, Any]] = []
-    for event in events:
-        start_us = event.start * 1e6
+    named: set[int] = set()
+    for event in rows:
+        pid = int(event.get("pid", 0))
+        if pid not in named:
+            named.add(pid)
+            trace.append(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": pid,
+                    "args": {"name": process_label(event)},
+                }
+            )
+        start_us = event["start"] * 1e6
         trace.append(
             {
-                "name": event.name,
-                "cat": event.kind,
+                "name": event["name"],
+                "cat": event.get("kind", ""),
                 "ph": "X",
                 "ts": start_us,
-                "dur": event.duration * 1e6,
-                "pid": event.rank,
-                "tid": event.thread,
-                "args": {"backend": event.backend, "device": event.device, **event.args},
+                "dur": event["duration"] * 1e6,
+                "pid": pid,
+                "tid": event.get("thread", 0),
+                "args": {
+                    "backend": event.get("backend"),
+                    "device": event.get("device"),
+                    "rank": event.get("rank", 0),
+                    **(event.get("args") or {}),
+                },
             }
         )
         for stamp, memory in (
-            (start_us, event.before),
-            (start_us + event.duration * 1e6, event.after),
+            (start_us, event.get("before") or {}),
+            (start_us + event["duration"] * 1e6, event.get("after") or {}),
         ):
             if memory:
                 trace.append(
@@ -217,7 +255,7 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
                         "name": "memory (GiB)",
                         "ph": "C",
                         "ts": stamp,
-                        "pid": event.rank,
+                        "pid": pid,
                         "args": {k: v / 2**30 for k, v in memory.items()},
                     }
                 )
@@ -283,6 +321,7 @@ def end(span: _Open | None, *, memory: MemoryInfo | None = None, **args: Any) ->
             before=span.before,
             after=after,
             args={**span.args, **args},
+            process=_TIMELINE.process,
         )
     )
 
@@ -318,9 +357,14 @@ def traced(
 class Recording(ScopedContext):
     """Record events while active (see :func:`record`)."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, *, process: str | None = None
+    ) -> None:
         super().__init__()
         self.path = None if path is None else Path(path)
+        if process is not None and not isinstance(process, str):
+            raise TypeError(f"process must be a str or None, got {process!r}")
+        self.process = process
 
     def __repr__(self) -> str:
         return f"record({str(self.path) if self.path else ''})"
@@ -336,6 +380,8 @@ class Recording(ScopedContext):
         with _state_lock:
             _depth += 1
             _enabled = True
+            if self.process is not None:
+                _TIMELINE.process = self.process
         return None
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
@@ -352,13 +398,16 @@ class Recording(ScopedContext):
                     raise ValueError(f"{self!r}: could not write the timeline: {error}") from None
 
 
-def record(path: str | os.PathLike[str] | None = None) -> Recording:
+def record(path: str | os.PathLike[str] | None = None, *, process: str | None = None) -> Recording:
     """Record a timeline of phases and primitives for a block or call.
 
     Args:
         path: where to write when the scope ends (JSON lines plus a Chrome trace,
             see :meth:`Timeline.save`); None keeps the events in memory only
             (:func:`events`).
+        process: what this process is (``"trainer"``, ``"engine"``): the name of
+            its row when ``hybridmem plot`` merges several processes' files (from
+            entry on, for the whole process).
 
     Returns:
         A :class:`Recording` (context manager and decorator in every form).
@@ -372,7 +421,7 @@ def record(path: str | os.PathLike[str] | None = None) -> Recording:
         ...     for step in range(steps):
         ...         train_step(); rollout()
     """
-    return Recording(path)
+    return Recording(path, process=process)
 
 
 def _save_from_env() -> None:
@@ -409,6 +458,7 @@ def _reset_for_tests() -> None:
         _env_path = None
         _enabled = False
     _TIMELINE.clear()
+    _TIMELINE.process = ""
     with _TIMELINE._lock:
         _TIMELINE._listeners.clear()
 
