@@ -74,7 +74,7 @@ def test_expandable_from_the_other_variable_leaves_regions_unpausable(library: s
     assert facts.regions_not_pausable
     (problem,) = facts.problems
     assert "pause() does not free" in problem
-    assert "0 of 1024 MiB" in problem
+    assert "0 of 1280 MiB" in problem
 
 
 def test_torch_mode_ignores_the_toggle() -> None:

@@ -7,7 +7,7 @@ torch_memory_saver (TMS) keeps an engine's weights and KV cache in *regions* tha
   ``torch_memory_saver_hook_mode_preload*.so`` intercepts ``cudaMalloc``/``cudaFree``.
   A region allocated while expandable segments are on goes through ``cuMemCreate``
   instead, which the hook never sees: ``pause()`` frees none of it (measured on an
-  H200 with torch 2.11: 0 of 1024 MiB).
+  H200 with torch 2.11: 0 of 1280 MiB).
 - ``torch``: a pluggable allocator behind a ``torch.cuda.MemPool``; the pool ignores
   the expandable-segments setting.
 
@@ -131,7 +131,7 @@ def memory_saver_facts(
         problems.append(
             f"torch_memory_saver {version} in preload mode with expandable segments in "
             "effect (PYTORCH_ALLOC_CONF): regions allocated now land in expandable "
-            "segments, which pause() does not free (measured on an H200: 0 of 1024 MiB), "
+            "segments, which pause() does not free (measured on an H200: 0 of 1280 MiB), "
             "so release_memory_occupation frees nothing. Take expandable_segments out of "
             "the env; allocate regions inside hm.phase('wake_up', backend='sglang')"
         )

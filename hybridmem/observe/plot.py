@@ -184,6 +184,7 @@ def plot_timeline(
     rows = processes(events)
     t0 = events[0]["start"]
     phases = [e for e in events if e.get("kind") == "phase"]
+    cycles = max(Counter((p.get("pid"), p["name"]) for p in phases).values(), default=0)
     fig, axes = plt.subplots(
         len(rows), 1, figsize=(14, 3.2 * len(rows) + 1), sharex=True, squeeze=False
     )
@@ -194,62 +195,48 @@ def plot_timeline(
             _per_cycle(ax, _of(phases, key))
             ax.set_ylabel(f"{label}\nGiB", fontsize=8)
         axes[-1, 0].set_xlabel("cycle")
-        cycles = max(Counter((p.get("pid"), p["name"]) for p in phases).values(), default=0)
         title = title or f"hybridmem timeline: memory at each phase end, {cycles} cycles"
         return _save(fig, plt, output, title)
     for ax, (key, label) in zip(axes[:, 0], rows, strict=True):
         mine = _of(events, key)
         _shade(ax, [p for p in mine if p.get("kind") == "phase"], t0)
-        samples = _samples(mine, t0)
-        if not samples:
-            ax.text(0.5, 0.5, _NO_MEMORY, transform=ax.transAxes, ha="center", va="center")
-        reserved = samples.get("reserved")
-        if reserved:
-            xs, ys = zip(*reserved, strict=True)
-            ax.fill_between(
-                xs,
-                ys,
-                step="post",
-                color="#737373",
-                alpha=0.32,
-                lw=0,
-                label="reserved (this process)",
-            )
-        allocated = samples.get("allocated")
-        if allocated:
-            xs, ys = zip(*allocated, strict=True)
-            ax.step(
-                xs,
-                ys,
-                where="post",
-                color="#000000",
-                lw=1.6,
-                zorder=3,
-                label="allocated (this process)",
-            )
-        used = samples.get("used")
-        if used:  # the whole device, every process: its own scale
-            twin = ax.twinx()
-            xs, ys = zip(*used, strict=True)
-            twin.step(
-                xs,
-                ys,
-                where="post",
-                color="#525252",
-                lw=1.4,
-                ls=":",
-                label="device in use (all processes)",
-            )
-            twin.set_ylabel("device GiB", fontsize=8)
-            twin.legend(loc="lower left", bbox_to_anchor=(1.06, 0.0), fontsize=7)
+        _draw_memory(ax, _samples(mine, t0))
         ax.set_ylabel(f"{label}\nGiB", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", bbox_to_anchor=(1.06, 1.0), fontsize=7)
     axes[-1, 0].set_xlabel("seconds")
-    cycles = max(Counter((p.get("pid"), p["name"]) for p in phases).values(), default=0)
     return _save(
         fig, plt, output, title or f"hybridmem timeline: {len(events)} events, {cycles} cycles"
     )
+
+
+def _draw_memory(ax: Any, samples: dict[str, list[tuple[float, float]]]) -> None:
+    """This process's reserved (an area) and allocated (a line over it); the device's use."""
+    if not samples:
+        ax.text(0.5, 0.5, _NO_MEMORY, transform=ax.transAxes, ha="center", va="center")
+    styles = (
+        ("reserved", "#737373", "reserved (this process)"),
+        ("allocated", "#000000", "allocated (this process)"),
+    )
+    for key, colour, label in styles:
+        points = samples.get(key)
+        if not points:
+            continue
+        xs, ys = zip(*points, strict=True)
+        if key == "reserved":
+            ax.fill_between(xs, ys, step="post", color=colour, alpha=0.32, lw=0, label=label)
+        else:
+            ax.step(xs, ys, where="post", color=colour, lw=1.6, zorder=3, label=label)
+    used = samples.get("used")
+    if used:  # the whole device, every process: its own scale
+        twin = ax.twinx()
+        xs, ys = zip(*used, strict=True)
+        twin.step(
+            xs, ys, where="post", color="#525252", lw=1.4, ls=":",
+            label="device in use (all processes)",
+        )  # fmt: skip
+        twin.set_ylabel("device GiB", fontsize=8)
+        twin.legend(loc="lower left", bbox_to_anchor=(1.06, 0.0), fontsize=7)
 
 
 def _shade(ax: Any, spans: list[dict[str, Any]], t0: float) -> None:
