@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
@@ -69,14 +71,23 @@ def offer(
 
 def hello(address: bytes, token: bytes, maxfds: int = 4) -> tuple[socket.socket, bytes, list[int]]:
     sock = unix_socket.connect(address, WAIT_S)
-    sock.sendall(fd_server.HELLO + token)
-    data, fds = unix_socket.receive_with_fds(sock, 64, maxfds)
+    try:
+        sock.sendall(fd_server.HELLO + token)
+        data, fds = unix_socket.receive_with_fds(sock, 64, maxfds)
+    except (ConnectionResetError, BrokenPipeError):  # the listener closed meanwhile
+        data, fds = b"", []
+    except BaseException:
+        sock.close()
+        raise
     return sock, data, fds
 
 
 def stranger(address: bytes, token: bytes) -> tuple[bytes, list[int]]:
     """Connect and try ``token``: what a refused peer gets (the server may hang up first)."""
-    sock = unix_socket.connect(address, WAIT_S)
+    try:
+        sock = unix_socket.connect(address, WAIT_S)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return b"", []
     try:
         sock.sendall(fd_server.HELLO + token)
         return unix_socket.receive_with_fds(sock, 64, 4)
@@ -683,3 +694,94 @@ def test_an_export_the_server_cannot_offer_closes_its_fds(monkeypatch: pytest.Mo
     for fd in fds:
         with pytest.raises(OSError, match="Bad file descriptor"):
             os.fstat(fd)  # closed
+
+
+# --------------------------------------------------------------------------- #
+# The server under random interleavings: opens, strangers, withdrawals, releases
+# --------------------------------------------------------------------------- #
+
+_ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["offer", "open", "stranger", "withdraw", "release", "crash"]),
+        st.integers(min_value=0, max_value=4),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions=_ACTIONS)
+def test_the_server_keeps_its_promises_under_any_interleaving(
+    actions: list[tuple[str, int]],
+) -> None:
+    """Each export opens once, its storage is held exactly while leased or pending, and
+    nothing listens once nothing is pending, whatever happens in between."""
+    offers: list[tuple[bytes, bytes, threading.Event]] = []
+    state: list[str] = []  # per offer: pending, leased, done
+    leases: dict[int, socket.socket] = {}
+    try:
+        for action, pick in actions:
+            if action == "offer" or not offers:
+                offers.append(offer([bytes([len(offers) % 256]) * 8]))
+                state.append("pending")
+                continue
+            index = pick % len(offers)
+            address, token, _ = offers[index]
+            if action == "open":
+                try:
+                    sock, data, fds = hello(address, token)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    assert state[index] != "pending"  # a pending export is always reachable
+                    continue
+                unix_socket.close_fds(fds)
+                if state[index] == "pending":
+                    assert data == fd_server.OK
+                    state[index] = "leased"
+                    leases[index] = sock
+                else:
+                    assert data == b""  # opened, withdrawn or released: never twice
+                    sock.close()
+            elif action == "stranger":
+                with contextlib.suppress(ConnectionRefusedError, FileNotFoundError):
+                    assert stranger(address, os.urandom(32)) == (b"", [])
+            elif action == "withdraw":
+                assert fd_server.withdraw(fd_server.digest(token)) == (state[index] == "pending")
+                if state[index] == "pending":
+                    state[index] = "done"
+            elif action in ("release", "crash") and state[index] == "leased":
+                sock = leases.pop(index)
+                if action == "release":
+                    sock.send(fd_server.RELEASE)
+                sock.close()
+                state[index] = "done"
+            for i, (_, _, event) in enumerate(offers):
+                if state[i] == "done":
+                    assert event.wait(WAIT_S), f"offer {i} was not let go"
+                else:
+                    assert not event.is_set(), f"offer {i} was let go while {state[i]}"
+        stats = fd_server.server_stats()
+        assert stats.pending == state.count("pending")
+        assert stats.leases == state.count("leased")
+    finally:
+        for sock in leases.values():
+            sock.close()
+        for _, token, gone in offers:
+            fd_server.withdraw(fd_server.digest(token))
+            # The server lets go in its own thread: the next example starts clean.
+            assert gone.wait(WAIT_S)
+
+
+def test_a_connection_reset_while_opening_is_a_clear_refusal(
+    host_mapping: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address, token, gone = offer([b"\0" * 16])
+
+    def reset(*args: object) -> tuple[bytes, list[int]]:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(unix_socket, "receive_with_fds", reset)
+    with pytest.raises(hm.IpcUnavailableError, match="the producer refused it"):
+        fd_handle(address, token, (16,)).open(timeout=1.0)
+    assert fd_server.withdraw(fd_server.digest(token))
+    assert gone.wait(WAIT_S)

@@ -486,13 +486,17 @@ def _open_fd(handle: TensorHandle, index: int, timeout: float | None) -> torch.T
         raise _refused(handle, "this CUDA driver lacks the virtual memory API (CUDA 10.2+)")
     sock = _connect(handle, timeout)
     try:
-        sock.sendall(fd_server.HELLO + handle.token)
         try:
+            sock.sendall(fd_server.HELLO + handle.token)
             data, fds = unix_socket.receive_with_fds(sock, 64, len(handle.pages) + 1)
         except TimeoutError:
             raise TimeoutError(
                 f"the producer (pid {handle.producer_pid}) did not answer in {timeout} s"
             ) from None
+        except (ConnectionResetError, BrokenPipeError):
+            # The listener closed while this connection waited in its backlog: the
+            # export was withdrawn, expired or opened by another process just now.
+            data, fds = b"", []
         try:
             if data != fd_server.OK:
                 raise _refused(
