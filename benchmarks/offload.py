@@ -173,11 +173,9 @@ def _child_env(method: str) -> dict[str, str] | None:
 
     if not method.startswith("tms_"):
         return None
-    from hybridmem.bench.engine_memory import preload_library
+    from hybridmem.bench.engine_memory import preloaded
 
-    library = preload_library()
-    assert library is not None
-    return {**os.environ, "LD_PRELOAD": library}
+    return preloaded({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
 
 
 def main() -> int:

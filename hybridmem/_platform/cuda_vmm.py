@@ -227,9 +227,16 @@ def synchronize_context(context: int) -> None:
     The context is pushed for the call and popped after it, so this works from
     any thread (a tensor's deleter runs in whichever thread dropped it).
     """
+    with _pushed(context):
+        _check("cuCtxSynchronize", _fn("cuCtxSynchronize")())
+
+
+@contextlib.contextmanager
+def _pushed(context: int) -> Iterator[None]:
+    """``context`` current on this thread for the block (pushed, then popped)."""
     _check("cuCtxPushCurrent", _fn("cuCtxPushCurrent_v2")(ctypes.c_void_p(context)))
     try:
-        _check("cuCtxSynchronize", _fn("cuCtxSynchronize")())
+        yield
     finally:
         popped = ctypes.c_void_p(0)
         _fn("cuCtxPopCurrent_v2")(ctypes.byref(popped))
@@ -270,12 +277,8 @@ def on_device(device: int) -> Iterator[int]:
     """
     context = primary_context(device)
     try:
-        _check("cuCtxPushCurrent", _fn("cuCtxPushCurrent_v2")(ctypes.c_void_p(context)))
-        try:
+        with _pushed(context):
             yield context
-        finally:
-            popped = ctypes.c_void_p(0)
-            _fn("cuCtxPopCurrent_v2")(ctypes.byref(popped))
     finally:
         release_primary_context(device)
 

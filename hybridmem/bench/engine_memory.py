@@ -36,6 +36,7 @@ __all__ = [
     "make_engine_memory",
     "preload_env",
     "preload_library",
+    "preloaded",
     "resolve",
 ]
 
@@ -91,6 +92,21 @@ def resolve(kind: str) -> str:
     return kind
 
 
+def preloaded(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` with TMS's preload library first in ``LD_PRELOAD``.
+
+    For a process started with this environment (``subprocess``'s ``env=``).
+
+    Raises:
+        RuntimeError: the library was not found (torch_memory_saver not installed).
+    """
+    library = preload_library()
+    if library is None:
+        raise RuntimeError("torch_memory_saver's preload library was not found")
+    before = env.get("LD_PRELOAD")
+    return {**env, "LD_PRELOAD": f"{library}:{before}" if before else library}
+
+
 @contextlib.contextmanager
 def preload_env(kind: str) -> Iterator[None]:
     """Set ``LD_PRELOAD`` for an engine process started inside (``tms`` only).
@@ -101,11 +117,8 @@ def preload_env(kind: str) -> Iterator[None]:
     if kind != "tms":
         yield
         return
-    library = preload_library()
-    if library is None:
-        raise RuntimeError("torch_memory_saver's preload library was not found")
     before = os.environ.get("LD_PRELOAD")
-    os.environ["LD_PRELOAD"] = f"{library}:{before}" if before else library
+    os.environ["LD_PRELOAD"] = preloaded(os.environ)["LD_PRELOAD"]
     try:
         yield
     finally:

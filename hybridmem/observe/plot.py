@@ -184,11 +184,11 @@ def plot_timeline(
     rows = processes(events)
     t0 = events[0]["start"]
     phases = [e for e in events if e.get("kind") == "phase"]
-    cycles = max(Counter((p.get("pid"), p["name"]) for p in phases).values(), default=0)
+    cycles = _cycles(phases)
     fig, axes = plt.subplots(
         len(rows), 1, figsize=(14, 3.2 * len(rows) + 1), sharex=True, squeeze=False
     )
-    if view(phases) == "cycles":
+    if cycles > MAX_TIME_CYCLES:  # what view(phases) decides
         # Many cycles: one point per phase end and cycle shows drift and leaks;
         # a time axis would be a solid band.
         for ax, (key, label) in zip(axes[:, 0], rows, strict=True):
@@ -272,12 +272,16 @@ def _shade(ax: Any, spans: list[dict[str, Any]], t0: float) -> None:
 def view(phases: list[dict[str, Any]]) -> str:
     """``"time"`` or ``"cycles"``: how :func:`plot_timeline` draws these phase spans.
 
-    The number of cycles is how often the most frequent phase ran on one rank
+    The number of cycles is how often the most frequent phase ran in one process
     (nested phases, e.g. a bench step around a hybridmem phase, count once each).
     """
-    counts = Counter((int(p.get("rank", 0)), p["name"]) for p in phases)
-    cycles = max(counts.values(), default=0)
-    return "cycles" if cycles > MAX_TIME_CYCLES else "time"
+    return "cycles" if _cycles(phases) > MAX_TIME_CYCLES else "time"
+
+
+def _cycles(phases: list[dict[str, Any]]) -> int:
+    """How often the most frequent phase ran in one process (rank and pid)."""
+    counts = Counter((int(p.get("rank", 0)), p.get("pid"), p["name"]) for p in phases)
+    return max(counts.values(), default=0)
 
 
 def _per_cycle(ax: Any, phases: list[dict[str, Any]]) -> None:

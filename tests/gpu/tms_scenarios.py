@@ -76,14 +76,21 @@ def _case(saver: Any, name: str, scope: Any) -> dict[str, Any]:
     return out
 
 
-def engine_cases(mode: str) -> dict[str, Any]:
-    """The three ways an engine may allocate its regions, in this process."""
-    saver = _saver(mode)
-    torch.zeros(1, device="cuda")
+def _recipe_cases(saver: Any) -> dict[str, Any]:
+    """The control and the two recipe steps, in this process."""
     return {
         "control_expandable_on": _case(saver, "control", hm.expandable_segments(True)),
         "wake_up_phase": _case(saver, "wake", hm.phase("wake_up", backend="sglang")),
         "rollout_phase": _case(saver, "rollout", hm.phase("rollout", backend="sglang")),
+    }
+
+
+def engine_cases(mode: str) -> dict[str, Any]:
+    """The ways an engine may allocate its regions, in this process."""
+    saver = _saver(mode)
+    torch.zeros(1, device="cuda")
+    return {
+        **_recipe_cases(saver),
         "default_settings": _case(saver, "plain", contextlib.nullcontext()),
         "pid": os.getpid(),
     }
@@ -118,11 +125,7 @@ def same(mode: str) -> dict[str, Any]:
         "trainer_legacy_ipc": _torch.is_legacy_ipc_capable(kept[-1]),  # trained expandable
         "expandable_after_train": hm.allocator_state().expandable_segments,
     }
-    facts["cases"] = {
-        "control_expandable_on": _case(saver, "control", hm.expandable_segments(True)),
-        "wake_up_phase": _case(saver, "wake", hm.phase("wake_up", backend="sglang")),
-        "rollout_phase": _case(saver, "rollout", hm.phase("rollout", backend="sglang")),
-    }
+    facts["cases"] = _recipe_cases(saver)
     return facts
 
 
@@ -144,14 +147,11 @@ def other(mode: str) -> dict[str, Any]:
 
 def run(name: str, mode: str, *, preload: bool) -> dict[str, Any]:
     """Run scenario ``name`` in a fresh process, with TMS's LD_PRELOAD if ``preload``."""
-    from hybridmem.bench.engine_memory import preload_library
+    from hybridmem.bench.engine_memory import preloaded
 
-    env = dict(os.environ)
-    env.pop("LD_PRELOAD", None)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if preload:
-        library = preload_library()
-        assert library is not None, "torch_memory_saver's preload library is missing"
-        env["LD_PRELOAD"] = library
+        env = preloaded(env)
     done = subprocess.run(
         [sys.executable, "-m", "tests.gpu.tms_scenarios", name, mode],
         env=env,
