@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from hybridmem.ipc.fd_reducer import ipc_fd_sharing
     from hybridmem.ipc.receiver import BucketReceiver
     from hybridmem.ipc.shareable import allow_ptrace_from_any, ipc_safe, ipc_shareable
+    from hybridmem.memory.compact import compact
     from hybridmem.memory.offload import Offloader, offloaded
     from hybridmem.memory.release import cache_released, release_cache
     from hybridmem.observe.leakwatch import LeakWatch
@@ -81,6 +82,7 @@ _LAZY = {
     "allocator_state": "hybridmem.allocator.state",
     "allow_ptrace_from_any": "hybridmem.ipc.shareable",
     "cache_released": "hybridmem.memory.release",
+    "compact": "hybridmem.memory.compact",
     "expandable_segments": "hybridmem.allocator.scopes",
     "get_backend": "hybridmem.engine.backends",
     "get_timeline": "hybridmem.observe.timeline",
@@ -135,6 +137,7 @@ __all__ = [
     "allocator_state",
     "allow_ptrace_from_any",
     "cache_released",
+    "compact",
     "expandable_segments",
     "get_backend",
     "get_timeline",

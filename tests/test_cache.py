@@ -11,7 +11,7 @@ import torch
 
 import hybridmem as hm
 from hybridmem.memory.release import MAX_GC_ROUNDS
-from tests.conftest import FakeDevice, FakeTorch
+from tests.conftest import FakeDevice, FakeTorch, patch_seam
 
 GiB = 1 << 30
 
@@ -265,3 +265,38 @@ def test_blas_workspaces_go_before_the_cache_is_emptied(
     fake_gpu.events.clear()
     hm.release_cache(sync=False)  # kernels may still use them: kept
     assert "blas" not in fake_gpu.events
+
+
+def test_a_stuck_cache_is_explained_once(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hybridmem.memory.release import STUCK_CACHE_BYTES
+
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    device = fake_gpu.devices[0]
+
+    def empty_cache() -> None:  # a live block keeps part of a segment cached
+        device.reserved = device.allocated + STUCK_CACHE_BYTES + 1
+
+    patch_seam(monkeypatch, "empty_cache", empty_cache)
+    hm.release_cache()
+    hm.release_cache()
+    hints = [r.getMessage() for r in caplog.records if "stayed cached" in r.getMessage()]
+    assert len(hints) == 1
+    assert "hm.compact(model)" in hints[0]
+
+
+def test_a_small_cache_left_is_not_worth_a_line(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hybridmem.memory.release import STUCK_CACHE_BYTES
+
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    device = fake_gpu.devices[0]
+    patch_seam(
+        monkeypatch,
+        "empty_cache",
+        lambda: setattr(device, "reserved", device.allocated + STUCK_CACHE_BYTES),
+    )
+    hm.release_cache()
+    assert not [r for r in caplog.records if "stayed cached" in r.getMessage()]

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,21 +47,23 @@ from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem._scope import ScopedContext
+from hybridmem.memory.targets import (
+    GROUPS,
+    Group,
+    Target,
+    device_storages,
+    flatten,
+    select_groups,
+)
 from hybridmem.observe import timeline as _timeline
 
 __all__ = ["GROUPS", "OffloadReport", "Offloaded", "Offloader", "offloaded"]
 
-Group = Literal["parameters", "buffers", "gradients", "optimizer", "tensors"]
-#: The groups of state an Offloader moves, in the order they are collected (a
-#: storage reached twice belongs to the first group that reaches it).
-GROUPS: tuple[Group, ...] = ("parameters", "buffers", "gradients", "optimizer", "tensors")
 _ALIGN = 512  # bytes; each storage starts on this boundary in the pinned pool
 # How the CUDA caching allocator rounds requests (c10/cuda/CUDACachingAllocator):
 # small ones (<= 1 MiB) to 512 B inside 2 MiB blocks, large ones to 2 MiB.
 _SMALL_SIZE, _SMALL_ROUND, _LARGE_ROUND = 1 << 20, 512, 2 << 20
 _HEADROOM = 20 << 20  # one large block for what rounding misses
-
-Target = Any  # nn.Module | Optimizer | Tensor | Mapping | Sequence of these
 
 
 @dataclass(frozen=True)
@@ -121,22 +123,6 @@ class _Slot:
         self.offset = 0
 
 
-def _flatten(target: Target, path: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(target, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
-        yield path, target
-    elif isinstance(target, Mapping):
-        for key, value in target.items():
-            yield from _flatten(value, f"{path}[{key!r}]")
-    elif isinstance(target, (list, tuple)):
-        for index, value in enumerate(target):
-            yield from _flatten(value, f"{path}[{index}]")
-    else:
-        raise TypeError(
-            f"{path} is a {type(target).__name__}; Offloader takes nn.Module, "
-            "torch.optim.Optimizer, Tensor, and dicts/lists/tuples of them"
-        )
-
-
 def _unpin(pool: torch.Tensor) -> None:
     _torch.unpin_host_tensor(pool.data_ptr())
 
@@ -186,7 +172,8 @@ class Offloader:
         # Containers are walked again at every offload, so entries replaced in a
         # dict or list are followed; walking them now validates the types.
         self._targets = targets
-        list(self._walk())
+        for index, target in enumerate(targets):
+            list(flatten(target, f"targets[{index}]"))
         check_bool("pin_memory", pin_memory)
         if grads not in ("keep", "drop"):
             raise ValueError(f"grads must be 'keep' or 'drop', got {grads!r}")
@@ -260,59 +247,9 @@ class Offloader:
     # ------------------------------------------------------------------ #
     # Collection and planning
     # ------------------------------------------------------------------ #
-    def _walk(self) -> Iterator[tuple[str, Any]]:
-        for index, target in enumerate(self._targets):
-            yield from _flatten(target, f"targets[{index}]")
-
-    def _tensors(self) -> Iterator[tuple[str, torch.Tensor, Group]]:
-        for path, target in self._walk():
-            if isinstance(target, torch.nn.Module):
-                for name, param in target.named_parameters():
-                    yield f"{path}.{name}", param, "parameters"
-                for name, buf in target.named_buffers():
-                    yield f"{path}.{name}", buf, "buffers"
-                if self.grads == "keep":
-                    for name, param in target.named_parameters():
-                        if param.grad is not None:
-                            yield f"{path}.{name}.grad", param.grad, "gradients"
-            elif isinstance(target, torch.optim.Optimizer):
-                for index, state in enumerate(target.state.values()):
-                    for key, value in state.items():
-                        if isinstance(value, torch.Tensor):
-                            yield f"{path}.state[{index}].{key}", value, "optimizer"
-            else:
-                yield path, target, "tensors"
-
     def _storages(self) -> Iterator[tuple[str, torch.UntypedStorage, Group, torch.device]]:
-        """Each distinct device storage of the targets, in a stable order.
-
-        A sparse tensor (``nn.Embedding(sparse=True)``'s gradient) yields the
-        storages of its indices and values; a tensor with no storage of its own is
-        refused here, before anything is freed.
-
-        Raises:
-            TypeError: a target tensor has no storage that can be freed in place.
-        """
-        seen: set[int] = set()
-        for name, tensor, group in self._tensors():
-            local = _torch.local_tensor(tensor)
-            if not _torch.is_device_tensor(local):
-                continue
-            try:
-                parts = _torch.dense_parts(local)
-                storages = [_torch.storage_of(part) for part in parts]
-            except TypeError as exc:
-                raise TypeError(
-                    f"Offloader cannot offload {name}: {exc}. Leave it out of the targets "
-                    "(or, for a gradient, use grads='drop'); nothing was offloaded"
-                ) from None
-            for index, storage in enumerate(storages):
-                key = _torch.storage_key(storage)
-                if key in seen:
-                    continue
-                seen.add(key)
-                part = name if len(storages) == 1 else f"{name}[{local.layout} part {index}]"
-                yield part, storage, group, local.device
+        """Each distinct device storage of the targets (:func:`~.targets.device_storages`)."""
+        return device_storages(self._targets, gradients=self.grads == "keep")
 
     def _collect(self) -> list[_Slot]:
         slots: list[_Slot] = []
@@ -387,13 +324,7 @@ class Offloader:
 
     @staticmethod
     def _groups(groups: str | Iterable[str] | None) -> list[Group]:
-        if groups is None:
-            return list(GROUPS)
-        names = [groups] if isinstance(groups, str) else list(groups)
-        for name in names:
-            if name not in GROUPS:
-                raise ValueError(f"unknown group {name!r}; groups are {', '.join(GROUPS)}")
-        return [g for g in GROUPS if g in names]
+        return select_groups(groups)
 
     # ------------------------------------------------------------------ #
     # Offload / reload
@@ -652,18 +583,21 @@ class Offloader:
 
     def _drop_grads(self) -> int:
         dropped = 0
-        for _, target in self._walk():
-            if isinstance(target, torch.nn.Module):
+        for index, item in enumerate(self._targets):
+            for _, target in flatten(item, f"targets[{index}]"):
+                if not isinstance(target, torch.nn.Module):
+                    continue
                 for param in target.parameters():
-                    if param.grad is not None:
-                        local = _torch.local_tensor(param.grad)
-                        if _torch.is_device_tensor(local):
-                            with contextlib.suppress(TypeError):  # counted where it can be
-                                dropped += sum(
-                                    _torch.storage_of(part).nbytes()
-                                    for part in _torch.dense_parts(local)
-                                )
-                        param.grad = None
+                    if param.grad is None:
+                        continue
+                    local = _torch.local_tensor(param.grad)
+                    if _torch.is_device_tensor(local):
+                        with contextlib.suppress(TypeError):  # counted where it can be
+                            dropped += sum(
+                                _torch.storage_of(part).nbytes()
+                                for part in _torch.dense_parts(local)
+                            )
+                    param.grad = None
         return dropped
 
     def _report(

@@ -20,13 +20,14 @@ from hybridmem._checks import check_bool
 from hybridmem._devices import DeviceArg, resolve_devices
 from hybridmem._env import disabled
 from hybridmem._format import fmt_bytes
-from hybridmem._log import logger
+from hybridmem._log import info_once, logger
 from hybridmem._scope import ScopedContext
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo, read_memory
 
 __all__ = [
     "GC_SLACK_BYTES",
+    "STUCK_CACHE_BYTES",
     "CacheRelease",
     "DeviceRelease",
     "GarbageGate",
@@ -289,7 +290,26 @@ def _release(
         duration_s=time.perf_counter() - start,
     )
     logger.info("%s", report)
+    _hint_stuck_cache(after)
     return report
+
+
+#: Cache left after a release above which the log says what keeps it (once).
+STUCK_CACHE_BYTES = 64 << 20
+
+
+def _hint_stuck_cache(after: list[MemoryInfo]) -> None:
+    """Say once what a cache that no release returns is, and what frees it."""
+    stuck = max((m.reserved - m.allocated for m in after), default=0)
+    if stuck > STUCK_CACHE_BYTES:
+        info_once(
+            "stuck-cache",
+            f"release_cache: {fmt_bytes(stuck)} stayed cached: free parts of segments that "
+            "still hold live tensors, which no release can return. Classic segments round "
+            "every tensor over 1 MiB up to 2 MiB, so a model built outside "
+            "hm.expandable_segments(True) keeps about 1 MiB per large weight: hm.compact(model) "
+            "moves resident tensors into expandable segments once (docs/offload.md)",
+        )
 
 
 class GarbageGate:

@@ -406,7 +406,75 @@ def offload_faults() -> dict[str, Any]:
     return out
 
 
+def compact() -> dict[str, Any]:
+    """A model built in classic segments: the cache its weights keep, before and after compact.
+
+    The bench's shape: 24 blocks whose MLP weights are 10.7 MiB (1024 x 2731 fp32),
+    each in a classic segment of its own rounded up to 12 MiB, trained one step with
+    AdamW, its optimizer state offloaded as the switch does.
+    """
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = []
+    for _ in range(24):
+        blocks += [
+            torch.nn.Linear(1024, 2731, bias=False),
+            torch.nn.GELU(),
+            torch.nn.Linear(2731, 1024, bias=False),
+            torch.nn.LayerNorm(1024),
+        ]
+    model = torch.nn.Sequential(*blocks).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, 1024, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    off = hm.Offloader(opt)
+    off.offload()
+    hm.release_cache()
+    torch.cuda.synchronize()
+    cached_before = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    params = list(model.parameters())
+    with torch.no_grad():
+        expected = model(x)
+    copies = [p.detach().cpu().clone() for p in params]
+    large = [p for p in params if p.nbytes > MiB]
+    kinds_before = {_segment_is_expandable(p) for p in large}
+    report = hm.compact(model)
+    kinds_after = {_segment_is_expandable(p) for p in large}
+    bits_equal = all(torch.equal(c, p.detach().cpu()) for c, p in zip(copies, params))
+    hm.release_cache()
+    torch.cuda.synchronize()
+    cached_after = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    with torch.no_grad():
+        got = model(x)
+    again = hm.compact(model)  # nothing left in classic segments
+    off.reload()
+    model(x).square().mean().backward()
+    opt.step()  # the optimizer's state is keyed by the same Parameter objects
+    stepped = all(torch.isfinite(p).all().item() for p in params)
+    return {
+        "cached_before": cached_before,
+        "cached_after": cached_after,
+        "moved": report.moved,
+        "moved_bytes": report.nbytes,
+        "seconds": report.seconds,
+        "report": str(report),
+        "kinds_before": sorted(str(k) for k in kinds_before),
+        "kinds_after": sorted(str(k) for k in kinds_after),
+        "same_parameters": params == list(model.parameters()),
+        "bits_equal": bits_equal,
+        "stuck": report.stuck,
+        "large_count": len(large),
+        "forward_equal": bool(torch.equal(expected, got)),
+        "again_moved": again.moved,
+        "again_kept": again.kept,
+        "stepped": bool(stepped),
+        "param_count": len(params),
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "compact": compact,
     "segments": segments,
     "settings": settings,
     "release_training_expandable": lambda: release("training", "expandable"),

@@ -1,0 +1,303 @@
+"""Move resident tensors out of classic segments, so no cache stays stuck around them.
+
+The caching allocator gives every request over 1 MiB a classic segment rounded up
+to 2 MiB (or a share of a 20 MiB one): a 10.7 MiB weight sits in a 12 MiB segment.
+While the tensor lives, ``empty_cache`` cannot return the 1.3 MiB left over, so a
+model built before any expandable-segments scope keeps about 1 MiB of cache per
+large weight through every rollout (99.7 MiB for the bench's 369 M-parameter Llama,
+measured on an H200: docs/benchmarks.md). In an expandable segment, tensors are
+packed one after the other and free pages are unmapped.
+
+:func:`compact` moves the device storages of its targets that live in classic
+segments into expandable segments, **in place**: each ``UntypedStorage`` is freed
+and reallocated (``resize_``), so every ``Parameter``, view and tied weight keeps
+its identity, and optimizers and hooks keep working. All of them leave the device
+first (through an :class:`~hybridmem.Offloader`'s pinned pool, then released), and
+only then come back: the allocator hands out cached classic blocks whatever the
+setting says (best fit over one pool), so a storage reallocated while the classic
+segments of the others are still there lands in them (measured on the H200: the
+bench's 128 MiB embedding went back into an 852 MiB classic segment and kept 596
+MiB of it cached).
+
+Scope: one CUDA device per call (the targets'), process-global allocator settings
+for the duration; not thread-safe (no other thread may allocate meanwhile). Memory
+that is not a classic segment of this process (expandable segments,
+``cudaMallocAsync`` pools, torch_memory_saver regions, memory imported through
+CUDA IPC) is left where it is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from hybridmem import _torch
+from hybridmem._checks import check_bool
+from hybridmem._env import disabled
+from hybridmem._errors import OffloadError
+from hybridmem._format import fmt_bytes
+from hybridmem._log import logger
+from hybridmem.allocator.scopes import expandable_segments
+from hybridmem.allocator.state import ENGINE
+from hybridmem.memory.offload import Offloader
+from hybridmem.memory.targets import Target, device_storages, select_groups
+from hybridmem.observe import timeline as _timeline
+
+__all__ = ["CompactError", "CompactReport", "compact"]
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    """What one :func:`compact` did.
+
+    Attributes:
+        moved: storages moved into expandable segments.
+        nbytes: their bytes.
+        kept: device storages left where they were (already outside classic
+            segments, or not this process's to move).
+        stuck: storages that came back into a classic segment all the same: one
+            that another tensor (not a target) still holds had room for them.
+        seconds: wall-clock time, copies and cache release included.
+        reserved_before, reserved_after: ``torch.cuda.memory_reserved`` of the
+            device before and after (0 when nothing was read).
+        cached_before, cached_after: reserved minus allocated, before and after:
+            the cache that a release could not return.
+        device: the CUDA device (``""`` when no target is on one).
+        reason: why nothing moved, when nothing could (``""`` otherwise).
+    """
+
+    moved: int
+    nbytes: int
+    kept: int
+    seconds: float
+    stuck: int = 0
+    reserved_before: int = 0
+    reserved_after: int = 0
+    cached_before: int = 0
+    cached_after: int = 0
+    device: str = ""
+    reason: str = ""
+
+    def __str__(self) -> str:
+        if self.reason:
+            return f"compact: nothing moved ({self.reason})"
+        return (
+            f"compact on {self.device}: moved {self.moved} storages "
+            f"({fmt_bytes(self.nbytes)}) into expandable segments, kept {self.kept}"
+            f"{f', {self.stuck} back in classic segments' if self.stuck else ''}; "
+            f"cache {fmt_bytes(self.cached_before)} -> {fmt_bytes(self.cached_after)}, "
+            f"{self.seconds * 1e3:.1f} ms"
+        )
+
+
+class CompactError(OffloadError):
+    """A compaction took storages off the device and could not put them back.
+
+    Attributes:
+        offloader: holds their bytes in its host pool: nothing is lost; call
+            ``error.offloader.reload()`` once the device has room.
+    """
+
+    def __init__(self, message: str, offloader: Offloader) -> None:
+        super().__init__(message, offloaded=offloader.offloaded_groups)
+        self.offloader = offloader
+
+
+def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage`` (shares it, and its resizes)."""
+    view = torch.empty(0, dtype=torch.uint8, device=device)
+    view.set_(storage)
+    return view
+
+
+def _nothing(reason: str, start: float, kept: int = 0, device: str = "") -> CompactReport:
+    logger.info("compact: nothing moved (%s)", reason)
+    return CompactReport(0, 0, kept, time.perf_counter() - start, device=device, reason=reason)
+
+
+def _is_classic(view: torch.Tensor) -> bool:
+    return bool(
+        _torch.storage_resizable(view.untyped_storage()) and _torch.is_legacy_ipc_capable(view)
+    )
+
+
+def _bring_back(offloader: Offloader, *, expandable: bool) -> bool:
+    """Reload into expandable segments (else classic ones); True if expandable worked.
+
+    Raises:
+        CompactError: nothing fitted (the bytes stay in ``offloader``'s pool).
+    """
+    cause: BaseException | None = None
+    if expandable:
+        try:
+            with expandable_segments(True, release_cache=True):
+                offloader.reload()
+            return True
+        except OffloadError as exc:  # no room there: the classic segments, then
+            cause = exc.__cause__ or exc
+    try:
+        with expandable_segments(False, release_cache=False):
+            offloader.reload()
+    except OffloadError as again:
+        raise CompactError(
+            f"compact could not bring the tensors it took off the device back "
+            f"({cause!r}; in classic segments: {again.__cause__!r}). Their bytes are in the "
+            "host pool: call error.offloader.reload() once the device has room",
+            offloader,
+        ) from again
+    return False
+
+
+@_timeline.traced("compact", lambda r: {"nbytes": r.nbytes, "moved": r.moved})
+def compact(
+    *targets: Target,
+    groups: str | Iterable[str] | None = None,
+    release_cache: bool = True,
+) -> CompactReport:
+    """Move the targets' tensors in classic segments into expandable segments, in place.
+
+    Call it once after building the model (or after loading a checkpoint) and before
+    the first switch, for the tensors that stay on the device through rollout
+    (parameters a trainer keeps resident, buffers). The optimizer state an
+    :class:`~hybridmem.Offloader` moves needs none: its reload allocates in the
+    settings of the training phase. Building the model inside
+    ``hm.phase("train")`` (or ``hm.expandable_segments(True)``) has the same effect.
+
+    The storages go through pinned host memory (as many bytes as they hold, released
+    at the end): a few tens of milliseconds per GiB on an H200. Do not compact
+    tensors that a CUDA graph captured or that another process opened through CUDA
+    IPC: both hold the old address (share them again after).
+
+    Args:
+        *targets: as for :class:`~hybridmem.Offloader`: modules, optimizers,
+            tensors, dicts/lists of them.
+        groups: the groups to move (``None``: all): ``"parameters"``,
+            ``"buffers"``, ``"gradients"``, ``"optimizer"``, ``"tensors"``.
+        release_cache: return the emptied segments to the driver at the end.
+
+    Returns:
+        A :class:`CompactReport` (also logged at INFO). Nothing moves, and the report
+        says why, when hybridmem is disabled, no target is on a GPU, the allocator is
+        ``cudaMallocAsync``, or the env sets ``expandable_segments:False``
+        explicitly (hybridmem never overrides that).
+
+    Raises:
+        TypeError: a target is not a module, optimizer, tensor or container of them,
+            or a target tensor has no storage of its own (before anything moves).
+        ValueError: an unknown group, or targets on several devices (before anything
+            moves).
+        OffloadError: taking them off failed (nothing moved, all data intact), or
+            :class:`CompactError`: they could not come back even in classic
+            segments; their bytes are in ``error.offloader``'s host pool.
+
+    Scope: the targets' device; the allocator settings are switched process-wide
+    for the call; not thread-safe.
+
+    Example:
+        >>> model = build_model().cuda()                   # doctest: +SKIP
+        >>> print(hm.compact(model))
+        compact on cuda:0: moved 219 storages (1.38 GiB) into expandable segments, ...
+    """
+    start = time.perf_counter()
+    wanted = select_groups(groups)
+    check_bool("release_cache", release_cache)
+    if disabled():
+        return _nothing("HYBRIDMEM_DISABLE is on", start)
+    found = [
+        (storage, device)
+        for _, storage, group, device in device_storages(targets, who="compact", action="move")
+        if group in wanted and storage.nbytes() > 0
+    ]
+    devices = {device for _, device in found}
+    if len(devices) > 1:
+        listed = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"compact targets span several devices ({listed}); compact each one")
+    if not found:
+        return _nothing("no target tensor is on a GPU", start)
+    (device,) = devices
+    if ENGINE.backend() == "cudaMallocAsync":
+        return _nothing("the allocator backend is cudaMallocAsync", start, len(found), str(device))
+    forbidding = ENGINE.env_expandable_false()
+    if forbidding is not None:
+        return _nothing(
+            f"{forbidding} sets expandable_segments:False explicitly",
+            start,
+            len(found),
+            str(device),
+        )
+    views = [_bytes(storage, device) for storage, _ in found]
+    todo = [v for v in views if _is_classic(v)]
+    index = device.index if device.index is not None else _torch.current_device()
+    reserved_before, cached_before = _cache(index)
+    stuck = 0
+    if todo:
+        offloader = Offloader(todo, device=device if device.type == "cuda" else None)
+        try:
+            offloader.offload(release_cache=False)  # all or nothing; raises with all intact
+        except BaseException:
+            offloader.close()
+            raise
+        try:
+            _release_classic(index)
+            placed = _bring_back(offloader, expandable=True)
+        except CompactError:
+            raise  # the caller's to reload: the pool stays pinned until then
+        except BaseException:  # interrupted: nothing may stay off the device
+            if offloader.offloaded_groups:
+                _bring_back(offloader, expandable=False)
+            offloader.close()
+            raise
+        offloader.close()  # unpinned at once, not when garbage-collected
+        stuck = len(todo) if not placed else sum(_is_classic(v) for v in todo)
+        if stuck:
+            logger.info(
+                "compact: %d of %d storages came back into classic segments (%s)",
+                stuck,
+                len(todo),
+                "no room in expandable ones"
+                if not placed
+                else "segments that other live tensors hold had room for them",
+            )
+    if release_cache:
+        _torch.empty_cache()
+    reserved_after, cached_after = _cache(index)
+    report = CompactReport(
+        moved=len(todo) - stuck,
+        nbytes=sum(v.untyped_storage().nbytes() for v in todo if not _is_classic(v)),
+        kept=len(views) - len(todo),
+        seconds=time.perf_counter() - start,
+        stuck=stuck,
+        reserved_before=reserved_before,
+        reserved_after=reserved_after,
+        cached_before=cached_before,
+        cached_after=cached_after,
+        device=str(device),
+    )
+    logger.info("%s", report)
+    return report
+
+
+def _release_classic(index: int | None) -> None:
+    """Return the classic segments the offload emptied, before anything is reallocated.
+
+    The cuBLAS workspaces go first: one left in a classic segment keeps all of it
+    (see :func:`hybridmem.release_cache`). Emptied here, not by the expandable scope,
+    which empties the cache only when the setting changes.
+    """
+    if index is not None and _torch.cuda_initialized():
+        _torch.synchronize(index)
+        _torch.clear_blas_workspaces()
+    _torch.empty_cache()
+
+
+def _cache(index: int | None) -> tuple[int, int]:
+    """``(reserved, reserved - allocated)`` of device ``index`` now (0s without CUDA)."""
+    if index is None or not _torch.cuda_initialized():
+        return 0, 0
+    _torch.synchronize(index)
+    stats = _torch.memory_stats(index)
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    return reserved, reserved - int(stats.get("allocated_bytes.all.current", 0))
