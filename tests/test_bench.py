@@ -233,3 +233,49 @@ def test_a_figure_is_called_worse_only_beyond_noise() -> None:
     assert noise("handback", 0.9952, 0.9960) == 0.0005  # the floor, without per-cycle data
     for line in lines:  # figures are rounded: no float reprs with 15 digits
         assert not re.search(r"\d\.\d{6,}", line), line
+
+
+def test_strategies_chosen_where_torch_memory_saver_is_or_is_not() -> None:
+    from hybridmem.bench.plan import STRATEGIES, choose_strategies
+
+    assert choose_strategies(None, tms=True) == (list(STRATEGIES), "")
+    chosen, skipped = choose_strategies(None, tms=False)
+    assert chosen == ["naive", "handrolled", "hybridmem"]
+    assert "tms skipped: torch_memory_saver is not installed" in skipped
+    assert choose_strategies(["hybridmem", "naive", "hybridmem"], tms=False) == (
+        ["hybridmem", "naive"],
+        "",
+    )
+    with pytest.raises(ValueError, match="strategy tms needs torch_memory_saver"):
+        choose_strategies(["tms"], tms=False)
+    with pytest.raises(ValueError, match="unknown strategy 'magic'; strategies are naive"):
+        choose_strategies(["magic"], tms=True)
+
+
+def test_torch_memory_saver_is_a_baseline_in_the_verdicts() -> None:
+    rows = {
+        "tms": figures("tms", offload_gbps=[2.0] * 4).summary(),
+        "hybridmem": figures("hybridmem", offload_gbps=[50.0] * 4).summary(),
+    }
+    lines = _verdicts(rows)
+    assert any(
+        line.startswith("offload_gbps: hybridmem 50, at least as good as tms 2") for line in lines
+    )
+
+
+def test_drift_is_judged_by_its_distance_from_zero() -> None:
+    rows = {
+        "tms": figures("tms", free_at_train=[100 * GiB + i * MiB for i in range(4)]).summary(),
+        "hybridmem": figures("hybridmem").summary(),
+    }
+    assert rows["tms"]["drift_mib_per_cycle"] == pytest.approx(-1.0)
+    lines = _verdicts(rows)
+    drift = next(line for line in lines if line.startswith("drift_mib_per_cycle: hybridmem"))
+    assert "at least as good as tms -1" in drift
+    rows["hybridmem"] = figures(
+        "hybridmem", free_at_train=[100 * GiB - 3 * i * MiB for i in range(4)]
+    ).summary()
+    drift = next(
+        line for line in _verdicts(rows) if line.startswith("drift_mib_per_cycle: hybridmem")
+    )
+    assert "worse than tms -1" in drift

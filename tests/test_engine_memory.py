@@ -169,6 +169,25 @@ def test_preload_env_is_set_for_the_child_only(monkeypatch: pytest.MonkeyPatch) 
         pass
 
 
+def test_a_preloaded_process_starts_its_engine_with_the_library_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # TMS asserts that LD_PRELOAD names its library exactly once: the tms trainer
+    # strategy runs preloaded, and its engine process inherits that environment.
+    library = "/site/torch_memory_saver_hook_mode_preload_cu13.abi3.so"
+    monkeypatch.setattr(engine_memory, "preload_library", lambda: library)
+    monkeypatch.setenv("LD_PRELOAD", f"{library}:/other.so")
+    with preload_env("tms"):
+        assert os.environ["LD_PRELOAD"] == f"{library}:/other.so"
+    with preload_env("tms-torch"):  # another hook mode: the engine starts without it
+        assert os.environ["LD_PRELOAD"] == "/other.so"
+    with preload_env("handmade"):
+        assert os.environ["LD_PRELOAD"] == "/other.so"
+    assert os.environ["LD_PRELOAD"] == f"{library}:/other.so"
+    assert engine_memory.preloaded({"LD_PRELOAD": library}) == {"LD_PRELOAD": library}
+    assert engine_memory.not_preloaded({"LD_PRELOAD": library, "A": "1"}) == {"A": "1"}
+
+
 def test_preload_library_matches_the_cuda_major(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -216,6 +216,11 @@ class EngineClient:
         self.last_kv = 0
         self.last_handback = 0.0
         self.last_missing: dict[str, int] = {}
+        #: ``(allocated, reserved)`` torch counted for the trainer's torch_memory_saver
+        #: region when it was made (the ``tms`` strategy), and what of it is paused now:
+        #: torch keeps counting a paused region, though its memory is back on the device.
+        self.trainer_region = (0, 0)
+        self.trainer_hidden = (0, 0)
 
     def call(self, *command: Any) -> tuple[Any, ...]:
         started = time.perf_counter()
@@ -236,7 +241,8 @@ class EngineClient:
             assert info.free is not None  # this process has a context: a full reading
             assert info.total is not None
             free, total = info.free, info.total
-            allocated, reserved = info.allocated, info.reserved
+            allocated = info.allocated - self.trainer_hidden[0]
+            reserved = info.reserved - self.trainer_hidden[1]
             live = allocated + engine_allocated
             # The contexts as they are now: lazily loaded kernels and library
             # workspaces grow them after the start, and no switch can free them.

@@ -34,6 +34,7 @@ __all__ = [
     "SaverMemory",
     "available",
     "make_engine_memory",
+    "not_preloaded",
     "preload_env",
     "preload_library",
     "preloaded",
@@ -92,10 +93,17 @@ def resolve(kind: str) -> str:
     return kind
 
 
-def preloaded(env: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``env`` with TMS's preload library first in ``LD_PRELOAD``.
+def _without_saver(preload: str, library: str | None) -> list[str]:
+    """The ``LD_PRELOAD`` entries that are not torch_memory_saver's libraries."""
+    return [p for p in preload.split(":") if p and p != library and "torch_memory_saver" not in p]
 
-    For a process started with this environment (``subprocess``'s ``env=``).
+
+def preloaded(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` with TMS's preload library first in ``LD_PRELOAD``, once.
+
+    For a process started with this environment (``subprocess``'s ``env=``). TMS
+    refuses to start when ``LD_PRELOAD`` names its library twice (a process that runs
+    preloaded and starts another the same way), so any earlier entry is replaced.
 
     Raises:
         RuntimeError: the library was not found (torch_memory_saver not installed).
@@ -103,22 +111,37 @@ def preloaded(env: Mapping[str, str]) -> dict[str, str]:
     library = preload_library()
     if library is None:
         raise RuntimeError("torch_memory_saver's preload library was not found")
-    before = env.get("LD_PRELOAD")
-    return {**env, "LD_PRELOAD": f"{library}:{before}" if before else library}
+    rest = _without_saver(env.get("LD_PRELOAD", ""), library)
+    return {**env, "LD_PRELOAD": ":".join([library, *rest])}
+
+
+def not_preloaded(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``env`` without TMS's libraries in ``LD_PRELOAD`` (the variable unset if empty)."""
+    rest = _without_saver(env.get("LD_PRELOAD", ""), preload_library())
+    out = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
+    if rest:
+        out["LD_PRELOAD"] = ":".join(rest)
+    return out
 
 
 @contextlib.contextmanager
 def preload_env(kind: str) -> Iterator[None]:
-    """Set ``LD_PRELOAD`` for an engine process started inside (``tms`` only).
+    """``LD_PRELOAD`` for an engine process started inside: TMS's library for ``tms`` only.
 
     A ``spawn`` child execs a new interpreter with this process's environment, so the
     variable reaches it; this process is not affected (the loader read it at exec).
+    Any other engine starts without TMS's library, also when this process has it
+    (the ``tms`` trainer strategy runs preloaded).
     """
-    if kind != "tms":
+    before = os.environ.get("LD_PRELOAD")
+    wanted = (preloaded if kind == "tms" else not_preloaded)(os.environ).get("LD_PRELOAD")
+    if wanted == before:
         yield
         return
-    before = os.environ.get("LD_PRELOAD")
-    os.environ["LD_PRELOAD"] = preloaded(os.environ)["LD_PRELOAD"]
+    if wanted is None:
+        os.environ.pop("LD_PRELOAD", None)
+    else:
+        os.environ["LD_PRELOAD"] = wanted
     try:
         yield
     finally:

@@ -8,10 +8,19 @@ from typing import Any
 from hybridmem._checks import check_number
 from hybridmem.observe.leakwatch import slope
 
-__all__ = ["ENGINES", "MODELS", "STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]
+__all__ = [
+    "ENGINES",
+    "MODELS",
+    "STRATEGIES",
+    "BenchPlan",
+    "Figures",
+    "choose_strategies",
+    "handback_ratio",
+    "plan",
+]
 
-#: The three ways of switching that the bench compares.
-STRATEGIES = ("naive", "handrolled", "hybridmem")
+#: The ways of switching that the bench compares (``tms`` needs torch_memory_saver).
+STRATEGIES = ("naive", "handrolled", "tms", "hybridmem")
 #: Which trainer model to build (see :class:`BenchPlan`).
 MODELS = ("auto", "torch", "transformers")
 #: Where the rollout engine keeps its memory (``hybridmem.bench.engine_memory``).
@@ -115,6 +124,38 @@ def plan(
         model=model,
         engine=engine,
     )
+
+
+def choose_strategies(requested: list[str] | None, *, tms: bool) -> tuple[list[str], str]:
+    """The strategies to run (as asked, once each) and what was left out (or ``""``).
+
+    Args:
+        requested: the names asked for; None for all that can run here.
+        tms: whether torch_memory_saver (and its preload library) is installed.
+
+    Raises:
+        ValueError: an unknown name, or ``tms`` asked for where it cannot run.
+    """
+    if requested is None:
+        chosen = [s for s in STRATEGIES if s != "tms" or tms]
+        skipped = (
+            ""
+            if tms
+            else (
+                "strategy tms skipped: torch_memory_saver is not installed "
+                "(pip install torch-memory-saver)"
+            )
+        )
+        return chosen, skipped
+    unknown = [s for s in requested if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategy {unknown[0]!r}; strategies are {', '.join(STRATEGIES)}")
+    if "tms" in requested and not tms:
+        raise ValueError(
+            "strategy tms needs torch_memory_saver and its preload library: pip install "
+            "torch-memory-saver (or leave tms out of --strategies)"
+        )
+    return list(dict.fromkeys(requested)), ""
 
 
 def handback_ratio(free: int, total: int, live: int, context: int) -> float:

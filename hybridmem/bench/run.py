@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridmem._files import FileProblem, check_writable, describe
-from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, plan
+from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, choose_strategies, plan
 from hybridmem.bench.report import format_table, plot_results, verdicts
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.timeline import record
@@ -108,7 +108,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
 
     from hybridmem.bench.engine import BoundedConn, EngineClient, serve
     from hybridmem.bench.engine_memory import preload_env, resolve
-    from hybridmem.bench.strategies import make_strategy
+    from hybridmem.bench.strategies import make_strategy, strategy_classes
 
     torch.manual_seed(0)
     torch.set_float32_matmul_precision("high")  # TF32, as trainers run fp32 weights
@@ -152,7 +152,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     context = total - free - torch.cuda.memory_reserved() - engine_reserved
     engine = EngineClient(bounded, context, total, anatomy=p.anatomy)
 
-    def train() -> None:
+    def train(state_scope: contextlib.AbstractContextManager[Any] | None = None) -> None:
         for _ in range(p.train_steps):
             length = int(torch.randint(p.seq_min, p.seq_max + 1, ()).item())
             tokens = torch.randint(0, p.vocab, (p.batch, length), device="cuda")
@@ -161,10 +161,28 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
                 logits.reshape(-1, p.vocab).float(), tokens[:, 1:].reshape(-1)
             )
             loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
+            if state_scope is not None:  # the first step makes the optimizer's state
+                # In fresh segments: a torch_memory_saver region only holds what the
+                # allocator asks the driver for while it is open, not reused cache.
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+                with state_scope:
+                    optimizer.step()
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()  # the step's temporaries: what stays is the state
+                engine.trainer_region = (
+                    torch.cuda.memory_allocated() - before[0],
+                    torch.cuda.memory_reserved() - before[1],
+                )
+                state_scope = None
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    train()  # the optimizer state exists before the first offload
+    # The optimizer state exists before the first offload, made where the strategy
+    # keeps it (a torch_memory_saver region for ``tms``).
+    train(strategy_classes()[name].state_scope())
     # The warm-up's cached activations would count in the first cycle's peak reserved.
     torch.cuda.empty_cache()
     strategy = make_strategy(name, p, model, optimizer, engine)
@@ -276,10 +294,18 @@ def _bar(name: str, done: int, total: int) -> str:
 
 
 def _child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
+    import os
+
+    from hybridmem.bench.engine_memory import preloaded
+
     command = [sys.executable, "-m", "hybridmem.bench.run", name, json.dumps(p.as_dict())]
     if timeline:
         command.append(f"{timeline}.{name}")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # slime's and AReaL's trainers run with torch_memory_saver's preload library.
+    env = preloaded(os.environ) if name == "tms" else None
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     assert process.stderr is not None
     tail: list[str] = []
     for line in process.stderr:
@@ -302,7 +328,7 @@ def bench(
     quick: bool,
     json_path: str | None,
     plot_path: str | None,
-    strategies: list[str],
+    strategies: list[str] | None,
     timeline: str | None = None,
     cycles: int | None = None,
     model: str = "auto",
@@ -315,7 +341,8 @@ def bench(
         quick: the small plan (< 2 minutes on an H200).
         json_path: write the plan, every figure of every cycle and the verdicts here.
         plot_path: draw the summary figures (needs matplotlib).
-        strategies: which of ``STRATEGIES`` to run, in order.
+        strategies: which of ``STRATEGIES`` to run, in order; None: all of them,
+            ``tms`` only where torch_memory_saver is installed.
         timeline: record each strategy's cycles to ``TIMELINE.<strategy>.jsonl``
             (and ``.trace.json``) and its engine's to
             ``TIMELINE.<strategy>.engine.jsonl``, for ``hybridmem plot``.
@@ -350,6 +377,17 @@ def bench(
     except (RuntimeError, ValueError) as exc:
         print(f"hybridmem bench: {exc}", file=sys.stderr)
         return 2
+    from hybridmem.bench.engine_memory import available, preload_library
+
+    try:
+        strategies, skipped = choose_strategies(
+            strategies, tms=available() and preload_library() is not None
+        )
+    except ValueError as exc:
+        print(f"hybridmem bench: {exc}", file=sys.stderr)
+        return 2
+    if skipped:
+        print(f"bench: {skipped}", file=sys.stderr)
     p = plan(int(total), quick=quick, cycles=cycles, model=model, engine=engine_kind)
     if anatomy:
         p = dataclasses.replace(p, anatomy=True)

@@ -1,4 +1,4 @@
-"""The three ways of switching the bench compares, on the same trainer and engine.
+"""The ways of switching the bench compares, on the same trainer and engine.
 
 - ``naive``: torch defaults; ``.to("cpu")`` offload of the optimizer state; one
   ``empty_cache``; weights shared tensor by tensor over CUDA IPC.
@@ -6,7 +6,13 @@
   torch's raw setter (which drops the user's other settings), a 3-round
   ``gc.collect()`` + ``empty_cache`` loop around each step, ``non_blocking`` ``.to``
   offload, a fresh exported buffer for every weight-sync batch.
-- ``hybridmem``: ``phase("train", backend="sglang")``, an
+- ``tms``: what slime and AReaL do: the optimizer state lives in a torch_memory_saver
+  region with CPU backup (``enable_cpu_backup=True``, TMS's ``pinned`` backend;
+  the trainer runs with TMS's ``LD_PRELOAD``), ``pause`` before rollout and
+  ``resume`` after; one ``gc.collect`` + ``empty_cache``; weights shared tensor by
+  tensor over CUDA IPC. Runs only where torch_memory_saver is installed.
+- ``hybridmem``: :func:`~hybridmem.compact` of model and optimizer once,
+  ``phase("train", backend="sglang")``, an
   :class:`~hybridmem.Offloader`, a :class:`~hybridmem.WeightBucket` and a
   :class:`~hybridmem.HybridSwitch` with the ``sglang`` backend.
 
@@ -34,9 +40,10 @@ from hybridmem.engine.phases import phase
 from hybridmem.engine.switch import HybridSwitch
 from hybridmem.ipc._plan import plan_batches
 from hybridmem.ipc.bucket import WeightBucket
+from hybridmem.memory.compact import compact
 from hybridmem.memory.offload import Offloader
 
-__all__ = ["Moved", "Strategy", "make_strategy"]
+__all__ = ["TMS_TAG", "Moved", "Strategy", "make_strategy", "strategy_classes"]
 
 
 @dataclass
@@ -72,6 +79,11 @@ class Strategy:
         self.optimizer = optimizer
         self.engine = engine
         self.adapter = SGLangEngine(engine)  # the engine speaks SGLang's memory API
+
+    @staticmethod
+    def state_scope() -> contextlib.AbstractContextManager[Any]:
+        """Where the optimizer's state is first allocated (the warm-up's first step)."""
+        return contextlib.nullcontext()
 
     def train_scope(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -172,11 +184,70 @@ class Handrolled(Strategy):
         return self._move_optimizer("cuda", non_blocking=True)
 
 
+#: The torch_memory_saver tag of the trainer's optimizer state (the ``tms`` strategy).
+TMS_TAG = "optimizer"
+
+
+def _memory_saver() -> Any:
+    import importlib
+
+    return importlib.import_module("torch_memory_saver").torch_memory_saver
+
+
+class TmsOffload(Strategy):
+    """slime's and AReaL's way: the trainer state paused through torch_memory_saver."""
+
+    name = "tms"
+
+    @staticmethod
+    def state_scope() -> contextlib.AbstractContextManager[Any]:
+        region: contextlib.AbstractContextManager[Any] = _memory_saver().region(
+            tag=TMS_TAG, enable_cpu_backup=True
+        )
+        return region
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.saver = _memory_saver()
+        # What torch counted for the region when the state was made (run_strategy).
+        self.counted = self.engine.trainer_region
+        self.state_bytes = self.counted[0]
+
+    def to_rollout(self) -> Moved:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        self.saver.pause(TMS_TAG)  # copies to its CPU backup, unmaps the pages
+        copy_s = time.perf_counter() - started
+        # torch still counts the paused region as allocated: tell the hand-back.
+        self.engine.trainer_hidden = self.counted
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.adapter.wake_up(["weights"])
+        sync_s = self._sync_per_tensor()
+        self.adapter.wake_up(["kv_cache"])
+        return Moved(copy_s=copy_s, copy_bytes=self.state_bytes, sync_s=sync_s)
+
+    def to_trainer(self) -> Moved:
+        self.adapter.sleep()
+        gc.collect()
+        torch.cuda.empty_cache()
+        started = time.perf_counter()
+        self.saver.resume(TMS_TAG)
+        torch.cuda.synchronize()
+        self.engine.trainer_hidden = (0, 0)
+        return Moved(copy_s=time.perf_counter() - started, copy_bytes=self.state_bytes)
+
+
 class Hybridmem(Strategy):
     name = "hybridmem"
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        # Model and optimizer state were made before any expandable-segments scope: in
+        # classic segments, each weight rounded up to 2 MiB (~100 MiB of cache no
+        # release returns), the state partly inside the warm-up's 852 MiB logits
+        # segment. Both, once, before the first switch (docs/benchmarks.md).
+        compact(self.model, self.optimizer)
         self.offloader = Offloader(self.optimizer)
         self.bucket = WeightBucket(self.plan.bucket_bytes, fallback="raise")
         self.engine.call("bucket", self.bucket.handle)
@@ -208,6 +279,11 @@ class Hybridmem(Strategy):
         return Moved(copy_s=report.stage("reload").seconds, copy_bytes=self.offloader.host_bytes)
 
 
+def strategy_classes() -> dict[str, type[Strategy]]:
+    """Each strategy's class by name, in ``STRATEGIES`` order."""
+    return {"naive": Naive, "handrolled": Handrolled, "tms": TmsOffload, "hybridmem": Hybridmem}
+
+
 def make_strategy(
     name: str,
     plan: BenchPlan,
@@ -216,11 +292,7 @@ def make_strategy(
     engine: EngineClient,
 ) -> Strategy:
     """The strategy called ``name`` (one of ``STRATEGIES``)."""
-    kinds: dict[str, type[Strategy]] = {
-        "naive": Naive,
-        "handrolled": Handrolled,
-        "hybridmem": Hybridmem,
-    }
+    kinds = strategy_classes()
     if name not in kinds:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(kinds)}")
     return kinds[name](plan, model, optimizer, engine)
