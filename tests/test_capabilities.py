@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -233,3 +234,62 @@ print(json.dumps({"code": code, "started": started}))
     assert done.returncode == 0, done.stderr
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts == {"code": 0, "started": [[0, False]]}
+
+
+def fake_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
+    """Put a stand-in program where the launcher looks for the probe."""
+    script = tmp_path / "fake_probe.py"
+    script.write_text(body)
+    monkeypatch.setattr(_probe_launch, "PROBE", script)
+
+
+def test_the_answer_is_taken_without_waiting_for_the_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Answers, closes its output, then never exits (as a CUDA teardown that takes long).
+    fake_probe(
+        tmp_path,
+        monkeypatch,
+        "import json, os, sys, threading\n"
+        "sys.stdout.write(json.dumps({'classic_ipc': True}))\n"
+        "sys.stdout.flush()\n"
+        "os.dup2(os.open(os.devnull, os.O_WRONLY), 1)\n"
+        "threading.Event().wait()\n",
+    )
+    run = _probe_launch.ProbeRun(0, cuda=False)
+    try:
+        facts = run.facts()
+        assert facts["classic_ipc"] is True
+        assert run._process is not None
+        assert run._process.poll() is None  # still running: its exit was not awaited
+    finally:
+        run.discard()
+    assert run._process.poll() is not None
+
+
+def test_a_failing_probe_says_how_it_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_probe(
+        tmp_path,
+        monkeypatch,
+        "import sys\nprint('half an answer')\nprint('boom: no driver', file=sys.stderr)\n"
+        "sys.exit(3)\n",
+    )
+    facts = _probe_launch.ProbeRun(0, cuda=False).facts()
+    assert facts["cuda_error"] == "the IPC probe failed (exit 3): boom: no driver"
+    fake_probe(tmp_path, monkeypatch, "print('[1, 2]')\n")
+    facts = _probe_launch.ProbeRun(0, cuda=False).facts()
+    assert facts["cuda_error"] == "the IPC probe said nothing"
+
+
+@pytest.mark.skipif(not _linux.is_linux(), reason="pidfd is Linux only")
+def test_the_real_probe_reports_when_each_side_got_where() -> None:
+    run = _probe_launch.ProbeRun(0, cuda=False)
+    facts = run.facts()
+    timings = facts["timings"]
+    assert {"producer_start", "exported", "consumer_start", "consumer_done", "answered"} <= set(
+        timings
+    )
+    assert timings["producer_start"] <= timings["exported"] <= timings["answered"]
+    assert timings["consumer_start"] <= timings["consumer_done"] <= timings["answered"]

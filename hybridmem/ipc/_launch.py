@@ -8,6 +8,7 @@ starting another. Everything here is standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -52,12 +53,24 @@ class ProbeRun:
             command.append("--cuda")
         self._error: str | None = None
         self._process: subprocess.Popen[str] | None = None
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._readers: list[threading.Thread] = []
         try:
             self._process = subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
             )
         except OSError as exc:
             self._error = f"could not start the IPC probe: {exc}"
+            return
+        # The probe writes its facts and closes its output before its CUDA contexts
+        # are torn down: reading to end-of-file, not waiting for the exit, saves that.
+        for stream, sink in ((self._process.stdout, self._out), (self._process.stderr, self._err)):
+            reader = threading.Thread(
+                target=_drain, args=(stream, sink), name="hybridmem-probe-reader", daemon=True
+            )
+            reader.start()
+            self._readers.append(reader)
 
     def facts(self) -> dict[str, Any]:
         """Wait for the probe; return its facts (an error fact when it failed).
@@ -68,28 +81,56 @@ class ProbeRun:
         facts["elapsed_s"] = time.perf_counter() - self.started
         return facts
 
+    def _remaining(self) -> float:
+        return max(1.0, TIMEOUT_S - (time.perf_counter() - self.started))
+
     def _wait(self) -> dict[str, Any]:
-        if self._process is None:
+        process = self._process
+        if process is None:
             return {"cuda_error": self._error or "the IPC probe did not start"}
-        remaining = max(1.0, TIMEOUT_S - (time.perf_counter() - self.started))
-        try:
-            out, err = self._process.communicate(timeout=remaining)
-        except subprocess.TimeoutExpired:
+        out_reader = self._readers[0]
+        out_reader.join(self._remaining())
+        if out_reader.is_alive():
             self.discard()
             return {"cuda_error": f"the IPC probe did not finish within {TIMEOUT_S:.0f} s"}
+        out = "".join(self._out)
         try:
             facts = json.loads(out)
         except ValueError:
-            tail = (err or out).strip().splitlines()[-3:]
-            code = self._process.returncode
-            return {"cuda_error": f"the IPC probe failed (exit {code}): {' | '.join(tail)}"}
-        return facts if isinstance(facts, dict) else {"cuda_error": "the IPC probe said nothing"}
+            facts = None
+        if isinstance(facts, dict):
+            # The probe is still exiting (tearing its contexts down): reaped off the path.
+            threading.Thread(
+                target=process.wait, name="hybridmem-probe-reaper", daemon=True
+            ).start()
+            return facts
+        try:  # it failed: its exit status and last words say why
+            process.wait(timeout=self._remaining())
+        except subprocess.TimeoutExpired:
+            self.discard()
+        self._readers[1].join(5.0)
+        tail = ("".join(self._err) or out).strip().splitlines()[-3:]
+        if facts is not None:
+            return {"cuda_error": "the IPC probe said nothing"}
+        return {
+            "cuda_error": f"the IPC probe failed (exit {process.returncode}): {' | '.join(tail)}"
+        }
 
     def discard(self) -> None:
         """Stop the probe if it still runs (its consumer exits when the pipe closes)."""
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
-            self._process.communicate()
+            self._process.wait()
+        for reader in self._readers:
+            reader.join(5.0)
+
+
+def _drain(stream: Any, sink: list[str]) -> None:
+    """Read ``stream`` to its end into ``sink`` (a reader thread)."""
+    if stream is None:
+        return
+    with contextlib.suppress(OSError, ValueError):  # closed under us by a kill
+        sink.append(stream.read())
 
 
 def start_early(device: int, cuda: bool | None = None) -> ProbeRun:

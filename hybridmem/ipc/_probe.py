@@ -22,6 +22,8 @@ import pickle
 import struct
 import subprocess
 import sys
+import threading
+import time
 from typing import IO, Any
 
 # Run by path, sys.path[0] is this folder: leave it off the path, so that its
@@ -58,6 +60,31 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
 
+def _warm_up(device: int, facts: dict[str, Any]) -> threading.Thread:
+    """Create the device's CUDA context in a thread while this process imports torch.
+
+    Importing torch takes seconds and creating a context hundreds of milliseconds;
+    done one after the other they were most of ``hybridmem doctor``'s wall time.
+    """
+
+    def run() -> None:
+        from hybridmem._platform import cuda_driver
+
+        error = cuda_driver.create_primary_context(device)
+        if error:
+            facts["warm_up_error"] = error
+        _stamp(facts, "context")
+
+    thread = threading.Thread(target=run, name="hybridmem-probe-context", daemon=True)
+    thread.start()
+    return thread
+
+
+def _stamp(facts: dict[str, Any], name: str) -> None:
+    """Note when ``name`` was reached (wall clock: both processes share it)."""
+    facts.setdefault("timings", {})[name] = time.time()
+
+
 def _handle_type(ptr: int) -> str | None:
     from hybridmem._platform import cuda_driver
 
@@ -68,13 +95,19 @@ def _handle_type(ptr: int) -> str | None:
     return "+".join(names) if names else "none"
 
 
-def _export(device: int, facts: dict[str, Any]) -> dict[str, Any]:
+def _export(
+    device: int, facts: dict[str, Any], warm: threading.Thread | None = None
+) -> dict[str, Any]:
     """Allocate one tensor of each segment kind on ``device``; export both."""
     exports: dict[str, Any] = {}
     try:
         import torch
 
         from hybridmem import _torch
+
+        _stamp(facts, "producer_torch")
+        if warm is not None:
+            warm.join()
 
         if not _torch.cuda_available():
             facts["cuda_error"] = "no CUDA device is visible to the probe"
@@ -117,8 +150,13 @@ def _export(device: int, facts: dict[str, Any]) -> dict[str, Any]:
     return exports
 
 
-def produce(device: int, cuda: bool) -> dict[str, Any]:
-    """Run the producer side; return the facts of both sides."""
+def produce(device: int, cuda: bool) -> tuple[dict[str, Any], subprocess.Popen[bytes]]:
+    """Run the producer side; return the facts of both sides and the consumer process.
+
+    The consumer answers and closes its output before it exits, so its facts are
+    here while its CUDA context is still being torn down: the caller prints first
+    and waits for it after.
+    """
     args = [sys.executable, os.path.abspath(__file__), "consume", "--device", str(device)]
     if cuda:
         args.append("--cuda")
@@ -126,16 +164,21 @@ def produce(device: int, cuda: bool) -> dict[str, Any]:
     if consumer.stdin is None or consumer.stdout is None:  # pragma: no cover - PIPE given
         raise RuntimeError("no pipe to the consumer")
     facts: dict[str, Any] = {"producer_pid": os.getpid()}
-    exports = _export(device, facts) if cuda else {}
+    _stamp(facts, "producer_start")
+    warm = _warm_up(device, facts) if cuda else None
+    exports = _export(device, facts, warm) if cuda else {}
+    _stamp(facts, "exported")
     try:
         _send(consumer.stdin, {"pid": os.getpid(), "fd": consumer.stdin.fileno(), **exports})
         answer = json.loads(consumer.stdout.read().decode() or "{}")
     except (OSError, EOFError, ValueError) as exc:
         answer = {"consumer_error": _error(exc)}
-    consumer.wait()
     facts.pop("keep", None)
+    timings = {**facts.get("timings", {}), **answer.pop("timings", {})}
     facts.update(answer)
-    return facts
+    facts["timings"] = timings
+    _stamp(facts, "answered")
+    return facts, consumer
 
 
 def consume(device: int, cuda: bool) -> dict[str, Any]:
@@ -144,12 +187,16 @@ def consume(device: int, cuda: bool) -> dict[str, Any]:
         "seccomp": _linux.seccomp_mode(),
         "self_fetch_errno": _linux.errno_name(_linux.fetch_fd(os.getpid(), 0)),
     }
+    _stamp(facts, "consumer_start")
     if cuda:
+        warm = _warm_up(device, facts)
         try:  # start importing while the producer allocates
             import torch
 
             from hybridmem import _torch
 
+            _stamp(facts, "consumer_torch")
+            warm.join()
             if _torch.cuda_available():  # the context too, while the producer allocates
                 torch.cuda.set_device(device)
         except Exception as exc:
@@ -179,16 +226,36 @@ def consume(device: int, cuda: bool) -> dict[str, Any]:
             except Exception as exc:
                 facts["fd_ok"] = False
                 facts["fd_import_error"] = _error(exc)
+    _stamp(facts, "consumer_done")
     return facts
+
+
+def _answer(facts: dict[str, Any]) -> None:
+    """Write the facts and close standard output: the reader needs no wait for the exit.
+
+    A process that used CUDA takes a while to exit (its context is torn down);
+    whoever reads this answer gets end-of-file now instead.
+    """
+    sys.stdout.write(json.dumps(facts))
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the pipe's last write end closes
+    os.close(devnull)
 
 
 def main(argv: list[str]) -> int:
     role = argv[0]
     device = int(argv[argv.index("--device") + 1]) if "--device" in argv else 0
     cuda = "--cuda" in argv
-    facts = produce(device, cuda) if role == "produce" else consume(device, cuda)
-    sys.stdout.write(json.dumps(facts))
-    sys.stdout.flush()
+    if role == "produce":
+        facts, consumer = produce(device, cuda)
+        _answer(facts)
+        try:  # reaped, not left behind; its answer is already out
+            consumer.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            consumer.kill()
+    else:
+        _answer(consume(device, cuda))
     return 0
 
 
