@@ -14,7 +14,7 @@ variable, CUDA IPC broken), 2 for bad command-line usage.
 :func:`hybridmem.record`): memory over time, phases shaded and annotated.
 
 ``hybridmem bench [--quick] [--cycles N] [--json F] [--plot F] [--timeline PREFIX]``
-runs a synthetic hybrid engine under three strategies on a GPU (see
+runs a synthetic hybrid engine under four strategies on a GPU (see
 :mod:`hybridmem.bench`); exit 2 without one. ``hybridmem bench --from-json F...
 [--plot P]`` prints (and draws) saved results anywhere.
 """

@@ -44,3 +44,10 @@ def test_expandable_sharing_example_explains_itself_without_a_gpu() -> None:
     result = run_python(str(REPO / "examples" / "expandable_sharing.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "needs a CUDA GPU" in result.stdout
+
+
+def test_compact_example_says_why_nothing_moves_without_a_gpu() -> None:
+    result = run_python(str(REPO / "examples" / "compact_resident.py"))
+    assert result.returncode == 0, result.stderr
+    assert "compact: nothing moved (no target tensor is on a GPU)" in result.stdout
+    assert "after compact: 0.0 MiB" in result.stdout

@@ -1,10 +1,11 @@
-"""``hybridmem bench``: a synthetic hybrid engine, switched three ways, measured.
+"""``hybridmem bench``: a synthetic hybrid engine, switched four ways, measured.
 
 A trainer process trains a transformer (transformers' Llama when importable, else
 torch's modules; sized from device memory; variable sequence lengths) and a rollout
 process takes a KV cache of a fixed fraction of the device, receives the weights every
-cycle and generates; the same run goes through three strategies (``naive``,
-``handrolled``, ``hybridmem``), each in its own processes.
+cycle and generates; the same run goes through four strategies (``naive``,
+``handrolled``, ``tms`` where torch_memory_saver is installed, ``hybridmem``), each in
+its own processes.
 """
 
 from hybridmem.bench.plan import MODELS, STRATEGIES, BenchPlan, Figures, handback_ratio, plan

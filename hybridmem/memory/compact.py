@@ -58,8 +58,10 @@ class CompactReport:
         nbytes: their bytes.
         kept: device storages left where they were (already outside classic
             segments, or not this process's to move).
-        stuck: storages that came back into a classic segment all the same: one
-            that another tensor (not a target) still holds had room for them.
+        stuck: storages that came back into a classic segment all the same: there
+            was no room in expandable segments, or a classic segment that another
+            tensor (not a target) still holds had room for them (small tensors share
+            2 MiB segments).
         seconds: wall-clock time, copies and cache release included.
         reserved_before, reserved_after: ``torch.cuda.memory_reserved`` of the
             device before and after (0 when nothing was read).
@@ -197,9 +199,10 @@ def compact(
     for the call; not thread-safe.
 
     Example:
-        >>> model = build_model().cuda()                   # doctest: +SKIP
-        >>> print(hm.compact(model))
-        compact on cuda:0: moved 219 storages (1.38 GiB) into expandable segments, ...
+        >>> model, optimizer = build_trainer()          # doctest: +SKIP
+        >>> print(hm.compact(model, optimizer))         # doctest: +SKIP
+        compact on cuda:0: moved 48 storages (512.06 MiB) into expandable segments, kept 0,
+        48 back in classic segments; cache 65.69 MiB -> 9.69 MiB, 307.5 ms
     """
     start = time.perf_counter()
     wanted = select_groups(groups)
