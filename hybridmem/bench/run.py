@@ -296,13 +296,14 @@ def _bar(name: str, done: int, total: int) -> str:
 def _child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
     import os
 
-    from hybridmem.bench.engine_memory import preloaded
+    from hybridmem.bench.engine_memory import not_preloaded, preloaded
 
     command = [sys.executable, "-m", "hybridmem.bench.run", name, json.dumps(p.as_dict())]
     if timeline:
         command.append(f"{timeline}.{name}")
-    # slime's and AReaL's trainers run with torch_memory_saver's preload library.
-    env = preloaded(os.environ) if name == "tms" else None
+    # slime's and AReaL's trainers run with torch_memory_saver's preload library; the
+    # others without it, even when the bench itself was started preloaded.
+    env = (preloaded if name == "tms" else not_preloaded)(os.environ)
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -338,7 +339,7 @@ def bench(
     """``hybridmem bench``: run the strategies, print the table and verdicts; exit code.
 
     Args:
-        quick: the small plan (< 2 minutes on an H200).
+        quick: the small plan (about 2.5 minutes for the four strategies on an H200).
         json_path: write the plan, every figure of every cycle and the verdicts here.
         plot_path: draw the summary figures (needs matplotlib).
         strategies: which of ``STRATEGIES`` to run, in order; None: all of them,

@@ -60,7 +60,7 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
 
-def _warm_up(device: int, facts: dict[str, Any]) -> threading.Thread:
+def _warm_up(device: int, facts: dict[str, Any], who: str) -> threading.Thread:
     """Create the device's CUDA context in a thread while this process imports torch.
 
     Importing torch takes seconds and creating a context hundreds of milliseconds;
@@ -71,9 +71,9 @@ def _warm_up(device: int, facts: dict[str, Any]) -> threading.Thread:
         from hybridmem._platform import cuda_driver
 
         error = cuda_driver.create_primary_context(device)
-        if error:
-            facts["warm_up_error"] = error
-        _stamp(facts, "context")
+        if error:  # torch then makes the context itself, later: only slower
+            facts[f"{who}_context_error"] = error
+        _stamp(facts, f"{who}_context")
 
     thread = threading.Thread(target=run, name="hybridmem-probe-context", daemon=True)
     thread.start()
@@ -165,7 +165,7 @@ def produce(device: int, cuda: bool) -> tuple[dict[str, Any], subprocess.Popen[b
         raise RuntimeError("no pipe to the consumer")
     facts: dict[str, Any] = {"producer_pid": os.getpid()}
     _stamp(facts, "producer_start")
-    warm = _warm_up(device, facts) if cuda else None
+    warm = _warm_up(device, facts, "producer") if cuda else None
     exports = _export(device, facts, warm) if cuda else {}
     _stamp(facts, "exported")
     try:
@@ -189,7 +189,7 @@ def consume(device: int, cuda: bool) -> dict[str, Any]:
     }
     _stamp(facts, "consumer_start")
     if cuda:
-        warm = _warm_up(device, facts)
+        warm = _warm_up(device, facts, "consumer")
         try:  # start importing while the producer allocates
             import torch
 
