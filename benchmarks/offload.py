@@ -86,7 +86,6 @@ def _checksum(tensors: list[Any]) -> int:
 
 
 def child(size_gib: float, method: str, cycles: int) -> dict[str, Any]:
-    import importlib
 
     import torch
 
@@ -96,7 +95,9 @@ def child(size_gib: float, method: str, cycles: int) -> dict[str, Any]:
     torch.empty(1, device="cuda")  # initialise CUDA
     saver: Any = None
     if method.startswith("tms_"):
-        saver = importlib.import_module("torch_memory_saver").torch_memory_saver
+        from hybridmem.bench.engine_memory import memory_saver
+
+        saver = memory_saver()
         backend = method.removeprefix("tms_")
         with saver.region(tag="trainer", enable_cpu_backup=True, cpu_backup_backend=backend):
             tensors = _state(nbytes)

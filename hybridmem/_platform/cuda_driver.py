@@ -15,7 +15,6 @@ import functools
 __all__ = [
     "POINTER_ALLOWED_HANDLE_TYPES",
     "POINTER_IS_LEGACY_CUDA_IPC_CAPABLE",
-    "create_primary_context",
     "libcuda",
     "pointer_attribute",
 ]
@@ -67,33 +66,3 @@ def pointer_attribute(pointer: int, attribute: int) -> int | None:
     if lib.cuPointerGetAttribute(ctypes.byref(value), attribute, pointer) != 0:
         return None
     return int(value.value)
-
-
-def create_primary_context(device: int) -> str | None:
-    """Initialise the driver and create device ``device``'s primary context now.
-
-    The context torch will use (the runtime adopts the primary context), made
-    ahead of it: a short-lived process that must import torch (seconds) can create
-    its context (hundreds of milliseconds on an H200) in a thread meanwhile; ctypes
-    releases the GIL for the calls. The reference taken is never dropped: the
-    context lives until the process ends, as torch's would.
-
-    Args:
-        device: the device index (``CUDA_VISIBLE_DEVICES`` numbering, as torch's).
-
-    Returns:
-        None, or what failed (``"cuInit: 100"``, ``"no libcuda"``).
-    """
-    lib = libcuda()
-    if lib is None:
-        return "no libcuda"
-    code = lib.cuInit(ctypes.c_uint(0))
-    if code:
-        return f"cuInit: {code}"
-    dev = ctypes.c_int(0)
-    code = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device))
-    if code:
-        return f"cuDeviceGet: {code}"
-    ctx = ctypes.c_void_p(0)
-    code = lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
-    return f"cuDevicePrimaryCtxRetain: {code}" if code else None

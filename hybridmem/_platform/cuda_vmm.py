@@ -41,6 +41,7 @@ __all__ = [
     "allowed_handle_types",
     "export_fd",
     "has_vmm",
+    "initialize",
     "on_device",
     "primary_context",
     "release_primary_context",
@@ -197,6 +198,16 @@ def export_fd(address: int) -> int:
     finally:
         # Retain took a reference of its own; the mapping keeps the allocation.
         _fn("cuMemRelease")(handle)
+
+
+def initialize() -> None:
+    """Initialise the driver (``cuInit``), as the runtime does before its first call.
+
+    Needed only where nothing has used CUDA yet in this process: the IPC probe
+    creates its context in a thread while it imports torch (ctypes releases the GIL
+    for the calls), and torch then adopts that primary context.
+    """
+    _check("cuInit", _fn("cuInit")(ctypes.c_uint(0)))
 
 
 def primary_context(device: int) -> int:

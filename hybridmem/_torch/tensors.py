@@ -69,6 +69,13 @@ def storage_resizable(storage: torch.UntypedStorage) -> bool:
     return bool(storage.resizable())
 
 
+def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage``: it shares the storage and its resizes."""
+    view = torch.empty(0, dtype=torch.uint8, device=device)
+    view.set_(storage)
+    return view
+
+
 def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
     """Free (``nbytes=0``) or reallocate a storage in place, keeping every view of it.
 

@@ -34,6 +34,7 @@ __all__ = [
     "SaverMemory",
     "available",
     "make_engine_memory",
+    "memory_saver",
     "not_preloaded",
     "preload_env",
     "preload_library",
@@ -51,6 +52,15 @@ Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 def available() -> bool:
     """Whether torch_memory_saver is importable here (never imports it)."""
     return importlib.util.find_spec("torch_memory_saver") is not None
+
+
+def memory_saver() -> Any:
+    """TMS's process-wide ``torch_memory_saver`` object (imported on first use).
+
+    torch_memory_saver is optional (the ``tms`` engine and strategy): imported by name,
+    so that neither the package nor ``mypy --strict`` over it needs it installed.
+    """
+    return importlib.import_module("torch_memory_saver").torch_memory_saver
 
 
 def preload_library() -> str | None:
@@ -225,8 +235,7 @@ class SaverMemory(EngineMemory):
 
     def __init__(self, shapes: Shapes, kv_target: int, device: int, *, hook_mode: str) -> None:
         super().__init__(shapes, kv_target, device)
-        module: Any = importlib.import_module("torch_memory_saver")
-        self.saver = module.torch_memory_saver
+        self.saver = memory_saver()
         if hook_mode == "torch":
             self.saver.hook_mode = "torch"
         self.name = f"torch_memory_saver ({hook_mode})"

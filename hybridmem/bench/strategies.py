@@ -34,6 +34,7 @@ import torch
 
 from hybridmem import _torch
 from hybridmem.bench.engine import EngineClient
+from hybridmem.bench.engine_memory import memory_saver
 from hybridmem.bench.plan import BenchPlan
 from hybridmem.engine.backends.adapters import EngineAdapter, SGLangEngine
 from hybridmem.engine.phases import phase
@@ -188,12 +189,6 @@ class Handrolled(Strategy):
 TMS_TAG = "optimizer"
 
 
-def _memory_saver() -> Any:
-    import importlib
-
-    return importlib.import_module("torch_memory_saver").torch_memory_saver
-
-
 class TmsOffload(Strategy):
     """slime's and AReaL's way: the trainer state paused through torch_memory_saver."""
 
@@ -201,14 +196,14 @@ class TmsOffload(Strategy):
 
     @staticmethod
     def state_scope() -> contextlib.AbstractContextManager[Any]:
-        region: contextlib.AbstractContextManager[Any] = _memory_saver().region(
+        region: contextlib.AbstractContextManager[Any] = memory_saver().region(
             tag=TMS_TAG, enable_cpu_backup=True
         )
         return region
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.saver = _memory_saver()
+        self.saver = memory_saver()
         # What torch counted for the region when the state was made (run_strategy).
         self.counted = self.engine.trainer_region
         self.state_bytes = self.counted[0]

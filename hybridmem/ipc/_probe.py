@@ -68,11 +68,14 @@ def _warm_up(device: int, facts: dict[str, Any], who: str) -> threading.Thread:
     """
 
     def run() -> None:
-        from hybridmem._platform import cuda_driver
+        from hybridmem._platform import cuda_vmm
 
-        error = cuda_driver.create_primary_context(device)
-        if error:  # torch then makes the context itself, later: only slower
-            facts[f"{who}_context_error"] = error
+        try:  # the reference is never dropped: the context lives as torch's would
+            cuda_vmm.initialize()
+            cuda_vmm.primary_context(device)
+        except (cuda_vmm.DriverError, KeyError) as exc:
+            # torch then makes the context itself, later: only slower
+            facts[f"{who}_context_error"] = _error(exc)
         _stamp(facts, f"{who}_context")
 
     thread = threading.Thread(target=run, name="hybridmem-probe-context", daemon=True)

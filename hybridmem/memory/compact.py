@@ -45,6 +45,7 @@ from hybridmem.allocator.state import ENGINE
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.targets import Target, device_storages, select_groups
 from hybridmem.observe import timeline as _timeline
+from hybridmem.observe.memory import read_memory
 
 __all__ = ["CompactError", "CompactReport", "compact"]
 
@@ -106,13 +107,6 @@ class CompactError(OffloadError):
     def __init__(self, message: str, offloader: Offloader) -> None:
         super().__init__(message, offloaded=offloader.offloaded_groups)
         self.offloader = offloader
-
-
-def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over all of ``storage`` (shares it, and its resizes)."""
-    view = torch.empty(0, dtype=torch.uint8, device=device)
-    view.set_(storage)
-    return view
 
 
 def _nothing(reason: str, start: float, kept: int = 0, device: str = "") -> CompactReport:
@@ -231,19 +225,15 @@ def compact(
             len(found),
             str(device),
         )
-    views = [_bytes(storage, device) for storage, _ in found]
+    views = [_torch.storage_bytes(storage, device) for storage, _ in found]
     todo = [v for v in views if _is_classic(v)]
     index = device.index if device.index is not None else _torch.current_device()
     reserved_before, cached_before = _cache(index)
-    stuck = 0
+    moved: list[torch.Tensor] = []
     if todo:
         offloader = Offloader(todo, device=device if device.type == "cuda" else None)
         try:
             offloader.offload(release_cache=False)  # all or nothing; raises with all intact
-        except BaseException:
-            offloader.close()
-            raise
-        try:
             _release_classic(index)
             placed = _bring_back(offloader, expandable=True)
         except CompactError:
@@ -254,11 +244,11 @@ def compact(
             offloader.close()
             raise
         offloader.close()  # unpinned at once, not when garbage-collected
-        stuck = len(todo) if not placed else sum(_is_classic(v) for v in todo)
-        if stuck:
+        moved = [v for v in todo if not _is_classic(v)] if placed else []
+        if len(moved) < len(todo):
             logger.info(
                 "compact: %d of %d storages came back into classic segments (%s)",
-                stuck,
+                len(todo) - len(moved),
                 len(todo),
                 "no room in expandable ones"
                 if not placed
@@ -268,11 +258,11 @@ def compact(
         _torch.empty_cache()
     reserved_after, cached_after = _cache(index)
     report = CompactReport(
-        moved=len(todo) - stuck,
-        nbytes=sum(v.untyped_storage().nbytes() for v in todo if not _is_classic(v)),
+        moved=len(moved),
+        nbytes=sum(v.untyped_storage().nbytes() for v in moved),
         kept=len(views) - len(todo),
         seconds=time.perf_counter() - start,
-        stuck=stuck,
+        stuck=len(todo) - len(moved),
         reserved_before=reserved_before,
         reserved_after=reserved_after,
         cached_before=cached_before,
@@ -301,6 +291,5 @@ def _cache(index: int | None) -> tuple[int, int]:
     if index is None or not _torch.cuda_initialized():
         return 0, 0
     _torch.synchronize(index)
-    stats = _torch.memory_stats(index)
-    reserved = int(stats.get("reserved_bytes.all.current", 0))
-    return reserved, reserved - int(stats.get("allocated_bytes.all.current", 0))
+    memory = read_memory(index)
+    return memory.reserved, memory.reserved - memory.allocated

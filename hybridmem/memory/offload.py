@@ -225,7 +225,7 @@ class Offloader:
         20 MiB block: what must be free before :meth:`reload` can fit. 0 when
         nothing is offloaded.
         """
-        wanted = self._groups(groups)
+        wanted = select_groups(groups)
         total = 0
         for slot in self._slots:
             if slot.group in wanted and slot.group in self._offloaded:
@@ -322,10 +322,6 @@ class Offloader:
             self._stream_device = device
         return self._stream
 
-    @staticmethod
-    def _groups(groups: str | Iterable[str] | None) -> list[Group]:
-        return select_groups(groups)
-
     # ------------------------------------------------------------------ #
     # Offload / reload
     # ------------------------------------------------------------------ #
@@ -353,7 +349,7 @@ class Offloader:
                 through CUDA IPC or DLPack); both are checked before anything is freed.
             OffloadError: freeing failed midway; what was freed was put back.
         """
-        wanted = self._groups(groups)
+        wanted = select_groups(groups)
         check_bool("release_cache", release_cache)
         start = time.perf_counter()
         if disabled():
@@ -463,7 +459,7 @@ class Offloader:
             RuntimeError: a storage was reallocated by someone else while offloaded
                 (reloading would overwrite it).
         """
-        wanted = self._groups(groups)
+        wanted = select_groups(groups)
         check_bool("non_blocking", non_blocking)
         start = time.perf_counter()
         todo = [s for s in self._slots if s.group in wanted and s.group in self._offloaded]
@@ -554,8 +550,8 @@ class Offloader:
     def _copy_one(self, slot: _Slot, *, to_host: bool) -> None:
         """Queue one copy between a storage and its place in the pool (current stream)."""
         assert self._pool is not None, "planned before copying"
-        device_bytes = torch.empty(0, dtype=torch.uint8, device=self._device)
-        device_bytes.set_(slot.storage)
+        assert self._device is not None, "planned before copying"
+        device_bytes = _torch.storage_bytes(slot.storage, self._device)
         host_bytes = self._pool[slot.offset : slot.offset + slot.nbytes]
         if to_host:
             host_bytes.copy_(device_bytes, non_blocking=True)
@@ -640,7 +636,7 @@ class Offloaded(ScopedContext):
     def __init__(self, offloader: Offloader, groups: str | Iterable[str] | None) -> None:
         super().__init__()
         self.offloader = offloader
-        self.groups = None if groups is None else Offloader._groups(groups)
+        self.groups = None if groups is None else select_groups(groups)
         self._depth = [0]  # shared by the fresh copies a decorator makes
 
     def __repr__(self) -> str:

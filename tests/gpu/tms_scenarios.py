@@ -36,9 +36,9 @@ WEIGHT_BYTES = 256 * MiB
 
 
 def _saver(mode: str) -> Any:
-    import importlib
+    from hybridmem.bench.engine_memory import memory_saver
 
-    saver = importlib.import_module("torch_memory_saver").torch_memory_saver  # optional
+    saver = memory_saver()  # optional: imported by name
     if mode == "torch":
         saver.hook_mode = "torch"
     return saver
