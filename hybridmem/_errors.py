@@ -46,11 +46,14 @@ class OffloadError(RuntimeError):
     offload that failed), or the data stays in the host pool, every target still
     offloaded, and a later :meth:`Offloader.reload` brings it back bit for bit (a
     reload that found too little device memory: retry once the memory is free).
-    The error torch raised, an out-of-memory error say, is its ``__cause__``.
+    When an offload fails and putting back what it had freed fails too, those
+    storages stay offloaded (``offloaded`` names their groups) and ``reload()``
+    brings them back. The error torch raised, an out-of-memory error say, is its
+    ``__cause__``.
 
     Attributes:
-        offloaded: the groups whose device storage is still freed (empty: nothing
-            was left offloaded by the failed call).
+        offloaded: the groups whose device storage is still freed, in whole or in
+            part (empty: nothing was left offloaded by the failed call).
     """
 
     def __init__(self, message: str, *, offloaded: frozenset[str] = frozenset()) -> None:

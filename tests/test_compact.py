@@ -49,13 +49,16 @@ class Allocator:
         self.fail_at: int | None = None  # the index of a call that raises
         self.error: BaseException = torch.OutOfMemoryError("CUDA out of memory (injected)")
         self.fail_classic = False  # reallocations outside expandable segments fail too
+        self.fail_calls: set[int] = set()  # indices of calls (frees too) that raise
         real = _torch.resize_storage
 
         def resize(storage: torch.UntypedStorage, nbytes: int) -> None:
             mode = fake.torch_state.get("expandable_segments")
             index = len(self.calls)
             self.calls.append((nbytes, mode))
-            if nbytes and (index == self.fail_at or (self.fail_classic and mode != "True")):
+            if index in self.fail_calls or (
+                nbytes and (index == self.fail_at or (self.fail_classic and mode != "True"))
+            ):
                 raise self.error
             real(storage, nbytes)
             if nbytes:
@@ -302,11 +305,44 @@ def test_taking_them_off_fails_with_everything_in_place(
     assert_same(model, before)
 
 
+def test_a_failed_free_whose_put_back_fails_is_brought_back(alloc: Allocator) -> None:
+    # Freeing fails at the third storage, and reallocating the two freed before it
+    # fails too: the Offloader keeps them offloaded, and compact brings them back
+    # before it unpins the pool (their only copy).
+    model = make_model()
+    before = contents(model)
+    alloc.error = RuntimeError("device refused (injected)")
+    alloc.fail_calls = {2, 3}  # frees 0 and 1 succeed; free 2 and re-allocation 3 fail
+    with pytest.raises(hm.OffloadError, match="every target is as it was") as info:
+        hm.compact(model)
+    assert not isinstance(info.value, CompactError)
+    assert isinstance(info.value.__cause__, hm.OffloadError)
+    assert info.value.__cause__.offloaded == {"tensors"}  # compact moves byte views
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    assert_same(model, before)
+
+
+def test_a_failed_free_that_fits_nowhere_after_keeps_the_bytes(alloc: Allocator) -> None:
+    model = make_model()
+    before = contents(model)
+    alloc.error = RuntimeError("device refused (injected)")
+    alloc.fail_calls = {2, 3}
+    alloc.fail_classic = True  # and no room to bring them back either
+    with pytest.raises(CompactError, match=r"error\.offloader\.reload\(\)") as info:
+        hm.compact(model)
+    alloc.fail_calls.clear()
+    alloc.fail_classic = False
+    info.value.offloader.reload()
+    info.value.offloader.close()
+    assert_same(model, before)
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     fail_at=st.one_of(st.none(), st.integers(0, 30)),
+    fail_calls=st.sets(st.integers(0, 30), max_size=3),  # frees too: double faults
     classic_fails=st.booleans(),
     interrupt=st.booleans(),
 )
@@ -314,12 +350,14 @@ def test_injected_faults_never_lose_data(
     alloc: Allocator,
     fake: FakeTorch,
     fail_at: int | None,
+    fail_calls: set[int],
     classic_fails: bool,
     interrupt: bool,
 ) -> None:
     alloc.calls.clear()
     alloc.expandable.clear()
     alloc.fail_at = fail_at
+    alloc.fail_calls = fail_calls
     alloc.fail_classic = classic_fails and fail_at is not None
     alloc.error = KeyboardInterrupt() if interrupt else torch.OutOfMemoryError("injected")
     model = make_model()
@@ -328,6 +366,7 @@ def test_injected_faults_never_lose_data(
         hm.compact(model)
     except CompactError as exc:  # nowhere to go: the pool has it all
         alloc.fail_at = None
+        alloc.fail_calls = set()
         alloc.fail_classic = False
         exc.offloader.reload()
         exc.offloader.close()

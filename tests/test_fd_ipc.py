@@ -167,6 +167,28 @@ def test_the_token_holder_gets_the_fds_then_nothing_listens() -> None:
         sock.close()
 
 
+def test_the_listener_closes_before_the_last_fds_leave(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The consumer runs on as soon as its fds arrive; had the listener closed only
+    # after the send, a second open could still reach it (CI once saw "refused"
+    # where "nobody listens" was due). Record what was listening at each send.
+    real_send = unix_socket.send_with_fds
+    listening_at_send: list[bool] = []
+
+    def send(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+        listening_at_send.append(fd_server._SERVER._listener is not None)  # lock held
+        real_send(sock, data, fds)
+
+    monkeypatch.setattr(unix_socket, "send_with_fds", send)
+    first, second = offer([b"1"]), offer([b"2"])
+    for address, token, gone in (first, second):
+        sock, data, fds = hello(address, token)
+        assert data == fd_server.OK
+        unix_socket.close_fds(fds)
+        sock.close()
+        assert gone.wait(WAIT_S)
+    assert listening_at_send == [True, False]  # the other export kept it; the last did not
+
+
 def test_a_consumer_that_dies_ends_its_lease() -> None:
     address, token, gone = offer([b"x"])
     sock, data, fds = hello(address, token)

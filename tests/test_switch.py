@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+import torch
 
 import hybridmem as hm
+from hybridmem import _torch
 from hybridmem.engine import phases
 from hybridmem.engine.ranks import RankStatus
 from hybridmem.engine.reports import StageReport, SwitchReport
@@ -709,3 +711,41 @@ def test_a_profile_adapter_is_checked(trainer: FakeTorch) -> None:
     hm.register_backend(hm.BackendProfile("liar", "x", {}, adapter=lambda engine: engine))
     with pytest.raises(TypeError, match=r"its adapter returned .* not an hm\.EngineAdapter"):
         hm.HybridSwitch(object(), "liar", barrier=None)
+
+
+def test_an_offload_that_fails_twice_is_reloaded_by_the_recovery(
+    trainer: FakeTorch, cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real Offloader: freeing the bias fails, and so does putting the weight back.
+
+    The weight stays offloaded in the pool; the switch's recovery must find it there
+    and reload it, so the trainer gets its model back bit for bit.
+    """
+    model = torch.nn.Linear(8, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    offloader = hm.Offloader(model)
+    log: list[str] = []
+    switch = hm.HybridSwitch(
+        hm.VLLMEngine(FakeVLLM(log, trainer)),
+        "vllm",
+        offloader,
+        sync_weights=lambda adapter: None,
+        confirm_timeout_s=0.0,
+    )
+    real = _torch.resize_storage
+    calls = {"n": 0}
+
+    def flaky(storage: torch.UntypedStorage, nbytes: int) -> None:
+        calls["n"] += 1
+        if calls["n"] in (2, 3):  # free the bias, then reallocate the weight
+            raise RuntimeError("injected: the driver refused")
+        real(storage, nbytes)
+
+    monkeypatch.setattr(_torch, "resize_storage", flaky)
+    with pytest.raises(hm.OffloadError, match="stay offloaded"), switch.rollout():
+        log.append("generate")
+    assert "generate" not in log
+    assert offloader.offloaded_groups == frozenset()  # the recovery reloaded it
+    after = list(model.parameters())
+    assert all(p.untyped_storage().nbytes() > 0 for p in after)  # before reading them
+    assert all(torch.equal(a, b) for a, b in zip(after, before))

@@ -4,7 +4,9 @@ An export (:func:`hybridmem.ipc_export` of a tensor in an expandable segment) is
 set of file descriptors of device memory, a one-time token and a reference to the
 tensor's storage. The server listens on an abstract Unix socket while at least one
 export waits to be opened, and only then: with none pending the listener is
-closed, so nothing stays listening after a sync. A consumer connects, the kernel
+closed, so nothing stays listening after a sync. It closes before the last
+export's fds are sent, so a handle opened once finds nobody listening when it
+is opened again. A consumer connects, the kernel
 tells the server its uid and pid (``SO_PEERCRED``), the consumer sends the token;
 only a peer of this user, with the token (and the pid the export names, if it
 names one), gets the fds (``SCM_RIGHTS``). Anyone else is logged and disconnected,
@@ -311,18 +313,20 @@ class _Server:
                 return
             assert export is not None
             del self._pending[export.key]
+            # Close the listener before the fds leave, not after: the consumer may run
+            # on as soon as they arrive, and a second open of the same handle must then
+            # find nobody listening, never a listener about to close (a race CI hit).
+            self._close_listener_if_idle()
             try:
                 unix_socket.send_with_fds(peer.sock, OK, export.fds)
             except OSError as exc:
                 logger.warning("hybridmem: sending an export to pid %d failed: %s", peer.pid, exc)
                 export.drop()
                 self._close_peer(peer)
-                self._close_listener_if_idle()
                 return
             unix_socket.close_fds(export.fds)  # the consumer has its own copies now
             export.fds = []
             peer.export = export
-            self._close_listener_if_idle()
         logger.debug("fd server: pid %d opened an export of %d bytes", peer.pid, export.nbytes)
 
     def _close_peer(self, peer: _Peer) -> None:

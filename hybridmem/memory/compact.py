@@ -238,10 +238,19 @@ def compact(
             placed = _bring_back(offloader, expandable=True)
         except CompactError:
             raise  # the caller's to reload: the pool stays pinned until then
-        except BaseException:  # interrupted: nothing may stay off the device
-            if offloader.offloaded_groups:
-                _bring_back(offloader, expandable=False)
+        except BaseException as exc:  # failed or interrupted: nothing may stay off
+            if not offloader.offloaded_groups:
+                offloader.close()
+                raise
+            # An offload that could not put back what it freed leaves that in the
+            # pool; bring it back before unpinning (CompactError keeps the pool).
+            _bring_back(offloader, expandable=False)
             offloader.close()
+            if isinstance(exc, OffloadError):
+                raise OffloadError(
+                    f"compact failed taking its targets off the device ({exc.__cause__!r}); "
+                    "it brought back what it had freed: every target is as it was"
+                ) from exc
             raise
         offloader.close()  # unpinned at once, not when garbage-collected
         moved = [v for v in todo if not _is_classic(v)] if placed else []

@@ -112,7 +112,7 @@ class OffloadReport:
 class _Slot:
     """One device storage and its place in the pinned pool."""
 
-    __slots__ = ("group", "key", "name", "nbytes", "offset", "storage")
+    __slots__ = ("group", "key", "name", "nbytes", "offloaded", "offset", "refill", "storage")
 
     def __init__(self, storage: torch.UntypedStorage, name: str, group: Group) -> None:
         self.storage = storage
@@ -121,6 +121,11 @@ class _Slot:
         self.name = name
         self.group = group
         self.offset = 0
+        # The pool holds its only good copy: its device storage is freed, or refill.
+        self.offloaded = False
+        # This Offloader reallocated the storage and has not filled it yet: a retry
+        # may fill it, where a storage someone else reallocated is refused.
+        self.refill = False
 
 
 def _unpin(pool: torch.Tensor) -> None:
@@ -191,7 +196,6 @@ class Offloader:
         self.max_host_bytes = max_host_bytes
         self._device = self._parse_device(device)
         self._slots: list[_Slot] = []
-        self._offloaded: set[Group] = set()
         self._pool: torch.Tensor | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._stream: Any = None
@@ -214,8 +218,8 @@ class Offloader:
 
     @property
     def offloaded_groups(self) -> frozenset[str]:
-        """The groups whose device storage is currently freed."""
-        return frozenset(self._offloaded)
+        """The groups with device storage freed now (in part, after a double fault)."""
+        return frozenset(slot.group for slot in self._slots if slot.offloaded)
 
     def reload_bytes(self, groups: str | Iterable[str] | None = None) -> int:
         """Device memory a reload of the offloaded ``groups`` needs, about (bytes).
@@ -228,7 +232,7 @@ class Offloader:
         wanted = select_groups(groups)
         total = 0
         for slot in self._slots:
-            if slot.group in wanted and slot.group in self._offloaded:
+            if slot.group in wanted and slot.offloaded:
                 unit = _SMALL_ROUND if slot.nbytes <= _SMALL_SIZE else _LARGE_ROUND
                 total += -(-slot.nbytes // unit) * unit
         return total + _HEADROOM if total else 0
@@ -241,7 +245,7 @@ class Offloader:
     def __repr__(self) -> str:
         return (
             f"Offloader({len(self._targets)} targets, pool {fmt_bytes(self.host_bytes)}, "
-            f"offloaded={sorted(self._offloaded)})"
+            f"offloaded={sorted(self.offloaded_groups)})"
         )
 
     # ------------------------------------------------------------------ #
@@ -359,9 +363,9 @@ class Offloader:
         if streamed is not None:
             todo, side = streamed
         else:
-            if not self._offloaded:
+            if not self.offloaded_groups:
                 self._plan()
-            todo = [s for s in self._slots if s.group in wanted and s.group not in self._offloaded]
+            todo = [s for s in self._slots if s.group in wanted and not s.offloaded]
             if not todo:
                 if not self._slots:
                     info_once(
@@ -380,7 +384,6 @@ class Offloader:
         _torch.synchronize_stream(side)  # no host read, no free, before the copies land
         self._check_freeable(todo)  # the copies only wrote the pool: nothing is lost yet
         self._free(todo)
-        self._offloaded.update(s.group for s in todo)
         if release_cache:
             _torch.empty_cache()
         return self._report("offload", wanted, todo, start, dropped)
@@ -398,7 +401,11 @@ class Offloader:
                 )
 
     def _free(self, slots: Sequence[_Slot]) -> None:
-        """Free the slots' device storage, all or none: a failure restores those freed."""
+        """Free the slots' device storage and mark them offloaded, all or none.
+
+        A failure puts back those freed before it. If putting them back fails too,
+        they stay offloaded (their data is in the pool), so that reload() finds them.
+        """
         freed: list[_Slot] = []
         try:
             for slot in slots:
@@ -409,25 +416,39 @@ class Offloader:
             try:
                 self._restore(freed)
             except BaseException as again:
+                for slot in freed:
+                    slot.offloaded = True
+                self._unallocate(freed)  # back to freed: what reload() starts from
+                groups = frozenset(s.group for s in freed)
                 raise OffloadError(
                     f"offload failed freeing {failed} ({exc!r}), and putting back the "
-                    f"{len(freed)} storages freed before it failed too ({again!r}); their "
-                    "data is in the host pool (Offloader.reload() retries)",
-                    offloaded=frozenset(s.group for s in freed),
+                    f"{len(freed)} storages freed before it failed too ({again!r}): those "
+                    f"stay offloaded (of {', '.join(sorted(groups, key=GROUPS.index))}), "
+                    "their data intact in the host pool; Offloader.reload() brings them "
+                    "back, every other target is as it was",
+                    offloaded=groups,
                 ) from exc
             raise OffloadError(
                 f"offload failed freeing {failed} ({exc!r}); the {len(freed)} storages freed "
                 "before it were put back from the host pool: every target is as it was"
             ) from exc
+        for slot in slots:
+            slot.offloaded = True
 
     def _restore(self, slots: Sequence[_Slot]) -> None:
         """Reallocate and refill freed storages from the pool (blocking)."""
         if not slots:
             return
         for slot in slots:
-            if slot.storage.nbytes() == 0:
-                _torch.resize_storage(slot.storage, slot.nbytes)
+            self._allocate(slot)
         self._copy_back(slots, blocking=True)
+
+    @staticmethod
+    def _allocate(slot: _Slot) -> None:
+        """Reallocate a freed storage, to be refilled (current stream)."""
+        if slot.storage.nbytes() == 0:
+            slot.refill = True  # before: a failing resize may have allocated already
+            _torch.resize_storage(slot.storage, slot.nbytes)
 
     def _copy_back(self, slots: Sequence[_Slot], *, blocking: bool) -> None:
         """Copy the pool into the slots' (reallocated) storage; device use waits for it."""
@@ -435,6 +456,8 @@ class Offloader:
         _torch.wait_stream(current, side)
         if blocking:
             _torch.synchronize_stream(side)
+        for slot in slots:
+            slot.refill = False
 
     @_timeline.traced("reload", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def reload(
@@ -462,23 +485,21 @@ class Offloader:
         wanted = select_groups(groups)
         check_bool("non_blocking", non_blocking)
         start = time.perf_counter()
-        todo = [s for s in self._slots if s.group in wanted and s.group in self._offloaded]
+        todo = [s for s in self._slots if s.group in wanted and s.offloaded]
         if not todo:
             return self._report("reload", wanted, [], start)
         for slot in todo:
-            if slot.storage.nbytes() != 0:
+            if slot.storage.nbytes() != 0 and not slot.refill:
                 raise RuntimeError(
                     f"{slot.name} was reallocated while offloaded ({slot.storage.nbytes()} bytes); "
                     "refusing to overwrite it. Do not touch offloaded tensors before reload()."
                 )
-        allocated: list[_Slot] = []
         try:
             for slot in todo:  # allocated on the current stream, where the tensors are used
-                _torch.resize_storage(slot.storage, slot.nbytes)
-                allocated.append(slot)
+                self._allocate(slot)
             self._copy_back(todo, blocking=not non_blocking)
         except BaseException as exc:
-            self._unallocate(allocated)
+            self._unallocate(todo)
             need = sum(s.nbytes for s in todo)
             groups = sorted({s.group for s in todo}, key=GROUPS.index)
             raise OffloadError(
@@ -487,19 +508,29 @@ class Offloader:
                 f"{fmt_bytes(need)} to bring back to {self._device}: nothing was reloaded, the "
                 "data is intact in the host pool and still offloaded; call reload() again "
                 "once the device has room (the engine may not have let go yet)",
-                offloaded=frozenset(self._offloaded),
+                offloaded=self.offloaded_groups,
             ) from exc
-        self._offloaded.difference_update(s.group for s in todo)
+        for slot in todo:
+            slot.offloaded = False
         return self._report("reload", wanted, todo, start)
 
     def _unallocate(self, slots: Sequence[_Slot]) -> None:
-        """Undo a reload's allocations, so that a retry starts from all-offloaded."""
-        with contextlib.suppress(Exception):  # copies queued before the failure must land
+        """Free again the slots reallocated but not refilled, so a retry starts from freed.
+
+        One that cannot be freed stays marked ``refill``: a retry fills it. It runs
+        while a failure is handled, and its callers raise an ``OffloadError`` saying
+        what stays offloaded right after; so nothing here may escape, an interrupt
+        included, or that error (and, in ``hm.compact``, the pool's only reference)
+        would be lost.
+        """
+        with contextlib.suppress(BaseException):  # copies queued before the failure must land
             _torch.synchronize_stream(self._stream)
         for slot in slots:
-            with contextlib.suppress(Exception):
-                _torch.resize_storage(slot.storage, 0)
-        with contextlib.suppress(Exception):
+            if slot.refill:
+                with contextlib.suppress(BaseException):
+                    _torch.resize_storage(slot.storage, 0)
+                    slot.refill = False
+        with contextlib.suppress(BaseException):
             _torch.empty_cache()  # give the partial allocations back to the driver
 
     def _stream_to_host(self, wanted: list[Group]) -> tuple[list[_Slot], Any] | None:
@@ -516,7 +547,7 @@ class Offloader:
             ``(slots copied, side stream)``, or None (not planned yet, something
             is offloaded, or the targets changed).
         """
-        if self._pool is None or not self._slots or self._offloaded or self._device is None:
+        if self._pool is None or not self._slots or self.offloaded_groups or self._device is None:
             return None
         side = self._side_stream(self._device)
         _torch.wait_stream(side, _torch.current_stream(self._device))
@@ -620,9 +651,9 @@ class Offloader:
 
     def close(self) -> None:
         """Unpin and free the host pool. Refused while anything is offloaded."""
-        if self._offloaded:
+        if self.offloaded_groups:
             raise RuntimeError(
-                f"cannot close: {sorted(self._offloaded)} are offloaded; reload() them first"
+                f"cannot close: {sorted(self.offloaded_groups)} are offloaded; reload() them first"
             )
         if self._finalizer is not None:
             self._finalizer()
