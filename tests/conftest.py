@@ -90,6 +90,30 @@ def patch_seam(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> Non
             monkeypatch.setattr(module, name, value)
 
 
+def fail_resizes(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    frees: tuple[int, ...] = (),
+    allocations: tuple[int, ...] = (),
+) -> Any:
+    """Make the numbered frees and allocations (from 1) of storages fail; return the real one.
+
+    Wraps whatever ``_torch.resize_storage`` is now (a fixture's recording fake too).
+    """
+    real = _torch.resize_storage
+    calls = {"frees": 0, "allocations": 0}
+
+    def flaky(storage: torch.UntypedStorage, nbytes: int) -> None:
+        kind = "allocations" if nbytes else "frees"
+        calls[kind] += 1
+        if calls[kind] in (allocations if nbytes else frees):
+            raise RuntimeError(f"injected: the driver refused ({kind})")
+        real(storage, nbytes)
+
+    patch_seam(monkeypatch, "resize_storage", flaky)
+    return real
+
+
 @dataclass
 class FakeDevice:
     allocated: int = 0

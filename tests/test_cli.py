@@ -94,20 +94,22 @@ def fake_caps(monkeypatch: pytest.MonkeyPatch, **facts: Any) -> None:
     monkeypatch.setattr(cli, "ipc_capabilities", lambda: caps)
 
 
+#: What the probe finds in a container that forbids pidfd_getfd (seccomp filter).
+PIDFD_DENIED: dict[str, Any] = {
+    "self_fetch_errno": "EPERM",
+    "producer_fetch_errno": "EPERM",
+    "seccomp": 2,
+    "classic_ok": True,
+    "expandable_ok": False,
+    "classic_legacy_ipc": True,
+    "expandable_legacy_ipc": False,
+}
+
+
 def test_doctor_reports_ipc_denial_in_a_container(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake_caps(
-        monkeypatch,
-        self_fetch_errno="EPERM",
-        producer_fetch_errno="EPERM",
-        seccomp=2,
-        classic_ok=True,
-        expandable_ok=False,
-        classic_legacy_ipc=True,
-        expandable_legacy_ipc=False,
-        expandable_handle="posix_fd",
-    )
+    fake_caps(monkeypatch, **PIDFD_DENIED, expandable_handle="posix_fd")
     assert main(["doctor"]) == 0  # classic IPC works: nothing blocks
     out = capsys.readouterr().out
     assert "classic segments:      works" in out
@@ -414,17 +416,7 @@ def test_doctor_names_the_variable_torch_ignores(
 def test_doctor_says_fd_passing_works_where_pidfd_is_denied(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fake_caps(
-        monkeypatch,
-        self_fetch_errno="EPERM",
-        producer_fetch_errno="EPERM",
-        seccomp=2,
-        classic_ok=True,
-        expandable_ok=False,
-        fd_ok=True,
-        classic_legacy_ipc=True,
-        expandable_legacy_ipc=False,
-    )
+    fake_caps(monkeypatch, **PIDFD_DENIED, fd_ok=True)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "fd passing:            works" in out

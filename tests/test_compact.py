@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.memory.compact import CompactError
-from tests.conftest import FakeTorch, patch_seam
+from tests.conftest import FakeTorch, fail_resizes, patch_seam
 
 
 def make_model() -> torch.nn.Sequential:
@@ -290,16 +290,7 @@ def test_taking_them_off_fails_with_everything_in_place(
     model = make_model()
     before = contents(model)
     alloc.fail_at = -1
-    real = _torch.resize_storage
-    calls = {"n": 0}
-
-    def flaky(storage: torch.UntypedStorage, nbytes: int) -> None:
-        calls["n"] += 1
-        if calls["n"] == 3 and nbytes == 0:
-            raise RuntimeError("device lost (injected)")
-        real(storage, nbytes)
-
-    patch_seam(monkeypatch, "resize_storage", flaky)
+    fail_resizes(monkeypatch, frees=(3,))
     with pytest.raises(hm.OffloadError, match="every target is as it was"):
         hm.compact(model)
     assert_same(model, before)

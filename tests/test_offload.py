@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
+from tests.conftest import fail_resizes
 
 
 def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -409,24 +410,6 @@ def test_a_target_whose_memory_cannot_be_freed_is_refused_before_anything_is_fre
     assert off.offloaded_groups == frozenset()
     model.imported = None  # type: ignore[assignment]
     assert_bitwise_equal(before, snapshot(model, optimizer))  # every other target intact
-
-
-def fail_resizes(
-    monkeypatch: pytest.MonkeyPatch, *, frees: tuple[int, ...], allocations: tuple[int, ...] = ()
-) -> Any:
-    """Make the numbered frees and allocations (from 1) of storages fail; return the real one."""
-    real = _torch.resize_storage
-    calls = {"frees": 0, "allocations": 0}
-
-    def flaky(storage: torch.UntypedStorage, nbytes: int) -> None:
-        kind = "allocations" if nbytes else "frees"
-        calls[kind] += 1
-        if calls[kind] in (allocations if nbytes else frees):
-            raise RuntimeError(f"injected: the driver refused ({kind})")
-        real(storage, nbytes)
-
-    monkeypatch.setattr(_torch, "resize_storage", flaky)
-    return real
 
 
 def test_a_free_that_fails_midway_puts_back_what_it_freed(

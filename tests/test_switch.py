@@ -12,12 +12,11 @@ import pytest
 import torch
 
 import hybridmem as hm
-from hybridmem import _torch
 from hybridmem.engine import phases
 from hybridmem.engine.ranks import RankStatus
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.observe.memory import MemoryInfo
-from tests.conftest import FakeTorch
+from tests.conftest import FakeTorch, fail_resizes
 
 GiB = 1 << 30
 
@@ -732,16 +731,7 @@ def test_an_offload_that_fails_twice_is_reloaded_by_the_recovery(
         sync_weights=lambda adapter: None,
         confirm_timeout_s=0.0,
     )
-    real = _torch.resize_storage
-    calls = {"n": 0}
-
-    def flaky(storage: torch.UntypedStorage, nbytes: int) -> None:
-        calls["n"] += 1
-        if calls["n"] in (2, 3):  # free the bias, then reallocate the weight
-            raise RuntimeError("injected: the driver refused")
-        real(storage, nbytes)
-
-    monkeypatch.setattr(_torch, "resize_storage", flaky)
+    fail_resizes(monkeypatch, frees=(2,), allocations=(1,))  # the bias; the weight back
     with pytest.raises(hm.OffloadError, match="stay offloaded"), switch.rollout():
         log.append("generate")
     assert "generate" not in log

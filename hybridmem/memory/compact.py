@@ -233,20 +233,18 @@ def compact(
     if todo:
         offloader = Offloader(todo, device=device if device.type == "cuda" else None)
         try:
-            offloader.offload(release_cache=False)  # all or nothing; raises with all intact
+            offloader.offload(release_cache=False)  # all or nothing (see the handler below)
             _release_classic(index)
             placed = _bring_back(offloader, expandable=True)
         except CompactError:
             raise  # the caller's to reload: the pool stays pinned until then
         except BaseException as exc:  # failed or interrupted: nothing may stay off
-            if not offloader.offloaded_groups:
-                offloader.close()
-                raise
-            # An offload that could not put back what it freed leaves that in the
-            # pool; bring it back before unpinning (CompactError keeps the pool).
-            _bring_back(offloader, expandable=False)
+            # What is still offloaded (an interrupt, or an offload that could not put
+            # back what it freed) comes back before unpinning; CompactError keeps it.
+            if offloader.offloaded_groups:
+                _bring_back(offloader, expandable=False)
             offloader.close()
-            if isinstance(exc, OffloadError):
+            if isinstance(exc, OffloadError) and exc.offloaded:
                 raise OffloadError(
                     f"compact failed taking its targets off the device ({exc.__cause__!r}); "
                     "it brought back what it had freed: every target is as it was"
