@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         set_allocator_defaults,
     )
     from hybridmem.allocator.state import allocator_state
-    from hybridmem.engine.backends import get_backend, register_backend
+    from hybridmem.engine.backends import get_backend, list_backends, register_backend
     from hybridmem.engine.backends.adapters import EngineAdapter, SGLangEngine, VLLMEngine
     from hybridmem.engine.backends.registry import BackendProfile, Step
     from hybridmem.engine.phases import phase
@@ -50,12 +50,15 @@ if TYPE_CHECKING:
     from hybridmem.ipc.shareable import allow_ptrace_from_any, ipc_safe, ipc_shareable
     from hybridmem.memory.compact import compact
     from hybridmem.memory.offload import Offloader, offloaded
-    from hybridmem.memory.release import cache_released, release_cache
+    from hybridmem.memory.release import aggressive_cache_release, release_cache
     from hybridmem.observe.leakwatch import LeakWatch
     from hybridmem.observe.memory import memory_info
     from hybridmem.observe.timeline import get_timeline, record
 
+from hybridmem._moved import install_module_finder, moved_attribute_error
 from hybridmem._version import __version__
+
+install_module_finder()  # `import hybridmem.<moved module>` says where it went
 
 # Where each public name lives; loaded on first access (PEP 562). Everything else
 # (report and scope classes, for typing) is reachable from its module: see
@@ -78,10 +81,10 @@ _LAZY = {
     "TensorHandle": "hybridmem.ipc.export",
     "VLLMEngine": "hybridmem.engine.backends.adapters",
     "WeightBucket": "hybridmem.ipc.bucket",
+    "aggressive_cache_release": "hybridmem.memory.release",
     "allocator_settings": "hybridmem.allocator.scopes",
     "allocator_state": "hybridmem.allocator.state",
     "allow_ptrace_from_any": "hybridmem.ipc.shareable",
-    "cache_released": "hybridmem.memory.release",
     "compact": "hybridmem.memory.compact",
     "expandable_segments": "hybridmem.allocator.scopes",
     "get_backend": "hybridmem.engine.backends",
@@ -91,6 +94,7 @@ _LAZY = {
     "ipc_fd_sharing": "hybridmem.ipc.fd_reducer",
     "ipc_safe": "hybridmem.ipc.shareable",
     "ipc_shareable": "hybridmem.ipc.shareable",
+    "list_backends": "hybridmem.engine.backends",
     "memory_info": "hybridmem.observe.memory",
     "offloaded": "hybridmem.memory.offload",
     "phase": "hybridmem.engine.phases",
@@ -104,7 +108,7 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'hybridmem' has no attribute {name!r}")
+        raise moved_attribute_error("hybridmem", name)
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
@@ -133,10 +137,10 @@ __all__ = [
     "VLLMEngine",
     "WeightBucket",
     "__version__",
+    "aggressive_cache_release",
     "allocator_settings",
     "allocator_state",
     "allow_ptrace_from_any",
-    "cache_released",
     "compact",
     "expandable_segments",
     "get_backend",
@@ -146,6 +150,7 @@ __all__ = [
     "ipc_fd_sharing",
     "ipc_safe",
     "ipc_shareable",
+    "list_backends",
     "memory_info",
     "offloaded",
     "phase",

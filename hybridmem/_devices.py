@@ -18,8 +18,15 @@ _ALLOWED = "None (the current device), an int index, 'cuda', 'cuda:N' or torch.d
 _ONE = "one CUDA device: an int index, 'cuda:N' or torch.device('cuda', N)"
 
 
-def _index_of(device: int | str | torch.device, *, allow_all: bool) -> int | Literal["all"] | None:
-    """Return the index named by ``device`` (None = current device) or ``"all"``."""
+def _index_of(
+    device: int | str | torch.device, *, allow_all: bool, without_cuda_ok: bool = False
+) -> int | Literal["all"] | None:
+    """Return the index named by ``device`` (None = current device) or ``"all"``.
+
+    ``without_cuda_ok``: on a machine with no visible CUDA device, accept any index
+    (for callers with an answer of their own there: a probe that reports "no CUDA", a
+    bucket that falls back to host memory); elsewhere such an index is out of range.
+    """
     if isinstance(device, bool):
         raise TypeError(f"device must be one CUDA device: {_ALLOWED}; got the bool {device!r}")
     if isinstance(device, int):
@@ -36,7 +43,7 @@ def _index_of(device: int | str | torch.device, *, allow_all: bool) -> int | Lit
         except RuntimeError:
             extra = ", or 'all'" if allow_all else ""
             raise ValueError(f"device {device!r} is not a device; pass {_ALLOWED}{extra}") from None
-        return _index_of(parsed, allow_all=allow_all)
+        return _index_of(parsed, allow_all=allow_all, without_cuda_ok=without_cuda_ok)
     elif isinstance(device, torch.device):
         if device.type != "cuda":
             raise ValueError(
@@ -50,11 +57,19 @@ def _index_of(device: int | str | torch.device, *, allow_all: bool) -> int | Lit
         if index < 0:
             raise ValueError(f"device index must be >= 0, got {index}")
         count = _torch.device_count()
-        if count and index >= count:
-            raise ValueError(
-                f"device index {index} is out of range: {count} CUDA device(s) are visible "
-                "(check CUDA_VISIBLE_DEVICES)"
-            )
+        if index >= count and not (count == 0 and without_cuda_ok):
+            # Also without CUDA: a device that is named and not there is a mistake, not
+            # a no-op (#22); only device=None stays a harmless no-op on such a machine.
+            if not _torch.cuda_built():
+                where = "this torch is built without CUDA, so no CUDA device is visible"
+            elif count == 0:
+                where = "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+            else:
+                where = (
+                    f"{count} CUDA device(s) are visible, indices 0 to {count - 1} "
+                    "(check CUDA_VISIBLE_DEVICES)"
+                )
+            raise ValueError(f"device index {index} is out of range: {where}")
     return index
 
 
@@ -76,8 +91,9 @@ def resolve_devices(device: DeviceArg, *, allow_all: bool = False) -> list[int]:
 
     Raises:
         TypeError: ``device`` has the wrong type.
-        ValueError: ``device`` is negative, out of range, not CUDA, or ``"all"``
-            where not allowed.
+        ValueError: ``device`` is negative, out of range (also on a machine without
+            CUDA, where only None and ``"all"`` name nothing harmlessly), not CUDA,
+            or ``"all"`` where not allowed.
     """
     index = None if device is None else _index_of(device, allow_all=allow_all)
     if not _torch.cuda_initialized():
@@ -114,7 +130,7 @@ def device_index(device: DeviceArg, *, current: bool = True) -> int:
         >>> device_index("cuda:1")   # doctest: +SKIP
         1
     """
-    index = None if device is None else _index_of(device, allow_all=False)
+    index = None if device is None else _index_of(device, allow_all=False, without_cuda_ok=True)
     if isinstance(index, int):
         return index
     if not current:

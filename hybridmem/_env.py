@@ -24,7 +24,6 @@ def parse_flag(name: str, value: str) -> bool:
             f"flag:{name}={value}",
             f"{name}={value!r} is not a recognised value; use 1/true/yes/on to switch it on "
             "or 0/false/no/off to switch it off. Treating it as off.",
-            stacklevel=4,
         )
     return False
 

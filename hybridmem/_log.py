@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
+import os
+import sys
 import threading
+import types
 import warnings
 
 from hybridmem._errors import HybridMemWarning
 
-__all__ = ["info_once", "logger", "reset_once", "warn_once"]
+__all__ = ["info_once", "logger", "reset_once", "user_stacklevel", "warn_once", "warn_user"]
 
 logger = logging.getLogger("hybridmem")
 
@@ -24,15 +29,53 @@ def _first_time(key: str) -> bool:
         return True
 
 
-def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
+# Frames a warning must not point at: hybridmem's own, the import machinery (a warning
+# raised while hybridmem's lazy face imports a module), and contextlib's wrappers
+# (ExitStack.enter_context, @contextmanager) between a user's line and a scope.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SKIPPED_FILES = tuple(os.path.abspath(m.__file__ or "") for m in (contextlib, importlib))
+
+
+def _skipped(frame: types.FrameType) -> bool:
+    filename = frame.f_code.co_filename
+    return filename.startswith((_PACKAGE_DIR, "<frozen importlib")) or filename in _SKIPPED_FILES
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by our caller name the user's line.
+
+    Counted for a ``warnings.warn`` call made by the function that calls this one:
+    the first frame outside hybridmem (and outside the import machinery and
+    contextlib), wherever in the package the warning starts, so no call site counts
+    its own depth (they drifted: #22). Python 3.12's ``skip_file_prefixes`` does the
+    same for one prefix; 3.10 and 3.11 lack it.
+    """
+    frame = sys._getframe(1)  # the caller of warnings.warn
+    level = 1
+    while _skipped(frame) and frame.f_back is not None:
+        frame = frame.f_back
+        # warnings.warn itself steps over the import machinery's frames: not counted.
+        name = frame.f_code.co_filename
+        if not ("importlib" in name and "_bootstrap" in name):
+            level += 1
+    return level
+
+
+def warn_user(message: str) -> None:
+    """Emit ``message`` as a :class:`HybridMemWarning` pointing at the user's line."""
+    warnings.warn(message, HybridMemWarning, stacklevel=user_stacklevel())
+
+
+def warn_once(key: str, message: str) -> None:
     """Emit ``message`` as a :class:`HybridMemWarning` the first time ``key`` is seen.
 
     Python's own warning registry deduplicates per call site only; misuse that can
     happen from many call sites (a degraded torch build, say) should still warn once
-    per process, which is what ``key`` is for.
+    per process, which is what ``key`` is for. The warning names the user's line
+    (:func:`user_stacklevel`).
     """
     if _first_time("warn:" + key):
-        warnings.warn(message, HybridMemWarning, stacklevel=stacklevel)
+        warnings.warn(message, HybridMemWarning, stacklevel=user_stacklevel())
 
 
 def info_once(key: str, message: str) -> None:

@@ -220,7 +220,6 @@ class ScopedContext(abc.ABC):
                 "the scope covered only the call that made it, not the work it does "
                 "later. Decorate the async def or generator function itself, or use "
                 "`with` / `async with` where the work runs.",
-                stacklevel=3,
             )
             return result
 

@@ -22,6 +22,7 @@ runs a synthetic hybrid engine under four strategies on a GPU (see
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import platform
@@ -96,6 +97,36 @@ def _ipc_section(caps: IpcCapabilities) -> dict[str, Any]:
     return data
 
 
+def _cuda_build_refusal(variable: str | None) -> str | None:
+    """On a CPU build: why the CUDA build of this torch would refuse the env, or None.
+
+    A CPU build has no CUDA parser and skips keys it does not know, so a typo
+    (``expandable_segment:True``) passes here and fails on every GPU machine.
+    """
+    from hybridmem import _torch
+    from hybridmem.allocator.rules import TorchRules
+
+    if variable is None or _torch.cuda_built():
+        return None
+    text = os.environ.get(variable, "")
+    rules = TorchRules(_torch.torch_version(), True, None)
+    error = rules.run(text).error
+    if error is None:
+        return None
+    hint = ""
+    for item in text.split(","):
+        key = item.split(":", 1)[0].strip()
+        close = difflib.get_close_matches(key, sorted(rules.keys), n=1)
+        if key and key not in rules.keys and close:
+            hint = f" (did you mean {close[0]!r}?)"
+            break
+    return (
+        f"{variable}={text!r}: {error}{hint}. This CPU build of torch skips what it does "
+        "not know, but its CUDA build refuses the value at the first CUDA allocation; "
+        f"fix it or unset {variable}"
+    )
+
+
 def doctor_report(*, probe: bool = True) -> dict[str, Any]:
     """Collect the doctor's findings as a JSON-ready dict (no CUDA in this process).
 
@@ -135,6 +166,10 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         }
     else:
         report["allocator"] = config.as_dict()
+        refusal = _cuda_build_refusal(config.env_variable)
+        if refusal is not None:
+            problems.append(refusal)
+            report["allocator"]["cuda_build_refuses"] = refusal
         if config.backend == "cudaMallocAsync":
             notes.append(
                 "backend is cudaMallocAsync: expandable segments and caching-allocator "
@@ -212,7 +247,9 @@ def _print_human(report: dict[str, Any]) -> None:
             print(f"  IGNORED: {name} is set, but this torch does not read it")
         print(f"  backend: {alloc['backend']}   setter: {alloc['setter'] or 'none'}")
         for key, item in alloc["settings"].items():
-            print(f"  {key:34} {item['value']:>18}  [{item['source']}: {item['origin']}]")
+            print(f"  {key:34} {item['shown']:>18}  [{item['source']}: {item['origin']}]")
+        if alloc.get("cuda_build_refuses"):
+            print(f"  ERROR: {alloc['cuda_build_refuses']}")
     engines = report.get("engines", {})
     print("\nengines: " + ", ".join(f"{k} {v or '(not installed)'}" for k, v in engines.items()))
     saver = report.get("torch_memory_saver")
@@ -344,7 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "plot" and not (args.output or args.trace):
-        parser.error("plot needs -o FILE.png, --trace FILE.json, or both")
+        # The plot subcommand's usage; a timeline that is not there is named first.
+        missing = [path for path in args.timeline if not os.path.exists(path)]
+        first = f"cannot read timeline {missing[0]}: no such file; and " if missing else ""
+        plot.error(f"{first}nothing to write: pass -o FILE.png, --trace FILE.json, or both")
     if args.command == "bench" and args.cycles is not None and args.cycles < 2:
         parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
     problem = timeline_env_problem()

@@ -47,9 +47,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     count = _torch.device_count() if has_gpu else 0
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run on the H200)"))
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         elif "multi_gpu" in item.keywords and count < 2:
-            item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
 
 
 @pytest.fixture(autouse=True)

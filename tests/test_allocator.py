@@ -635,6 +635,8 @@ def test_allocator_state_reports_sources_and_renders(
     data = cfg.as_dict()
     assert data["settings"]["max_split_size_mb"] == {
         "value": "256",
+        "reads": "256",  # what torch reads: the same, so shown as it is
+        "shown": "256",
         "source": "env",
         "origin": "PYTORCH_CUDA_ALLOC_CONF",
     }

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import textwrap
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import hybridmem as hm
 from hybridmem.engine.backends import PHASES, list_backends, registry
+from tests.helpers import run_python
 
 PLUGIN = hm.BackendProfile(
     "plugin",
@@ -134,8 +138,107 @@ def test_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
         return points if group == registry.ENTRY_POINT_GROUP else []
 
     monkeypatch.setattr(metadata, "entry_points", entry_points)
-    with pytest.warns(hm.HybridMemWarning, match="ignoring backend entry point 'broken'"):
+    with pytest.warns(hm.HybridMemWarning, match="backend plugin 'broken' .* was not loaded"):
         names = list_backends()
     assert names == ["default", "factory", "plugin", "sglang", "vllm"]
     assert hm.phase("rollout", backend="plugin").steps[0].name == "off"
     list_backends()  # loaded once: no second warning
+
+
+def _install_plugin(
+    site: Path, dist: str, entry_points: dict[str, str], module: str, source: str
+) -> None:
+    """Lay out an installed distribution in ``site``, as pip would: code and dist-info."""
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+    # The group the docs name, spelled out (not the code's constant): see issue #22.
+    (info / "entry_points.txt").write_text(f"[hybridmem.backends]\n{lines}")
+
+
+_PLUGIN_SOURCE = """
+    import hybridmem as hm
+
+    PROFILE = hm.BackendProfile(
+        "myengine",
+        "a plugin's engine",
+        {"rollout": (hm.Step("classic", "expandable_segments", "scope", {"enabled": False}),)},
+    )
+    TAKEN = hm.BackendProfile("vllm", "a second vllm", {})
+    NOT_A_PROFILE = 42
+"""
+
+_CHECK = """
+import json, warnings
+import hybridmem as hm
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    names = hm.list_backends()
+    hm.list_backends()  # loaded once: no second warning
+    with hm.phase("rollout", backend="myengine") as scope:
+        state = [hm.allocator_state()["expandable_segments"], *hm.allocator_state().scopes]
+print(json.dumps({
+    "names": names,
+    "steps": [s.name for s in hm.get_backend("myengine").recipe("rollout")],
+    "state": state,
+    "warnings": [str(w.message) for w in caught],
+}))
+"""
+
+
+def test_a_plugin_installed_as_a_distribution_loads_by_the_documented_group(
+    tmp_path: Path,
+) -> None:
+    _install_plugin(
+        tmp_path,
+        "hybridmem_myengine",
+        {"myengine": "hm_myengine:PROFILE"},
+        "hm_myengine",
+        _PLUGIN_SOURCE,
+    )
+    result = run_python("-c", _CHECK, env={"PYTHONPATH": f"{tmp_path}"})
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["names"] == ["default", "myengine", "sglang", "vllm"]
+    assert out["steps"] == ["classic"]
+    assert out["state"] == ["False", "expandable_segments(False)"]
+    assert out["warnings"] == []
+
+
+def test_broken_plugins_are_one_warning_each_naming_the_distribution_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    _install_plugin(
+        tmp_path,
+        "hybridmem_myengine",
+        {
+            "myengine": "hm_myengine:PROFILE",
+            "missing": "hm_no_such_module:PROFILE",
+            "wrongtype": "hm_myengine:NOT_A_PROFILE",
+            "duplicate": "hm_myengine:TAKEN",
+        },
+        "hm_myengine",
+        _PLUGIN_SOURCE,
+    )
+    result = run_python("-c", _CHECK, env={"PYTHONPATH": f"{tmp_path}"})
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["names"] == ["default", "myengine", "sglang", "vllm"]  # the good one loads
+    messages = out["warnings"]
+    assert len(messages) == 3, messages
+    for message in messages:
+        assert "from the distribution hybridmem_myengine 0.1" in message
+        assert "'hybridmem.backends'" in message
+        assert "Fix: " in message
+    missing, wrongtype, duplicate = sorted(
+        messages,
+        key=lambda m: [n in m for n in ("'missing'", "'wrongtype'", "'duplicate'")],
+        reverse=True,
+    )
+    assert "No module named 'hm_no_such_module'" in missing
+    assert "install what it needs" in missing
+    assert "it gave a int, not a BackendProfile" in wrongtype
+    assert "'vllm' is taken" in duplicate
+    assert "another name" in duplicate

@@ -9,6 +9,7 @@ in threads and across processes. The CUDA transport is checked on the H200.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import threading
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.ipc.bucket import BucketHandle, SyncReport
-from tests.helpers import LoopTicker
+from tests.helpers import LoopTicker, run_python
 
 KiB = 1024
 
@@ -673,3 +674,26 @@ def test_injected_sync_faults_never_hang_and_never_poison_the_next_sync(
         assert_same_tensors(result["value"], tensors)
         c.close()
         d.close()
+
+
+_DROPPED = """
+import gc, json, os
+import hybridmem as hm
+bucket = hm.WeightBucket(1 << 20, transport="host", buffers=2)
+names = list(bucket.handle.exports)
+del bucket
+gc.collect()
+print(json.dumps({"names": names, "left": [n for n in names if os.path.exists("/dev/shm/" + n)]}))
+keep = hm.WeightBucket(1 << 20, transport="host")  # never closed: dropped at exit
+print(json.dumps(list(keep.handle.exports)))
+"""
+
+
+def test_a_bucket_dropped_without_close_leaks_no_shared_memory() -> None:
+    result = run_python("-c", _DROPPED)
+    assert result.returncode == 0, result.stderr
+    dropped, kept = (json.loads(line) for line in result.stdout.splitlines())
+    assert len(dropped["names"]) == 2
+    assert dropped["left"] == []  # unlinked when the bucket was collected
+    assert not any(os.path.exists(f"/dev/shm/{name}") for name in kept)  # and at exit
+    assert "leaked shared_memory" not in result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Iterator
 from typing import Literal
 
 import pytest
@@ -143,7 +144,7 @@ def test_kill_switch(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # --------------------------------------------------------------------------- #
-# cache_released
+# aggressive_cache_release
 # --------------------------------------------------------------------------- #
 
 
@@ -158,19 +159,21 @@ def test_kill_switch(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> No
 def test_scoped_release_when(
     fake_gpu: FakeTorch, on: Literal["enter", "exit", "both"], expected: list[str]
 ) -> None:
-    with hm.cache_released(on=on, collect_garbage=False, sync=False, ipc_collect=False) as ctx:
+    with hm.aggressive_cache_release(
+        on=on, collect_garbage=False, sync=False, ipc_collect=False
+    ) as ctx:
         fake_gpu.events.append("body")
     assert fake_gpu.events == expected
     assert ctx.last_report is not None
 
 
 def test_bare_and_called_decorator_forms(fake_gpu: FakeTorch) -> None:
-    @hm.cache_released
+    @hm.aggressive_cache_release
     def bare() -> str:
         fake_gpu.events.append("body")
         return "ok"
 
-    @hm.cache_released(on="enter", collect_garbage=False)
+    @hm.aggressive_cache_release(on="enter", collect_garbage=False)
     async def called() -> str:
         fake_gpu.events.append("body")
         return "ok"
@@ -185,6 +188,75 @@ def test_bare_and_called_decorator_forms(fake_gpu: FakeTorch) -> None:
     assert bare.__name__ == "bare"
 
 
+def test_every_form_releases_once_per_use(fake_gpu: FakeTorch) -> None:
+    """The card's name in every form: with, async with, generators, classes."""
+
+    def releases() -> int:
+        count = fake_gpu.events.count("empty_cache")
+        fake_gpu.events.clear()
+        return count
+
+    @hm.aggressive_cache_release()
+    def gen() -> Iterator[int]:
+        yield 1
+
+    @hm.aggressive_cache_release(on="both")
+    async def agen() -> AsyncIterator[int]:
+        yield 1
+
+    @hm.aggressive_cache_release
+    class Manager:
+        def __enter__(self) -> Manager:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            fake_gpu.events.append("manager exit")
+
+    async def async_with() -> None:
+        async with hm.aggressive_cache_release(on="enter"):
+            pass
+
+    # A generator's scope is left at each yield and at its end: two exits here.
+    assert list(gen()) == [1]
+    assert releases() == 2
+
+    async def consume() -> list[int]:
+        return [x async for x in agen()]
+
+    assert asyncio.run(consume()) == [1]
+    assert releases() == 4  # on="both": entered twice, left twice
+    with Manager():
+        pass
+    assert fake_gpu.events[-1] == "empty_cache"  # after the class's own __exit__
+    assert "manager exit" in fake_gpu.events
+    assert releases() == 1
+    asyncio.run(async_with())
+    assert releases() == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_a_named_device_that_is_not_there_is_refused_without_cuda() -> None:
+    for call in (hm.release_cache, hm.memory_info):
+        with pytest.raises(ValueError, match="device index 99 is out of range: this torch is"):
+            call(device="cuda:99")
+        with pytest.raises(ValueError, match="device index 0 is out of range"):
+            call(device=0)
+    assert hm.release_cache().devices == ()  # no device named: a harmless no-op
+
+
+def test_a_named_device_past_the_visible_ones_is_refused(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patch_seam(monkeypatch, "device_count", lambda: 2)
+    for call in (hm.release_cache, hm.memory_info):
+        with pytest.raises(
+            ValueError,
+            match=r"device index 99 is out of range: 2 CUDA device\(s\) are visible, "
+            "indices 0 to 1",
+        ):
+            call(device="cuda:99")
+
+
 def test_release_on_error_never_masks_the_error(
     fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -192,15 +264,15 @@ def test_release_on_error_never_masks_the_error(
         raise RuntimeError("CUDA error: device lost")
 
     monkeypatch.setattr("hybridmem._torch.empty_cache", broken)
-    with pytest.raises(KeyError), hm.cache_released():
+    with pytest.raises(KeyError), hm.aggressive_cache_release():
         raise KeyError("original")
     assert any("release_cache failed" in r.getMessage() for r in caplog.records)
-    with pytest.raises(RuntimeError, match="device lost"), hm.cache_released():
+    with pytest.raises(RuntimeError, match="device lost"), hm.aggressive_cache_release():
         pass  # without an error in flight, the release error is raised
 
 
 def test_scoped_release_runs_on_exception(fake_gpu: FakeTorch) -> None:
-    with pytest.raises(ValueError, match="x"), hm.cache_released(collect_garbage=False):
+    with pytest.raises(ValueError, match="x"), hm.aggressive_cache_release(collect_garbage=False):
         raise ValueError("x")
     assert fake_gpu.events[-1] == "empty_cache"
 
@@ -215,7 +287,7 @@ def test_scoped_release_runs_on_exception(fake_gpu: FakeTorch) -> None:
 )
 def test_scoped_bad_input(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
-        hm.cache_released(**kwargs)  # type: ignore[call-overload]
+        hm.aggressive_cache_release(**kwargs)  # type: ignore[call-overload]
 
 
 def test_young_collection_collects_generations_0_and_1(fake_gpu: FakeTorch) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 
 import hybridmem as hm
 from hybridmem import cli
+from hybridmem.allocator.scopes import _reset_state_for_tests
 from hybridmem.cli import main
 from hybridmem.ipc import capabilities
 from hybridmem.observe import timeline
@@ -423,3 +425,92 @@ def test_doctor_says_fd_passing_works_where_pidfd_is_denied(
     assert "but fd passing can: hm.ipc_export" in out
     assert main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ipc"]["fd_passing"] is True
+
+
+# --------------------------------------------------------------------------- #
+# Issue #22: nothing silently accepted
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("env", "key", "hint"),
+    [
+        ("expandable_segment:True", "expandable_segment", "did you mean 'expandable_segments'?"),
+        ("foo:bar", "foo", ""),
+    ],
+)
+def test_doctor_on_a_cpu_build_fails_on_what_the_cuda_build_refuses(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    env: str,
+    key: str,
+    hint: str,
+) -> None:
+    monkeypatch.setattr("hybridmem._torch.cuda_built", lambda: False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    assert main(["doctor", "--no-probe"]) == 1
+    out = capsys.readouterr().out
+    error = next(line for line in out.splitlines() if line.startswith("  ERROR: "))
+    assert f"does not know the setting {key!r}" in error
+    assert hint in error
+    assert "fix it or unset PYTORCH_CUDA_ALLOC_CONF" in error
+    assert "something blocks hybridmem" in out
+    assert main(["doctor", "--no-probe", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    assert any(f"{key!r}" in problem for problem in report["problems"])
+
+
+def test_doctor_shows_what_torch_reads_with_the_raw_value_beside_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:-3,garbage_collection_threshold:0.5x"
+    )
+    assert main(["doctor", "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"max_split_size_mb +unlimited \(written -3\)", out)
+    assert re.search(r"garbage_collection_threshold +0\.5 \(written 0\.5x\)", out)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:25.5")
+    _reset_state_for_tests()  # a fresh process: the env is read again
+    assert main(["doctor", "--no-probe", "--json"]) == 0
+    setting = json.loads(capsys.readouterr().out)["allocator"]["settings"]["max_split_size_mb"]
+    assert setting == {
+        "value": "25.5",
+        "reads": "25",
+        "shown": "25 (written 25.5)",
+        "source": "env",
+        "origin": "PYTORCH_CUDA_ALLOC_CONF",
+    }
+
+
+def test_plot_without_an_output_shows_the_plot_usage_and_the_missing_file_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(missing)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: hybridmem plot ")
+    assert f"hybridmem plot: error: cannot read timeline {missing}: no such file" in err
+    assert err.index(str(missing)) < err.index("nothing to write")
+    present = tmp_path / "present.jsonl"
+    present.write_text("")
+    with pytest.raises(SystemExit):
+        main(["plot", str(present)])
+    err = capsys.readouterr().err
+    assert "cannot read" not in err
+    assert "nothing to write: pass -o FILE.png, --trace FILE.json, or both" in err
+
+
+def test_plot_errors_carry_one_prefix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timeline = tmp_path / "t.jsonl"
+    event = {"name": "phase:train", "start": 1.0, "duration": 0.5, "kind": "phase"}
+    timeline.write_text(json.dumps(event) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert main(["plot", str(timeline), "-o", str(tmp_path / "x.png")]) == 1
+    line = _one_clear_line(capsys, "needs matplotlib", "pip install 'hybridmem[plot]'")
+    assert line.count("hybridmem plot") == 1, line

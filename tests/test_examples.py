@@ -51,3 +51,23 @@ def test_compact_example_says_why_nothing_moves_without_a_gpu() -> None:
     assert result.returncode == 0, result.stderr
     assert "compact: nothing moved (no target tensor is on a GPU)" in result.stdout
     assert "after compact: 0.0 MiB" in result.stdout
+
+
+def test_the_cards_example_runs_with_the_cards_names() -> None:
+    source = (REPO / "examples" / "card.py").read_text()
+    for line in (
+        "@hm.expandable_segments(False)",
+        "@hm.aggressive_cache_release()",
+        "@hm.ipc_safe()",
+    ):
+        assert line in source
+    result = run_python(str(REPO / "examples" / "card.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    for backend in ("vllm", "sglang"):
+        assert f"[{backend}] rollout: expandable=False, engine tags ['weights', 'kv_cache']" in (
+            result.stdout
+        )
+        assert f"[{backend}] after rollout: expandable=False, scopes ()" in result.stdout
+    assert result.stdout.count("training: expandable=True") == 2
+    assert result.stdout.count("engine output equals the trainer's: True") == 2

@@ -16,7 +16,7 @@ from hybridmem._platform import linux as _linux
 from hybridmem.allocator.scopes import _reset_state_for_tests
 from hybridmem.ipc import capabilities
 from hybridmem.ipc import shareable as ipc
-from tests.conftest import FakeTorch
+from tests.conftest import FakeTorch, patch_seam
 
 USER_ENV = "expandable_segments:True,max_split_size_mb:256,garbage_collection_threshold:0.6"
 
@@ -334,3 +334,19 @@ def test_real_prctl_runs() -> None:
         assert not hm.allow_ptrace_from_any()
     else:  # pragma: no cover - depends on the machine
         assert hm.allow_ptrace_from_any()
+
+
+@pytest.mark.parametrize(
+    ("built", "why"),
+    [(False, "this torch is built without CUDA"), (True, "no CUDA device is visible")],
+)
+def test_ipc_safe_without_cuda_never_reports_cuda(
+    training: FakeTorch, monkeypatch: pytest.MonkeyPatch, built: bool, why: str
+) -> None:
+    patch_seam(monkeypatch, "cuda_available", lambda: False)
+    patch_seam(monkeypatch, "cuda_built", lambda: built)
+    with pytest.raises(hm.IpcUnavailableError, match=why), hm.ipc_safe(fallback="raise"):
+        pass
+    assert hm.allocator_state().scopes == ()  # refused before anything changed
+    with pytest.warns(hm.HybridMemWarning, match=why), hm.ipc_safe() as scope:
+        assert scope.transport == "host"

@@ -186,7 +186,7 @@ def test_the_cpu_build_here_agrees_with_the_model() -> None:
     """This torch's real setter (CPU build: the generic parser, no CUDA parser)."""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None or _torch.cuda_built():
-        pytest.skip("needs a CPU-only torch 2.10+ (CI's)")
+        pytest.skip("needs a CPU-only build of torch 2.10 or newer")
     rules = TorchRules(_torch.torch_version(), device=False)
     state = default_state(rules.version, device=False)
     reset = "expandable_segments:False,pinned_use_background_threads:False"

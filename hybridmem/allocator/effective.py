@@ -111,6 +111,9 @@ class AllocatorState:
             is set).
         ignored_env: variables that are set but that this torch does not read.
         torch: the torch whose rules apply (``"torch 2.11"``).
+        reads: env values that torch reads as another value, by key: what torch
+            reads (``max_split_size_mb:-3`` is ``"unlimited"``, ``25.5`` is ``"25"``);
+            :meth:`shown` puts it first, with the raw value beside it.
 
     Example:
         >>> cfg = hm.allocator_state()
@@ -127,6 +130,7 @@ class AllocatorState:
     env_variable: str | None = None
     ignored_env: tuple[str, ...] = field(default=())
     torch: str = ""
+    reads: Mapping[str, str] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> str:
         return self.get(key).value
@@ -163,6 +167,17 @@ class AllocatorState:
         """Return the settings as one string in torch's syntax (without defaults)."""
         return format_settings((k, s.value) for k, s in self.settings.items())
 
+    def shown(self, key: str) -> str:
+        """``key``'s value as torch reads it; a misread raw value beside it.
+
+        Example:
+            >>> cfg.shown("max_split_size_mb")   # env max_split_size_mb:-3  # doctest: +SKIP
+            'unlimited (written -3)'
+        """
+        value = self.get(key).value
+        read = self.reads.get(key)
+        return value if read is None else f"{read} (written {value})"
+
     def as_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict, every known key included with its source."""
         keys = list(self.settings) + [k for k in KEYS if k not in self.settings]
@@ -176,7 +191,13 @@ class AllocatorState:
             "setter": self.setter,
             "scopes": list(self.scopes),
             "settings": {
-                k: {"value": s.value, "source": s.source, "origin": s.origin}
+                k: {
+                    "value": s.value,
+                    "reads": self.reads.get(k, s.value),
+                    "shown": self.shown(k),
+                    "source": s.source,
+                    "origin": s.origin,
+                }
                 for k in keys
                 for s in (self.get(k),)
             },
@@ -189,7 +210,7 @@ class AllocatorState:
             f"  ignored: {name} (set, but this torch does not read it)" for name in self.ignored_env
         ]
         for key, item in self.as_dict()["settings"].items():
-            rows.append(f"  {key:34} {item['value']:>18}  [{item['source']}: {item['origin']}]")
+            rows.append(f"  {key:34} {item['shown']:>18}  [{item['source']}: {item['origin']}]")
         if self.scopes:
             rows.append("active scopes: " + " > ".join(self.scopes))
         return "\n".join(rows)

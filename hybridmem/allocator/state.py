@@ -31,13 +31,12 @@ from __future__ import annotations
 import os
 import re
 import threading
-import warnings
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from hybridmem import _torch
-from hybridmem._errors import AllocatorSettingsError, HybridMemWarning
-from hybridmem._log import logger, warn_once
+from hybridmem._errors import AllocatorSettingsError
+from hybridmem._log import logger, warn_once, warn_user
 from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Effective, Setting
 from hybridmem.allocator.grammar import KEYS, format_settings
 from hybridmem.allocator.rules import (
@@ -109,19 +108,28 @@ _SIZE_KEYS = frozenset(
 _FLOAT_KEYS = frozenset({"garbage_collection_threshold", "per_process_memory_fraction"})
 
 
-def _misreads(outcome: Outcome) -> list[str]:
-    """Values in an env string that torch reads differently from how they look."""
-    found = list(outcome.notes)
+def _torch_reads(outcome: Outcome) -> dict[str, str]:
+    """Env values that torch reads as another value: key -> what torch reads (shown)."""
+    reads: dict[str, str] = {}
     for key, value in outcome.items:
+        read = outcome.state.get(key)
         if key in _SIZE_KEYS and not re.fullmatch(r"\d+", value):
-            read = outcome.state.get(key)
-            shown = "unlimited" if read is None or read >= 1 << 40 else read
-            found.append(f"{key}:{value} is read as {shown} (write a plain whole number)")
+            reads[key] = "unlimited" if read is None or read >= 1 << 40 else str(read)
         elif key in _FLOAT_KEYS:
             try:
                 float(value)
             except ValueError:
-                found.append(f"{key}:{value} is read as {outcome.state.get(key)}")
+                reads[key] = str(read)
+    return reads
+
+
+def _misreads(outcome: Outcome) -> list[str]:
+    """Values in an env string that torch reads differently from how they look."""
+    found = list(outcome.notes)
+    for key, shown in _torch_reads(outcome).items():
+        value = dict(outcome.items)[key]
+        hint = " (write a plain whole number)" if key in _SIZE_KEYS else ""
+        found.append(f"{key}:{value} is read as {shown}{hint}")
     return found
 
 
@@ -137,6 +145,7 @@ class SettingsEngine:
         with self.lock:
             self._env_key: tuple[str | None, ...] | None = None
             self._env_effective = Effective()
+            self._env_reads: Mapping[str, str] = MappingProxyType({})
             self._env_error: AllocatorSettingsError | None = None
             self._env_variable: str | None = None
             self._env_ignored: tuple[str, ...] = ()
@@ -189,6 +198,7 @@ class SettingsEngine:
         explicit: dict[str, str] = {}
         error: AllocatorSettingsError | None = None
         notes: list[str] = []
+        reads: dict[str, str] = {}
         if name is not None:
             outcome = TorchRules(rules.version, rules.device, None).run(text)
             if not outcome.accepted:
@@ -203,6 +213,7 @@ class SettingsEngine:
                     effective[key] = Setting(key, value, "env", name)
                     explicit[key] = name
                 notes = _misreads(outcome)
+                reads = _torch_reads(outcome)
         # State first, warnings last: under `-W error` a warning must not leave
         # half-parsed state behind.
         self._env_key = raw
@@ -212,6 +223,7 @@ class SettingsEngine:
         self._torch_env_text = text
         self._env_effective = effective
         self._env_explicit = explicit
+        self._env_reads = MappingProxyType(reads)
         setting = effective.get("expandable_segments")
         self._env_expandable_false = (
             name if setting is not None and setting.value == "False" else None
@@ -227,13 +239,11 @@ class SettingsEngine:
                 f"{other} is set but {rules.label} ignores it: {why}. hybridmem follows "
                 f"torch: {other}={present[other]!r} has no effect. Move what you need into "
                 f"{name or CUDA_ALLOC_CONF} (or unset {other}).",
-                stacklevel=5,
             )
         for note in notes:
             warn_once(
                 f"env-misread:{name}:{note}",
                 f"{name}={text!r}: with {rules.label}, {note}; hybridmem reads it the same way",
-                stacklevel=5,
             )
 
     # ------------------------------------------------------------------ #
@@ -308,6 +318,13 @@ class SettingsEngine:
                 env_variable=self._env_variable,
                 ignored_env=self._env_ignored,
                 torch=self.rules().label,
+                reads=MappingProxyType(
+                    {
+                        key: shown
+                        for key, shown in self._env_reads.items()
+                        if key in top and top[key].source == "env"
+                    }
+                ),
             )
 
     # ------------------------------------------------------------------ #
@@ -521,14 +538,12 @@ class SettingsEngine:
             self.sync(release_cache=release_cache)
         if later:
             names = ", ".join(f"{x.label} (thread {x.thread})" for x in later)
-            warnings.warn(
+            warn_user(
                 f"{layer.label} (thread {layer.thread}) exited while {names}, "
                 "entered after it, is still active: scopes exited out of order, as when "
                 "two threads or tasks toggle the allocator at once. The settings are "
                 "still correct (derived from the scopes still active), but each scope "
-                "no longer sees only its own change.",
-                HybridMemWarning,
-                stacklevel=4,
+                "no longer sees only its own change."
             )
 
     def set_defaults(self, changes: dict[str, str], *, release_cache: bool) -> None:

@@ -18,12 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from hybridmem._files import FileProblem, check_writable, describe
+from hybridmem._moved import moved_attribute_error
 from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, choose_strategies, plan
 from hybridmem.bench.report import format_table, plot_results, verdicts
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.timeline import record
 
 __all__ = ["bench", "load_results", "report", "run_strategy"]
+
+
+def __getattr__(name: str) -> Any:
+    # Names that moved to hybridmem.bench.report say so (CHANGELOG.md, issue #13).
+    raise moved_attribute_error(__name__, name)
+
 
 GiB = 2**30
 

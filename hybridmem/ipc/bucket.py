@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -207,6 +208,12 @@ class WeightBucket:
         self._drained: list[Any] | None = None  # the receiver's, once it sent them
         self._peer = Peer(None, "receiver")  # learnt from its hello
         self._minted: list[TensorHandle] = []  # "fd": exports of the last handle read
+        # A bucket dropped without close() (or whose set-up failed midway) still
+        # unlinks its host segments: torch's resource tracker would otherwise report
+        # them leaked at exit, and they would outlive the process in /dev/shm (#22).
+        self._release_host = weakref.finalize(
+            self, drop_host_buffers, self._pinned, self._shms, unlink=True
+        )
         exports = self._allocate()
         self._handle = BucketHandle(
             transport=self.transport,
@@ -648,7 +655,7 @@ class WeightBucket:
         self._views.clear()
         self._word_views.clear()
         self._peer.close()
-        drop_host_buffers(self._pinned, self._shms, unlink=True)
+        self._release_host()  # drop_host_buffers, once
         if self.transport in ("cuda", "fd") and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)
 

@@ -76,7 +76,15 @@ def choose_transport(fallback: Fallback, device: int, *, probed: bool | None) ->
     """
     if fallback == "host":
         return "host"
-    blocker = ENGINE.classic_blocker()
+    blocker = None
+    if not _torch.cuda_available():
+        # No GPU here (or a CPU build): "cuda" would be a promise nothing can keep (#22).
+        blocker = (
+            "no CUDA device is visible"
+            if _torch.cuda_built()
+            else "this torch is built without CUDA"
+        )
+    blocker = blocker or ENGINE.classic_blocker()
     if blocker is None and probed is False:
         caps = cached_capabilities(device)
         blocker = f"the IPC probe found CUDA IPC broken here ({caps.reason if caps else '?'})"

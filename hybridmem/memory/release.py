@@ -32,7 +32,7 @@ __all__ = [
     "DeviceRelease",
     "GarbageGate",
     "ReleaseReport",
-    "cache_released",
+    "aggressive_cache_release",
     "release_cache",
 ]
 
@@ -366,7 +366,7 @@ _WHEN_VALUES = ("enter", "exit", "both")
 class CacheRelease(ScopedContext):
     """Scoped :func:`release_cache` on entry, exit or both.
 
-    See :func:`cache_released`, which builds it.
+    See :func:`aggressive_cache_release`, which builds it.
     """
 
     def __init__(
@@ -393,7 +393,7 @@ class CacheRelease(ScopedContext):
         self.last_report: ReleaseReport | None = None
 
     def __repr__(self) -> str:
-        return f"cache_released(on={self.on!r}, device={self.device!r})"
+        return f"aggressive_cache_release(on={self.on!r}, device={self.device!r})"
 
     def _release_now(self) -> None:
         self.last_report = release_cache(self.device, **self._kwargs)
@@ -416,11 +416,11 @@ class CacheRelease(ScopedContext):
 
 
 @overload
-def cache_released(func: _F, /) -> _F: ...
+def aggressive_cache_release(func: _F, /) -> _F: ...
 
 
 @overload
-def cache_released(
+def aggressive_cache_release(
     func: None = None,
     /,
     *,
@@ -432,7 +432,7 @@ def cache_released(
 ) -> CacheRelease: ...
 
 
-def cache_released(
+def aggressive_cache_release(
     func: Any = None,
     /,
     *,
@@ -445,8 +445,8 @@ def cache_released(
     """Release cached device memory when a block or call starts, ends, or both.
 
     The scoped, decorating form of :func:`release_cache`: usable as ``with``,
-    ``async with``, or as a decorator (``@cache_released`` or
-    ``@cache_released(on="both")``) on functions, coroutine functions,
+    ``async with``, or as a decorator (``@aggressive_cache_release`` or
+    ``@aggressive_cache_release(on="both")``) on functions, coroutine functions,
     generator functions and context-manager classes. A release on exit also runs
     when the block raises; a failure of that release is logged, never raised over
     the original exception.
@@ -460,7 +460,7 @@ def cache_released(
         A :class:`CacheRelease`; its ``last_report`` holds the latest report.
 
     Example:
-        >>> @hm.cache_released(on="exit")   # doctest: +SKIP
+        >>> @hm.aggressive_cache_release(on="exit")   # doctest: +SKIP
         ... def offload_trainer(model): ...
     """
     ctx = CacheRelease(

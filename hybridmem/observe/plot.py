@@ -179,7 +179,7 @@ def plot_timeline(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise PlotError("hybridmem plot needs matplotlib: pip install 'hybridmem[plot]'") from exc
+        raise PlotError("drawing needs matplotlib: pip install 'hybridmem[plot]'") from exc
     events = load_events(paths)
     rows = processes(events)
     t0 = events[0]["start"]

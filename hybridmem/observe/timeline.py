@@ -440,7 +440,7 @@ def _start_from_env() -> None:
         return
     problem = timeline_env_problem(raw)
     if problem is not None:
-        warn_once("timeline-env", f"{problem}; nothing is recorded", stacklevel=2)
+        warn_once("timeline-env", f"{problem}; nothing is recorded")
         return
     _env_path = raw
     _enabled = True

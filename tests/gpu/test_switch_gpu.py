@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from hybridmem.bench.engine_memory import available, preload_library
+from tests.gpu import TMS_REASON
 from tests.gpu.test_allocator_gpu import run_scenario
 
 pytestmark = pytest.mark.gpu
@@ -18,8 +19,7 @@ MiB = 1 << 20
 MODULE = "tests.gpu.switch_scenarios"
 needs_tms = pytest.mark.skipif(
     not (available() and preload_library()),
-    reason="needs torch_memory_saver 0.0.10 with its preload library (DEVELOPERS.md: carry "
-    "the wheel, pip install --target)",
+    reason=TMS_REASON,
 )
 
 

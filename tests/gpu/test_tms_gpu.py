@@ -17,14 +17,13 @@ from typing import Any
 import pytest
 
 from hybridmem.bench.engine_memory import available, preload_library
-from tests.gpu import tms_scenarios
+from tests.gpu import TMS_REASON, tms_scenarios
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not (available() and preload_library()),
-        reason="needs torch_memory_saver 0.0.10 with its preload library (DEVELOPERS.md: "
-        "carry the wheel, pip install --target)",
+        reason=TMS_REASON,
     ),
 ]
 REGION_MIB = (tms_scenarios.KV_BYTES + tms_scenarios.WEIGHT_BYTES) / tms_scenarios.MiB

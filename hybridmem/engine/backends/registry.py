@@ -39,7 +39,9 @@ ACTIONS: Mapping[str, str] = MappingProxyType(
     }
 )
 _SCOPES = ("expandable_segments", "ipc_safe")
-ENTRY_POINT_GROUP = "hybridmem.engine.backends"
+# The group the docs name (docs/phases.md). The code once read
+# "hybridmem.engine.backends", which no doc named, and ignored plugins silently (#22).
+ENTRY_POINT_GROUP = "hybridmem.backends"
 _BACKEND_ENV = "HYBRIDMEM_BACKEND"
 
 When = Literal["enter", "exit", "scope"]
@@ -170,29 +172,72 @@ def register_backend(profile: BackendProfile, *, replace: bool = False) -> Backe
     return profile
 
 
+def _distribution(point: metadata.EntryPoint) -> str:
+    """``name version`` of the distribution that declares ``point``, as pip names it."""
+    dist = getattr(point, "dist", None)  # None for an EntryPoint made by hand
+    if dist is None:
+        return "an unknown distribution"
+    return f"the distribution {dist.metadata['Name']} {dist.version}"
+
+
+def _load_profile(point: metadata.EntryPoint) -> tuple[BackendProfile | None, str, str]:
+    """Load one entry point: (profile, "", "") or (None, what went wrong, the fix)."""
+    entry = f"{point.name} = {point.value}"
+    try:
+        loaded = point.load()
+    except Exception as exc:
+        return (
+            None,
+            f"importing {point.value} failed ({type(exc).__name__}: {exc})",
+            f"install what it needs, or correct its entry point ({entry})",
+        )
+    if callable(loaded) and not isinstance(loaded, BackendProfile):
+        try:
+            loaded = loaded()
+        except Exception as exc:
+            return (
+                None,
+                f"calling {point.value}() failed ({type(exc).__name__}: {exc})",
+                "fix that function, which must return a BackendProfile",
+            )
+    if not isinstance(loaded, BackendProfile):
+        return (
+            None,
+            f"it gave a {type(loaded).__name__}, not a BackendProfile",
+            f"make its entry point ({entry}) name a BackendProfile or a function returning one",
+        )
+    return loaded, "", ""
+
+
 def _load_entry_points() -> None:
-    """Register third-party profiles from the ``hybridmem.backends`` entry points, once."""
+    """Register third-party profiles from the ``hybridmem.backends`` entry points, once.
+
+    A plugin that fails to load (import error, wrong type, a name already taken) is
+    one warning naming its distribution and the fix; the others still load.
+    """
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
     for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            loaded = point.load()
-            profile = (
-                loaded() if callable(loaded) and not isinstance(loaded, BackendProfile) else loaded
-            )
-            if not isinstance(profile, BackendProfile):
-                raise TypeError(f"it gave a {type(profile).__name__}, not a BackendProfile")
+        profile, problem, fix = _load_profile(point)
+        if profile is not None:
             with _lock:
-                if profile.name in _registry:
-                    raise ValueError(f"the name {profile.name!r} is taken")
-                _registry[profile.name] = profile
-        except Exception as exc:
-            warn_once(
-                f"entry-point:{point.name}",
-                f"ignoring backend entry point {point.name!r} ({point.value}): {exc}",
-            )
+                taken = profile.name in _registry
+                if not taken:
+                    _registry[profile.name] = profile
+            if not taken:
+                logger.debug("backend %r registered from entry point %r", profile.name, point.name)
+                continue
+            problem = f"its backend name {profile.name!r} is taken already"
+            fix = "give its BackendProfile another name"
+        where = _distribution(point)
+        warn_once(
+            f"entry-point:{point.name}:{point.value}",
+            f"backend plugin {point.name!r} from {where} (entry-point group "
+            f"{ENTRY_POINT_GROUP!r}) was not loaded: {problem}. Fix: {fix}, or uninstall "
+            "that distribution. The other backends are loaded.",
+        )
 
 
 def list_backends() -> list[str]:
