@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import os
 import platform
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybridmem._env import DISABLE_ENV, disabled
@@ -95,6 +97,71 @@ def _ipc_section(caps: IpcCapabilities) -> dict[str, Any]:
     else:
         data["expandable_toggle_works"] = None
     return data
+
+
+def installed_torch() -> tuple[tuple[int, int], bool] | None:
+    """The installed torch's ``(major, minor)`` and whether it is a CUDA build, unimported.
+
+    From its distribution's metadata and files: a CUDA build ships ``libc10_cuda``.
+    None when torch is not installed or its version cannot be read.
+    """
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    parts = version.split("+")[0].split(".")
+    if len(parts) < 2 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    spec = importlib.util.find_spec("torch")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    cuda = any(any(Path(folder, "lib").glob("libc10_cuda*")) for folder in folders)
+    return (int(parts[0]), int(parts[1])), cuda
+
+
+def env_kills_torch(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why ``import torch`` would abort this interpreter with this env, or None.
+
+    Checked before anything imports torch (the doctor's own process and its probe's
+    children would die with a C++ trace): CUDA builds of torch 2.13+ abort at import
+    on an env string with a key and no value (``expandable_segments``).
+    """
+    from hybridmem.allocator.rules import ALLOC_CONF, CUDA_ALLOC_CONF, TorchRules
+
+    found = installed_torch()
+    if found is None:
+        return None
+    version, cuda = found
+    rules = TorchRules(version, cuda, None)
+    env = os.environ if environ is None else environ
+    name, _ = rules.env_variable({n: env[n] for n in (CUDA_ALLOC_CONF, ALLOC_CONF) if n in env})
+    if name is None or not rules.aborts_at_import(env[name]):
+        return None
+    return (
+        f"{name}={env[name]!r}: {rules.label} (a CUDA build) aborts the interpreter at "
+        "`import torch` with this value (a key without its value: INTERNAL ASSERT FAILED, "
+        "Index out of bounds in ConfigTokenizer), before any error can be caught. Fix: give "
+        f"every key a value (expandable_segments:True), or unset {name}"
+    )
+
+
+def _rules_checked() -> str:
+    """How this torch's allocator-settings rules are known: recorded, live, or neither."""
+    from hybridmem import _torch
+    from hybridmem.allocator.rules import RECORDED_VERSIONS, TorchRules
+
+    rules = TorchRules(_torch.torch_version(), _torch.cuda_built())
+    last = RECORDED_VERSIONS[-1]
+    if rules.recorded:
+        return (
+            f"recorded: the model agrees with {rules.label}'s own parser on every recorded string"
+        )
+    if _torch.settings_setter_name() is not None:
+        return (
+            f"{rules.label} is newer than the recorded ones (last: {last}): read by {last}'s "
+            "rules, and every string is judged by torch's own setter (applied, read back, "
+            "rolled back on refusal)"
+        )
+    return f"neither recorded nor checkable live here (last recorded: {last})"
 
 
 def _cuda_build_refusal(variable: str | None) -> str | None:
@@ -166,6 +233,7 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         }
     else:
         report["allocator"] = config.as_dict()
+        report["allocator"]["rules"] = _rules_checked()
         refusal = _cuda_build_refusal(config.env_variable)
         if refusal is not None:
             problems.append(refusal)
@@ -243,6 +311,7 @@ def _print_human(report: dict[str, Any]) -> None:
     else:
         reads = alloc["env_variable"] or "neither (none is set)"
         print(f"  {alloc['torch']} reads: {reads}")
+        print(f"  rules: {alloc['rules']}")
         for name in alloc["ignored_env"]:
             print(f"  IGNORED: {name} is set, but this torch does not read it")
         print(f"  backend: {alloc['backend']}   setter: {alloc['setter'] or 'none'}")
@@ -418,6 +487,15 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.command == "plot":
         return _plot(args.timeline, args.output, args.title, args.trace)
+    if "torch" not in sys.modules:
+        fatal = env_kills_torch()
+        if fatal is not None:  # importing torch here would end this process
+            if args.json:
+                print(json.dumps({"ok": False, "problems": [fatal], "torch_aborts": True}))
+            else:
+                print(f"ERROR: {fatal}")
+                print("\nverdict: something blocks hybridmem (torch was not imported)")
+            return 1
     probe = not args.no_probe
     if probe and "torch" not in sys.modules:
         # Device 0: this process never initialises CUDA, so that is its current device.

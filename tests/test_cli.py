@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import hybridmem as hm
 from hybridmem import cli
@@ -45,15 +46,16 @@ def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_doctor_fails_on_a_malformed_env(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:yes")
+    # The variable every torch reads (2.4 to 2.9 ignore PYTORCH_ALLOC_CONF).
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:yes")
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert re.search(
-        r"ERROR: PYTORCH_ALLOC_CONF='expandable_segments:yes': torch \d+\.\d+ refuses "
+        r"ERROR: PYTORCH_CUDA_ALLOC_CONF='expandable_segments:yes': torch \d+\.\d+ refuses "
         r"expandable_segments:yes: expected True or False \(exactly\)",
         out,
     )
-    assert "fix it or unset PYTORCH_ALLOC_CONF" in out
+    assert "fix it or unset PYTORCH_CUDA_ALLOC_CONF" in out
     assert "something blocks hybridmem" in out
     assert main(["doctor", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["ok"] is False
@@ -447,6 +449,8 @@ def test_doctor_on_a_cpu_build_fails_on_what_the_cuda_build_refuses(
     hint: str,
 ) -> None:
     monkeypatch.setattr("hybridmem._torch.cuda_built", lambda: False)
+    monkeypatch.setattr("hybridmem._torch.torch_version", lambda: (2, 13))  # 2.10+ rules
+    _reset_state_for_tests()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
     assert main(["doctor", "--no-probe"]) == 1
     out = capsys.readouterr().out
@@ -514,3 +518,56 @@ def test_plot_errors_carry_one_prefix(
     assert main(["plot", str(timeline), "-o", str(tmp_path / "x.png")]) == 1
     line = _one_clear_line(capsys, "needs matplotlib", "pip install 'hybridmem[plot]'")
     assert line.count("hybridmem plot") == 1, line
+
+
+_ABORTING_TORCH = """
+import sys
+from hybridmem import cli
+cli.installed_torch = lambda: ((2, 14), True)  # a CUDA build of 2.14, as pip installs it
+code = cli.main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("value", ["expandable_segments", "expandable_segments:True,x:"])
+def test_doctor_catches_an_env_that_aborts_torch_before_importing_it(value: str) -> None:
+    result = run_python("-c", _ABORTING_TORCH, "doctor", env={"PYTORCH_CUDA_ALLOC_CONF": value})
+    assert result.returncode == 1, result.stderr
+    assert f"ERROR: PYTORCH_CUDA_ALLOC_CONF={value!r}: torch 2.14 (a CUDA build) aborts" in (
+        result.stdout
+    )
+    assert "Fix: give every key a value" in result.stdout
+    assert "torch imported: False" in result.stdout
+    result = run_python(
+        "-c", _ABORTING_TORCH, "doctor", "--json", env={"PYTORCH_CUDA_ALLOC_CONF": value}
+    )
+    report = json.loads(result.stdout.splitlines()[0])
+    assert report["ok"] is False
+    assert report["torch_aborts"] is True
+
+
+def test_the_installed_torch_is_read_without_importing_it() -> None:
+    code = (
+        "import sys; from hybridmem.cli import installed_torch; "
+        "print(installed_torch(), 'torch' in sys.modules)"
+    )
+    result = run_python("-c", code)
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert result.stdout.strip() == f"({version}, {torch.version.cuda is not None}) False"
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [((2, 13), "recorded: the model agrees"), ((2, 16), "newer than the recorded ones")],
+)
+def test_doctor_says_how_this_torchs_rules_are_known(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    version: tuple[int, int],
+    expected: str,
+) -> None:
+    monkeypatch.setattr("hybridmem._torch.torch_version", lambda: version)
+    _reset_state_for_tests()
+    assert main(["doctor", "--no-probe", "--json"]) == 0
+    assert expected in json.loads(capsys.readouterr().out)["allocator"]["rules"]

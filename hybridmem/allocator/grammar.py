@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from hybridmem._errors import AllocatorSettingsError
 from hybridmem.allocator.rules import TorchRules
@@ -66,7 +67,9 @@ def _spec(
     return KeySpec(name, kind, default, shown, device_key, runtime, since)
 
 
-#: Every key torch 2.4 - 2.13 understands, with the version that added it.
+_C215: dict[str, Any] = {"device_key": True, "since": (2, 15)}
+
+#: Every key torch 2.4 - 2.15 understands, with the version that added it.
 KEYS: dict[str, KeySpec] = {
     spec.name: spec
     for spec in (
@@ -77,6 +80,9 @@ KEYS: dict[str, KeySpec] = {
         _spec("roundup_power2_divisions", "roundup", None, "0 (off)"),
         _spec("large_segment_size_mb", "int", "20", "20", since=(2, 11)),
         _spec("pinned_use_background_threads", "bool", "False", "False", since=(2, 6)),
+        # the host allocator's (2.13+): unlimited until set, and no text puts that back
+        _spec("pinned_max_round_threshold_mb", "int", None, "unlimited", since=(2, 13)),
+        _spec("pinned_max_cached_size_mb", "int", None, "unlimited", since=(2, 13)),
         _spec("backend", "str", "native", "native", device_key=True, runtime=False),
         _spec("release_lock_on_cudamalloc", "bool", "False", "False", device_key=True),
         _spec("pinned_use_cuda_host_register", "bool", "False", "False", device_key=True),
@@ -93,6 +99,9 @@ KEYS: dict[str, KeySpec] = {
         _spec("per_process_memory_fraction", "float", "1.0", "1.0", device_key=True, since=(2, 10)),
         _spec("pinned_free_catch_all", "bool", "False", "False", device_key=True, since=(2, 12)),
         _spec("throw_on_cudamalloc_oom", "bool", "False", "False", device_key=True, since=(2, 12)),
+        # 2.15: a per-segment virtual-address reserve, "0.5" (of the device) or "40G"
+        _spec("expandable_segments_reserve", "str", None, "9/8 of the device", **_C215),
+        _spec("expandable_segments_reserve_by_class", "str", None, "none", **_C215),
     )
 }
 

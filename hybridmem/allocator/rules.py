@@ -56,11 +56,18 @@ __all__ = [
     "ALLOC_CONF",
     "CUDA_ALLOC_CONF",
     "MB",
+    "RECORDED_VERSIONS",
     "Outcome",
     "TorchRules",
     "default_state",
 ]
 
+#: The releases whose own parsers answered the recorded strings (tests/torch_parser):
+#: the model is checked against each; a newer torch is judged by its own setter.
+RECORDED_VERSIONS = (
+    "2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.0",
+    "2.13.0", "2.14.1", "2.15.0",
+)  # fmt: skip
 CUDA_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOC_CONF = "PYTORCH_ALLOC_CONF"
 MB = 1 << 20
@@ -85,15 +92,20 @@ class _Refused(Exception):
 # The C library's number readers, as torch calls them
 # --------------------------------------------------------------------------- #
 
-_INT_PREFIX = re.compile(r"[ \t\n\v\f\r]*([+-]?)(\d+)")
+# C's isspace() in the "C" locale torch runs in: \x1c-\x1f and \xa0, which Python calls
+# whitespace, are not (torch refuses "True\x1f"); digits are ASCII only (stoull refuses
+# full-width or Arabic-Indic digits, which Python's int() and \d take).
+C_SPACE = " \t\n\v\f\r"
+_INT_PREFIX = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
 _FLOAT_PREFIX = re.compile(
     r"[ \t\n\v\f\r]*([+-]?)("
-    r"0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?\d+)?"
-    r"|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
+    r"0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?[0-9]+)?"
+    r"|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
     r"|[iI][nN][fF](?:[iI][nN][iI][tT][yY])?"
     r"|[nN][aA][nN](?:\([0-9A-Za-z_]*\))?"
     r")"
 )
+_SMALLEST_NORMAL = 2.2250738585072014e-308
 
 
 def _stoull(token: str) -> int:
@@ -101,7 +113,10 @@ def _stoull(token: str) -> int:
     match = _INT_PREFIX.match(token)
     if match is None:
         raise _Refused(f"{token!r} is not a number (torch: stoull)")
-    value = int(match.group(2))
+    digits = match.group(2).lstrip("0") or "0"
+    if len(digits) > 20:  # past 2**64 (and past what Python's int() converts at once)
+        raise _Refused(f"{token!r} is out of range (torch: stoull)")
+    value = int(digits)
     if value > _SIZE_MAX:
         raise _Refused(f"{token!r} is out of range (torch: stoull)")
     return (-value) % (1 << 64) if match.group(1) == "-" else value
@@ -112,14 +127,22 @@ def _stoi(token: str) -> int:
     match = _INT_PREFIX.match(token)
     if match is None:
         raise _Refused(f"{token!r} is not a number (torch: stoi)")
-    value = int(match.group(2)) * (-1 if match.group(1) == "-" else 1)
+    digits = match.group(2).lstrip("0") or "0"
+    if len(digits) > 11:
+        raise _Refused(f"{token!r} is out of range (torch: stoi)")
+    value = int(digits) * (-1 if match.group(1) == "-" else 1)
     if not _INT_MIN <= value <= _INT_MAX:
         raise _Refused(f"{token!r} is out of range (torch: stoi)")
     return value % (1 << 64)
 
 
 def _stod(token: str) -> float:
-    """``std::stod``: the longest prefix that reads as a double; range errors refused."""
+    """``std::stod``: the longest prefix that reads as a double; range errors refused.
+
+    ``strtod`` sets ERANGE, and ``stod`` throws, for a result that overflows, that
+    underflows to zero from non-zero digits, or that is subnormal; Python's float()
+    and float.fromhex() answer inf, 0 or the subnormal, or raise OverflowError.
+    """
     match = _FLOAT_PREFIX.match(token)
     if match is None:
         raise _Refused(f"{token!r} is not a number (torch: stod)")
@@ -129,13 +152,21 @@ def _stod(token: str) -> float:
         value = math.nan
     elif lowered.startswith("inf"):
         value = math.inf
-    elif lowered.startswith("0x"):
-        value = float.fromhex(body if "p" in lowered else body + "p0")
     else:
-        value = float(body)
-        if math.isinf(value) or (value == 0.0 and re.search(r"[1-9]", body.split("e")[0])):
+        hexadecimal = lowered.startswith("0x")
+        try:
+            value = (
+                float.fromhex(body if "p" in lowered else body + "p0")
+                if hexadecimal
+                else (float(body))
+            )
+        except OverflowError:
+            raise _Refused(f"{token!r} is out of range (torch: stod)") from None
+        mantissa = lowered[2:].split("p")[0] if hexadecimal else lowered.split("e")[0]
+        nonzero = re.search(r"[1-9a-f]" if hexadecimal else r"[1-9]", mantissa) is not None
+        if math.isinf(value) or (value == 0.0 and nonzero):
             raise _Refused(f"{token!r} is out of range (torch: stod)")
-        if value != 0.0 and abs(value) < 2.2250738585072014e-308:
+        if value != 0.0 and abs(value) < _SMALLEST_NORMAL:
             raise _Refused(f"{token!r} is out of range (torch: stod)")
     return -value if match.group(1) == "-" else value
 
@@ -170,6 +201,10 @@ _DEFAULTS: dict[str, Any] = {
     "per_process_memory_fraction": 1.0,
     "pinned_free_catch_all": False,
     "throw_on_cudamalloc_oom": False,
+    "pinned_max_round_threshold_mb": None,
+    "pinned_max_cached_size_mb": None,
+    "expandable_segments_reserve": None,  # not modelled: torch's reading is not kept
+    "expandable_segments_reserve_by_class": None,
 }
 
 
@@ -185,12 +220,16 @@ class Outcome:
             resolved; whitespace dropped as torch drops it; lists as ``[...]``).
         notes: things torch reads differently from how they look (a ``,``
             where ``:`` belongs, ``25.5`` read as 25), for a warning.
+        aborts: torch kills the process instead of refusing: an env string whose
+            index runs past its last token aborts a CUDA build of 2.10+ at
+            ``import torch`` (its CUDA library parses the env while it loads).
     """
 
     state: dict[str, Any]
     error: str | None
     items: tuple[tuple[str, str], ...] = ()
     notes: tuple[str, ...] = field(default=())
+    aborts: bool = False
 
     @property
     def accepted(self) -> bool:
@@ -220,6 +259,14 @@ _GENERIC_KEYS = (
     "expandable_segments",
     "pinned_use_background_threads",
 )
+# The expandable-segment reserves of 2.15 (a fraction of the device, or "40G"; per
+# class: a list). torch never refuses their values: it warns and keeps its default.
+# The reserve itself is not modelled (no reading of it here); a per-class list is
+# read to its "]" as other lists are, which is what a well-formed one does.
+_RESERVE_KEYS = ("expandable_segments_reserve", "expandable_segments_reserve_by_class")
+# The host allocator's limits (2.13+): MB read with stoull, clamped as sizes are, kept
+# from call to call; unlimited (SIZE_MAX bytes, None here) until a string sets them.
+_PINNED_MAX_KEYS = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
 _DEVICE_KEYS_210 = (
     "backend",
     "release_lock_on_cudamalloc",
@@ -261,6 +308,11 @@ class TorchRules:
         return f"torch {self.version[0]}.{self.version[1]}"
 
     @property
+    def recorded(self) -> bool:
+        """Whether this minor version's parser was recorded (the model checked against it)."""
+        return any(v.startswith(f"{self.version[0]}.{self.version[1]}.") for v in RECORDED_VERSIONS)
+
+    @property
     def tokenizer(self) -> bool:
         """True from 2.10: the lenient tokenizer and the generic + CUDA parsers."""
         return self.version >= (2, 10)
@@ -278,6 +330,8 @@ class TorchRules:
         keys = set(_GENERIC_KEYS)
         if self.version >= (2, 11):
             keys.add("large_segment_size_mb")
+        if self.version >= (2, 13):
+            keys |= set(_PINNED_MAX_KEYS)
         return frozenset(keys)
 
     @functools.cached_property
@@ -288,6 +342,8 @@ class TorchRules:
         keys = set(_DEVICE_KEYS_210)
         if self.version >= (2, 12):
             keys |= {"pinned_free_catch_all", "throw_on_cudamalloc_oom"}
+        if self.version >= (2, 15):
+            keys |= set(_RESERVE_KEYS)
         return frozenset(keys)
 
     @property
@@ -325,9 +381,10 @@ class TorchRules:
         """The text that puts ``key`` back to its default, or None if torch refuses it.
 
         torch refuses ``pinned_reserve_segment_size_mb:0`` (its own default) and,
-        before 2.10, ``max_non_split_rounding_mb:20`` (it must be > 20): such a key
-        cannot be put back once changed, so a scope may not change it unless the
-        env (or a process default) already has.
+        before 2.10, ``max_non_split_rounding_mb:20`` (it must be > 20); the host
+        allocator's limits of 2.13+ are unlimited until set and no text gives that
+        back: such a key cannot be put back once changed, so a scope may not change
+        it unless the env (or a process default) already has.
         """
         default = _DEFAULTS.get(key)
         if key == "expandable_segments":
@@ -360,6 +417,36 @@ class TorchRules:
     # ------------------------------------------------------------------ #
     # The parser
     # ------------------------------------------------------------------ #
+    def aborts_at_import(self, text: str) -> bool:
+        """Whether ``text`` as the env kills this torch at ``import torch``.
+
+        CUDA builds from 2.10 (recorded: 2.10.0 to 2.15.0) walk the env's tokens
+        while their CUDA library loads, key by key, reading each key's value without
+        checking the index: a key with no value after it (``expandable_segments``,
+        ``expandable_segments:``, ``a:b,x``) trips an internal assert in a static
+        initialiser, which no one can catch, and the process aborts. The walk looks
+        for the ``backend`` key and stops once it has read that key's value. Every
+        other refusal comes later, at the first allocation. Start-up only (``backend``
+        None); before 2.10 there is no such walk.
+        """
+        if not (self.device and self.backend is None and self.tokenizer):
+            return False
+        tokens = _split(text, spaces_only=False)
+        i = 0
+        while i < len(tokens):
+            if tokens[i] == "backend":  # what the walk looks for: its value, then no further
+                return i + 2 >= len(tokens)
+            value = i + 2  # the key at i, its ':' (any token) at i + 1
+            if value >= len(tokens):
+                return True
+            if tokens[value] == "[":
+                while value < len(tokens) and tokens[value] != "]":
+                    value += 1
+                if value >= len(tokens):
+                    return True
+            i = value + 2  # past the value and the ',' after it
+        return False
+
     def run(self, text: str, state: Mapping[str, Any] | None = None) -> Outcome:
         """Replay torch's parser on ``text`` from ``state`` (default: torch's defaults).
 
@@ -368,6 +455,14 @@ class TorchRules:
             torch kept.
         """
         now = dict(state if state is not None else self.defaults)
+        if self.aborts_at_import(text):
+            return Outcome(
+                now,
+                f"{self.label} (a CUDA build) aborts the interpreter at `import torch`: a key "
+                f"in {text!r} has no value after it (INTERNAL ASSERT FAILED, Index out of "
+                "bounds in ConfigTokenizer)",
+                aborts=True,
+            )
         parse = _TokenParse(self, text, now) if self.tokenizer else _StrictParse(self, text, now)
         try:
             parse.run()
@@ -525,7 +620,9 @@ class _TokenParse:
             raw = t[i]
             key = ALIASES.get(raw, raw)
             start = i
-            if key in mine and key != "large_segment_size_mb":
+            if key in mine and key in _RESERVE_KEYS:
+                i = self._skip_key(i)
+            elif key in mine and key != "large_segment_size_mb":
                 i = self._skip(i + 1, ":", raw) + 1
                 if key == "roundup_power2_divisions":
                     i = self._roundup(i)
@@ -640,7 +737,7 @@ def _split(text: str, *, spaces_only: bool) -> list[str]:
                 tokens.append("".join(buf))
                 buf = []
             tokens.append(ch)
-        elif (ch != " ") if spaces_only else not (ch.isascii() and ch.isspace()):
+        elif (ch != " ") if spaces_only else ch not in C_SPACE:
             buf.append(ch)
     if buf:
         tokens.append("".join(buf))
@@ -680,6 +777,8 @@ def _apply_scalar(
         if size < minimum:
             raise rules.refuse(key, value, f"must be >= {minimum} ({why})")
         state[key] = min(size, _MAX_SPLIT_MB)
+    elif key in _PINNED_MAX_KEYS:
+        state[key] = min(_stoull(value), _MAX_SPLIT_MB)
     elif key == "large_segment_size_mb":
         size = _stoull(value)
         if size <= 10:

@@ -393,10 +393,16 @@ class SettingsEngine:
                 continue
             text = rules.default_text(key)
             if text is None:
+                default = fresh.get(key)
+                why = (
+                    "no settings string gives it back (it is unlimited until set)"
+                    if default is None
+                    else f"{rules.label} refuses {key}:{default}"
+                )
+                shown = "unlimited" if default is None else default
                 raise AllocatorSettingsError(
-                    f"{key} cannot go back to its default ({fresh.get(key)}): {rules.label} "
-                    f"refuses {key}:{fresh.get(key)}. Set {key} in {CUDA_ALLOC_CONF} or with "
-                    "hm.set_allocator_defaults() instead of in a scope"
+                    f"{key} cannot go back to its default ({shown}): {why}. Set {key} in "
+                    f"{CUDA_ALLOC_CONF} or with hm.set_allocator_defaults() instead of in a scope"
                 )
             items.append((key, text))
         text = format_settings(items)

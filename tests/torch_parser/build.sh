@@ -12,7 +12,10 @@ set -euo pipefail
 work=${1:?usage: build.sh WORKDIR [VERSION ...]}
 shift
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(2.4.1 2.5.1 2.6.0 2.7.1 2.8.0 2.9.1 2.10.0 2.11.0 2.12.0 2.13.0)
+[ ${#versions[@]} -gt 0 ] || versions=(2.4.1 2.5.1 2.6.0 2.7.1 2.8.0 2.9.1 2.10.0 2.11.0 2.12.0 2.13.0 2.14.1 2.15.0)
+# PIP_CONFIG_FILE=/dev/null: a machine's pip configuration may cap torch (a constraints
+# file); the probe needs each wheel's libraries, whatever the machine would install.
+export PIP_CONFIG_FILE=/dev/null
 here=$(cd "$(dirname "$0")" && pwd)
 cuda=${CUDA_HOME:-/usr/local/cuda}
 mkdir -p "$work/wheels" "$work/rt"
@@ -32,7 +35,7 @@ for v in "${versions[@]}"; do
         'torch/include/c10/*' 'torch/include/torch/headeronly/*' -d "$x" 2>/dev/null || true
     abi=1
     [ "$n" -le 206 ] && abi=0      # wheels before 2.7 use the old C++ ABI
-    g++ -std=c++17 -O0 -DV="$n" -D_GLIBCXX_USE_CXX11_ABI=$abi -DPYTORCH_C10_DRIVER_API_SUPPORTED \
+    g++ -std=c++17 -O0 -DTORCH_V="$n" -D_GLIBCXX_USE_CXX11_ABI=$abi -DPYTORCH_C10_DRIVER_API_SUPPORTED \
         -I"$x/torch/include" -I"$cuda/include" "$here/probe.cpp" \
         -L"$x/torch/lib" -Wl,-rpath-link,"$rt12:$cuda/lib64:$x/torch/lib" -lc10_cuda -lc10 \
         -o "$work/probe-$v"
