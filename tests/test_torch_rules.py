@@ -17,6 +17,7 @@ import json
 import math
 import os
 import secrets
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -248,26 +249,40 @@ def test_the_cpu_build_here_agrees_with_the_model() -> None:
     if setter is None or _torch.cuda_built():
         pytest.skip("needs a CPU-only build of torch 2.10 or newer")
     rules = TorchRules(_torch.torch_version(), device=False)
-    state = default_state(rules.version, device=False)
+    strings = list(CURATED_STRINGS) + [t for case in corpus() for t in case["sets"]]
+    wrong, _ = _judge_live(setter, rules, strings)
+    assert not wrong, "\n".join(wrong[:20])
+
+
+def _judge_live(setter: Any, rules: TorchRules, strings: Iterable[str]) -> tuple[list[str], int]:
+    """Give ``strings`` to torch's own setter and to the model in turn; their disagreements.
+
+    In one process, from torch's defaults (whatever earlier tests left), so what a call
+    keeps from the one before counts; torch's defaults are put back at the end.
+    """
     reset = "expandable_segments:False,pinned_use_background_threads:False"
     if "large_segment_size_mb" in rules.keys:
         reset += ",large_segment_size_mb:20"
-    setter(reset)  # torch's defaults, whatever earlier tests left
-    state = rules.run(reset, state).state
-    strings = list(CURATED_STRINGS) + [t for case in corpus() for t in case["sets"]]
-    wrong = []
-    for text in strings:  # in one process: what a call keeps from the last one counts
-        try:
-            setter(text)
-            took = True
-        except (ValueError, RuntimeError, IndexError):  # IndexError: std::out_of_range
-            took = False
-        outcome = rules.run(text, state)
-        if took != outcome.accepted:
-            wrong.append(f"{text!r}: torch {'takes' if took else 'refuses'} it, the model not")
-        state = outcome.state
+    state = rules.run(reset, default_state(rules.version, device=rules.device)).state
     setter(reset)
-    assert not wrong, "\n".join(wrong[:20])
+    wrong: list[str] = []
+    checked = 0
+    try:
+        for text in strings:
+            try:
+                setter(text)
+                took = True
+            except (ValueError, RuntimeError, IndexError):  # IndexError: std::out_of_range
+                took = False
+            outcome = rules.run(text, state)
+            checked += 1
+            if took != outcome.accepted:
+                verdict = "takes" if took else "refuses"
+                wrong.append(f"{text!r}: torch {verdict} it; model: {outcome.error or 'takes it'}")
+            state = outcome.state
+    finally:
+        setter(reset)
+    return wrong, checked
 
 
 def test_a_live_oracle_the_installed_torch_judges_generated_strings() -> None:
@@ -283,31 +298,8 @@ def test_a_live_oracle_the_installed_torch_judges_generated_strings() -> None:
         pytest.skip("needs torch 2.10 or newer (its settings setter)")
     seed = int(os.environ.get("HYBRIDMEM_ORACLE_SEED") or secrets.randbits(32))
     rules = TorchRules(_torch.torch_version(), device=_torch.cuda_built())
-    reset = "expandable_segments:False,pinned_use_background_threads:False"
-    if "large_segment_size_mb" in rules.keys:
-        reset += ",large_segment_size_mb:20"
-    state = rules.run(reset, default_state(rules.version, device=rules.device)).state
-    setter(reset)
-    wrong: list[str] = []
-    checked = 0
-    try:
-        for case in generated_cases(seed, 1000):
-            for text in case["sets"]:
-                try:
-                    setter(text)
-                    took = True
-                except (ValueError, RuntimeError, IndexError):  # IndexError: std::out_of_range
-                    took = False
-                outcome = rules.run(text, state)
-                checked += 1
-                if took != outcome.accepted:
-                    verdict = "takes" if took else "refuses"
-                    wrong.append(
-                        f"{text!r}: torch {verdict} it; model: {outcome.error or 'takes it'}"
-                    )
-                state = outcome.state
-    finally:
-        setter(reset)
+    strings = [text for case in generated_cases(seed, 1000) for text in case["sets"]]
+    wrong, checked = _judge_live(setter, rules, strings)
     assert checked > 2500
     assert not wrong, (
         f"torch {torch.__version__} and the model disagree on {len(wrong)} of {checked} strings "

@@ -24,6 +24,8 @@ __all__ = ["ENV_VARS", "case", "cases", "settings_strings", "string"]
 
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
+# Written out, not taken from the model: a generator that asked the model for its keys
+# could never find a key the model lacks.
 _KEYS = (
     "max_split_size_mb",
     "max_non_split_rounding_mb",
