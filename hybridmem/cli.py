@@ -22,7 +22,6 @@ runs a synthetic hybrid engine under four strategies on a GPU (see
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib.util
 import json
 import os
@@ -122,7 +121,7 @@ def env_kills_torch(environ: Mapping[str, str] | None = None) -> str | None:
     """Why ``import torch`` would abort this interpreter with this env, or None.
 
     Checked before anything imports torch (the doctor's own process and its probe's
-    children would die with a C++ trace): CUDA builds of torch 2.13+ abort at import
+    children would die with a C++ trace): CUDA builds of torch 2.10+ abort at import
     on an env string with a key and no value (``expandable_segments``).
     """
     from hybridmem.allocator.rules import ALLOC_CONF, CUDA_ALLOC_CONF, TorchRules
@@ -164,7 +163,7 @@ def _rules_checked() -> str:
     return f"neither recorded nor checkable live here (last recorded: {last})"
 
 
-def _cuda_build_refusal(variable: str | None) -> str | None:
+def _cuda_build_refusal(variable: str | None, text: str) -> str | None:
     """On a CPU build: why the CUDA build of this torch would refuse the env, or None.
 
     A CPU build has no CUDA parser and skips keys it does not know, so a typo
@@ -175,22 +174,13 @@ def _cuda_build_refusal(variable: str | None) -> str | None:
 
     if variable is None or _torch.cuda_built():
         return None
-    text = os.environ.get(variable, "")
-    rules = TorchRules(_torch.torch_version(), True, None)
-    error = rules.run(text).error
+    error = TorchRules(_torch.torch_version(), True, None).run(text).error
     if error is None:
         return None
-    hint = ""
-    for item in text.split(","):
-        key = item.split(":", 1)[0].strip()
-        close = difflib.get_close_matches(key, sorted(rules.keys), n=1)
-        if key and key not in rules.keys and close:
-            hint = f" (did you mean {close[0]!r}?)"
-            break
     return (
-        f"{variable}={text!r}: {error}{hint}. This CPU build of torch skips what it does "
-        "not know, but its CUDA build refuses the value at the first CUDA allocation; "
-        f"fix it or unset {variable}"
+        f"{variable}={text!r}: {error}. This CPU build of torch skips what it does not know, "
+        "but its CUDA build refuses the value at the first CUDA allocation; fix it or unset "
+        f"{variable}"
     )
 
 
@@ -234,7 +224,8 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
     else:
         report["allocator"] = config.as_dict()
         report["allocator"]["rules"] = _rules_checked()
-        refusal = _cuda_build_refusal(config.env_variable)
+        variable = config.env_variable
+        refusal = _cuda_build_refusal(variable, config.env.get(variable or "", ""))
         if refusal is not None:
             problems.append(refusal)
             report["allocator"]["cuda_build_refuses"] = refusal

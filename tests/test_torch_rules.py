@@ -322,3 +322,14 @@ def test_the_model_answers_every_generated_string_without_raising(
     outcome = rules.run(text)
     assert outcome.accepted == (outcome.error is None)
     assert not outcome.aborts or (start_up and device and not outcome.accepted)
+
+
+@pytest.mark.parametrize("version", [(2, 4), (2, 11), (2, 15)])
+def test_an_unknown_key_close_to_a_known_one_is_named_in_the_refusal(
+    version: tuple[int, int],
+) -> None:
+    error = TorchRules(version).run("expandable_segment:True").error
+    assert error is not None
+    assert "does not know the setting 'expandable_segment'" in error
+    assert error.endswith("(did you mean 'expandable_segments'?)")
+    assert "did you mean" not in (TorchRules(version).run("foo:1").error or "")

@@ -44,6 +44,7 @@ would have to be made, and checked against torch, twice.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import re
@@ -96,9 +97,10 @@ class _Refused(Exception):
 # whitespace, are not (torch refuses "True\x1f"); digits are ASCII only (stoull refuses
 # full-width or Arabic-Indic digits, which Python's int() and \d take).
 C_SPACE = " \t\n\v\f\r"
-_INT_PREFIX = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
+_SPACES = "[" + re.escape(C_SPACE) + "]"  # the regex class of C_SPACE
+_INT_PREFIX = re.compile(_SPACES + r"*([+-]?)([0-9]+)")
 _FLOAT_PREFIX = re.compile(
-    r"[ \t\n\v\f\r]*([+-]?)("
+    _SPACES + r"*([+-]?)("
     r"0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?[0-9]+)?"
     r"|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
     r"|[iI][nN][fF](?:[iI][nN][iI][tT][yY])?"
@@ -507,7 +509,7 @@ class _StrictParse:
             raw = t[i]
             key = ALIASES.get(raw, raw)
             if key not in r.generic_keys:
-                raise _Refused(f"{r.label} does not know the setting {raw!r}")
+                raise _Refused(f"{r.label} does not know the setting {raw!r}{_close_to(r, raw)}")
             start = i
             self._sep(i + 1, ":", raw)
             i += 2
@@ -564,7 +566,8 @@ class _TokenParse:
         self.tokens = _split(text, spaces_only=False)
         self.items: list[tuple[str, str]] = []
         self.notes: list[str] = []
-        if re.search(r"[^\s,:\[\]]\s+[^\s,:\[\]]", text):
+        word = r"[^,:\[\]" + re.escape(C_SPACE) + "]"
+        if re.search(f"{word}{_SPACES}+{word}", text):
             self.notes.append(
                 f"whitespace inside a value or name in {text!r} is dropped, not a separator "
                 f"(torch reads {''.join(self.tokens)!r})"
@@ -635,7 +638,9 @@ class _TokenParse:
             else:
                 if r.device and key not in r.keys:
                     where = "allocator config" if generic else "CUDA allocator config"
-                    raise _Refused(f"{r.label} does not know the setting {raw!r} ({where})")
+                    raise _Refused(
+                        f"{r.label} does not know the setting {raw!r} ({where}){_close_to(r, raw)}"
+                    )
                 i = self._skip_key(i)
             if generic:
                 self.items.append((key, "".join(t[start + 2 : i + 1])))
@@ -726,6 +731,12 @@ def _roundup_item(
             out[j] = divisions
     out[index] = divisions
     return False, index
+
+
+def _close_to(rules: TorchRules, raw: str) -> str:
+    """`` (did you mean 'x'?)`` for an unknown key close to one this torch knows, else ""."""
+    close = difflib.get_close_matches(raw, sorted(rules.keys | set(ALIASES)), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _split(text: str, *, spaces_only: bool) -> list[str]:

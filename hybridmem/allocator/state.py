@@ -123,11 +123,15 @@ def _torch_reads(outcome: Outcome) -> dict[str, str]:
     return reads
 
 
-def _misreads(outcome: Outcome) -> list[str]:
-    """Values in an env string that torch reads differently from how they look."""
+def _misreads(outcome: Outcome, reads: Mapping[str, str]) -> list[str]:
+    """Values in an env string that torch reads differently from how they look.
+
+    ``reads``: :func:`_torch_reads` of ``outcome``.
+    """
     found = list(outcome.notes)
-    for key, shown in _torch_reads(outcome).items():
-        value = dict(outcome.items)[key]
+    written = dict(outcome.items)
+    for key, shown in reads.items():
+        value = written[key]
         hint = " (write a plain whole number)" if key in _SIZE_KEYS else ""
         found.append(f"{key}:{value} is read as {shown}{hint}")
     return found
@@ -212,8 +216,8 @@ class SettingsEngine:
                     effective.pop(key, None)  # a later duplicate wins, as in torch
                     effective[key] = Setting(key, value, "env", name)
                     explicit[key] = name
-                notes = _misreads(outcome)
                 reads = _torch_reads(outcome)
+                notes = _misreads(outcome, reads)
         # State first, warnings last: under `-W error` a warning must not leave
         # half-parsed state behind.
         self._env_key = raw
