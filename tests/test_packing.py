@@ -109,11 +109,14 @@ def test_the_layout_in_one_small_case() -> None:
     assert packed.cu_seqlens.tolist() == [0, 3, 8]
     assert packed.max_seqlen == 8
     assert packed.lengths == [3, 5]
-    params = packed.seq_params()
+    params = packed.seq_params()  # verl's: the padded offsets in cu_seqlens_q/kv too
     assert params["qkv_format"] == "thd"
-    assert params["cu_seqlens_q"] is params["cu_seqlens_kv"] is packed.cu_seqlens
+    assert params["cu_seqlens_q"] is params["cu_seqlens_kv"] is packed.cu_seqlens_padded
     assert params["cu_seqlens_q_padded"] is packed.cu_seqlens_padded
     assert params["max_seqlen_q"] == params["max_seqlen_kv"] == 8
+    valid = packed.seq_params(cu_seqlens="valid")  # for backends with padding between
+    assert valid["cu_seqlens_q"] is valid["cu_seqlens_kv"] is packed.cu_seqlens
+    assert valid["cu_seqlens_kv_padded"] is packed.cu_seqlens_padded
     rank0 = pack(ids, mask, align=4, cp_size=2, cp_rank=0)
     rank1 = pack(ids, mask, align=4, cp_size=2, cp_rank=1)
     assert rank0.tensor.tolist() == [[1, 0, 8, 9, 0, 0]]  # chunks 0 and 3 of each sequence

@@ -9,13 +9,18 @@ itself, and a control shows that the mode catches a sync.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from hybridmem.packing import PackedBatch, pack, unpack
+from hybridmem.packing import verl as hm_verl
+from tests import verl_oracle
+from tests.verl_oracle import FakeMegatron
 
 pytestmark = pytest.mark.gpu
 
@@ -113,3 +118,76 @@ def test_a_backward_through_pack_and_unpack() -> None:
     assert x.grad is not None
     expected = torch.where(mask[:, :, None], weight.sum(1).expand_as(x), torch.zeros_like(x))
     torch.testing.assert_close(x.grad, expected)
+
+
+@pytest.fixture
+def stand_in_megatron(monkeypatch: pytest.MonkeyPatch) -> FakeMegatron:
+    """Megatron's parallel state stood in for (tp 8, no context parallelism)."""
+    fake = FakeMegatron()
+    fake.set(8, 1, 0)
+    for name, module in fake.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return fake
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_verl_pair_makes_no_sync_with_host_lengths(
+    fp8: bool, stand_in_megatron: FakeMegatron
+) -> None:
+    x, mask, lengths = batch()
+    with sync_errors():
+        out, params = hm_verl.preprocess_packed_seqs(x, mask, True, fp8, lengths=lengths.tolist())
+        back = hm_verl.postprocess_packed_seqs(out * 2, params, mask, *mask.shape)
+    assert torch.equal(back, torch.where(mask[:, :, None], x * 2, torch.zeros_like(x)))
+
+
+def test_the_verl_pair_makes_one_sync_from_the_mask(stand_in_megatron: FakeMegatron) -> None:
+    x, mask, _ = batch()
+    made: list[Any] = []
+    assert count_syncs(lambda: made.append(hm_verl.preprocess_packed_seqs(x, mask))) == 1
+    out, params = made[0]
+    assert count_syncs(lambda: hm_verl.postprocess_packed_seqs(out, params, mask, 16, 512)) == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_verl_pair_equals_verls_own_on_the_gpu(fp8: bool) -> None:
+    fake = FakeMegatron()
+    module = verl_oracle.load(fake)
+    if module is None:
+        pytest.skip(verl_oracle.missing_reason())
+    x, mask, _ = batch(rows=8, seq_len=1024, hidden=64)
+    mask = mask.bool()
+    saved = {name: sys.modules.get(name) for name in fake.modules()}
+    sys.modules.update(fake.modules())
+    try:
+        for cp in (1, 2):
+            outs = []
+            for rank in range(cp):
+                fake.set(2, cp, rank)
+                theirs, their_params = module.preprocess_packed_seqs(x, mask, True, fp8)
+                ours, our_params = hm_verl.preprocess_packed_seqs(x, mask, True, fp8)
+                assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+                for name in ("cu_seqlens_q", "cu_seqlens_kv_padded"):
+                    assert torch.equal(getattr(our_params, name), getattr(their_params, name))
+                assert our_params.max_seqlen_q == their_params.max_seqlen_q
+                outs.append((ours, our_params, their_params))
+            if cp == 1:
+                ours, our_params, their_params = outs[0]
+                want = module.postprocess_packed_seqs(ours, their_params, mask, 8, 1024)
+                got = hm_verl.postprocess_packed_seqs(ours, our_params, mask, 8, 1024)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+def test_a_plan_packs_again_and_unpacks_without_a_sync() -> None:
+    x, mask, lengths = batch()
+    packed = pack(x, mask, lengths=lengths.tolist(), align=8)
+    with sync_errors():
+        again = packed.pack(x * 3)
+        back = unpack(again, packed, seq_len=512)
+    assert torch.equal(back, torch.where(mask[:, :, None], x * 3, torch.zeros_like(x)))
