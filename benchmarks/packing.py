@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,6 +49,7 @@ import torch
 
 from hybridmem.packing import pack, unpack
 from hybridmem.packing import verl as hm_verl
+from hybridmem.packing._triton import enabled as triton_enabled
 from tests import verl_oracle
 
 PAYLOADS = {
@@ -265,7 +267,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         "the verl pair: zero syncs with host lengths, one from the mask",
     )
     for r in rows:
-        name = f"{r['payload']} batch {r['batch']}"
+        name = f"{r['path']}: {r['payload']} batch {r['batch']}"
         if r["batch"] == 256 and not r["payload"].startswith("hidden"):
             say(r["speedup"] >= 20, f"{name}: {r['speedup']:.1f}x the loop (>= 20x)")
         if r["payload"].startswith("hidden"):
@@ -291,7 +293,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=["triton", "torch"],
+        choices=["triton", "torch"],
+        help="hybridmem's paths to measure: Triton's kernels (where installed), torch's calls",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/packing.py needs a CUDA GPU", file=sys.stderr)
@@ -300,12 +309,19 @@ def main() -> int:
     torch.cuda.empty_cache()
     print(f"device copy rate: {rate / 1e9:.0f} GB/s (read + write), {torch.cuda.get_device_name()}")
     rows = []
-    for payload in PAYLOADS:
-        for batch in args.batches:
-            rows.append(case(batch, args.seq_len, payload, rate, args.repeat))
-            torch.cuda.empty_cache()  # the case's tensors are gone: hand their memory back
+    for path in args.paths:
+        os.environ["HYBRIDMEM_PACKING_TRITON"] = "1" if path == "triton" else "0"
+        if path == "triton" and not triton_enabled():
+            print("Triton is not installed: no triton path", file=sys.stderr)
+            continue
+        for payload in PAYLOADS:
+            for batch in args.batches:
+                row = case(batch, args.seq_len, payload, rate, args.repeat)
+                rows.append({"path": path, **row})
+                torch.cuda.empty_cache()  # the case's tensors are gone: hand their memory back
     head = (
-        f"{'payload':<16}{'batch':>6}{'loop ms':>9}{'syncs':>6}{'verl ms':>9}{'syncs':>6}"
+        f"{'path':<7}{'payload':<16}{'batch':>6}{'loop ms':>9}{'syncs':>6}"
+        f"{'verl ms':>9}{'syncs':>6}"
         f"{'hm ms':>8}{'syncs':>6}{'mask':>5}{'speedup':>8}"
         f"{'pack/fl':>8}{'again':>7}{'device':>7}{'unpk/fl':>8}{'again':>7}{'device':>7}"
     )
@@ -315,7 +331,7 @@ def main() -> int:
             f"{r['verl_ms']:>9.2f}{r['verl_syncs']:>6}" if "verl_ms" in r else f"{'-':>9}{'-':>6}"
         )
         print(
-            f"{r['payload']:<16}{r['batch']:>6}{r['loop_ms']:>9.2f}{r['loop_syncs']:>6}{verl_ms}"
+            f"{r['path']:<7}{r['payload']:<16}{r['batch']:>6}{r['loop_ms']:>9.2f}{r['loop_syncs']:>6}{verl_ms}"
             f"{r['hm_ms']:>8.2f}{r['syncs_host_lengths']:>6}{r['syncs_pack_from_mask']:>5}"
             f"{r['speedup']:>7.1f}x{r['pack_over_floor']:>7.2f}x{r['pack_again_over_floor']:>6.2f}x"
             f"{r['pack_device_over_floor']:>6.2f}x{r['unpack_over_floor']:>7.2f}x"

@@ -13,14 +13,22 @@ from hybridmem import _torch
 from hybridmem.packing import PackedBatch, pack, unpack
 
 
-def reference_pack(x: torch.Tensor, mask: torch.Tensor, align: int) -> torch.Tensor:
-    """The straightforward per-sample version: each row's valid tokens, zero-padded."""
+def reference_pack(
+    x: torch.Tensor, mask: torch.Tensor, align: int, total_align: int | None = None
+) -> torch.Tensor:
+    """The straightforward per-sample version: each row's valid tokens, zero-padded.
+
+    With ``total_align`` the last row takes the padding that makes the total a multiple.
+    """
     pieces = []
     for i in range(x.shape[0]):
         row = x[i][mask[i].bool()]
         size = -(-row.shape[0] // align) * align
         pad = torch.zeros((size - row.shape[0], *x.shape[2:]), dtype=x.dtype)
         pieces.append(torch.cat([row, pad]))
+    if total_align is not None:
+        extra = -sum(p.shape[0] for p in pieces) % total_align
+        pieces[-1] = torch.cat([pieces[-1], torch.zeros((extra, *x.shape[2:]), dtype=x.dtype)])
     return torch.cat(pieces).unsqueeze(0)
 
 
@@ -67,20 +75,32 @@ def batches(draw: Any) -> tuple[torch.Tensor, int, int, tuple[int, ...]]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(batches(), st.booleans())
+@given(batches(), st.booleans(), st.sampled_from([None, 1, 2, 5]))
 def test_unpack_of_pack_is_the_input_where_the_mask_is_one(
-    case: tuple[torch.Tensor, int, int, tuple[int, ...]], host_lengths: bool
+    case: tuple[torch.Tensor, int, int, tuple[int, ...]],
+    host_lengths: bool,
+    total_factor: int | None,
 ) -> None:
     mask, cp_size, align, rest = case
+    total_align = None if total_factor is None else align * total_factor
     batch, seq_len = mask.shape
     x = torch.randn(batch, seq_len, *rest, dtype=torch.float64) + 5  # never 0 by chance
     lengths = (mask != 0).sum(1).tolist() if host_lengths else None
     ranks = [
-        pack(x, mask, lengths=lengths, align=align, cp_size=cp_size, cp_rank=r)
+        pack(
+            x,
+            mask,
+            lengths=lengths,
+            align=align,
+            total_align=total_align,
+            cp_size=cp_size,
+            cp_rank=r,
+        )
         for r in range(cp_size)
     ]
-    full = reference_pack(x, mask, align)
+    full = reference_pack(x, mask, align, total_align)
     padded = [-(-n // align) * align for n in (mask != 0).sum(1).tolist()]
+    padded[-1] += full.shape[1] - sum(padded)  # the total's padding, on the last row
     for r, packed in enumerate(ranks):
         assert packed.tensor.shape == (1, full.shape[1] // cp_size, *rest)
         assert torch.equal(packed.tensor, reference_cp(full, padded, cp_size, r))

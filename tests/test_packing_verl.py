@@ -292,6 +292,8 @@ def test_keyword_layout_without_megatron(monkeypatch: pytest.MonkeyPatch) -> Non
     assert back.tolist() == [[10, 12, 14, 0]]
     with pytest.raises(ValueError, match=r"Megatron is not installed.*tp_size="):
         hm_verl.preprocess_packed_seqs(ids, mask)
+    with pytest.raises(ValueError, match="cp_size=2 this rank's cp_rank= must be given"):
+        hm_verl.preprocess_packed_seqs(ids, mask, tp_size=1, cp_size=2)
     with pytest.raises(ValueError, match="cp_rank must be in"):
         hm_verl.preprocess_packed_seqs(ids, mask, tp_size=1, cp_size=2, cp_rank=2)
     split, split_params = hm_verl.preprocess_packed_seqs(ids, mask, tp_size=1, cp_size=2, cp_rank=1)

@@ -11,14 +11,7 @@ Example:
     >>> packed = pack(input_ids, attention_mask, lengths=lengths, align=tp)
 """
 
-from hybridmem.packing.core import (
-    CuSeqlens,
-    PackedBatch,
-    PackPlan,
-    fp8_alignment,
-    pack,
-    plan,
-    unpack,
-)
+from hybridmem.packing._layout import fp8_alignment
+from hybridmem.packing.core import CuSeqlens, PackedBatch, PackPlan, pack, plan, unpack
 
 __all__ = ["CuSeqlens", "PackPlan", "PackedBatch", "fp8_alignment", "pack", "plan", "unpack"]

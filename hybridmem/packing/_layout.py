@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +19,7 @@ __all__ = [
     "check_input",
     "check_mask",
     "check_split",
+    "fp8_alignment",
     "host_lengths",
     "padded_given",
     "rank_layout",
@@ -185,3 +187,23 @@ def upload(
         moved = host.to(device, copy=True)
     split = 4 * len(words32)
     return moved[:split].view(torch.int32), moved[split:].view(torch.int64)
+
+
+def fp8_alignment(align: int) -> tuple[int, int]:
+    """The ``(align, total_align)`` pair of verl's ``use_fp8_padding`` for a base ``align``.
+
+    TransformerEngine's FP8 block quantisation wants each sequence padded to a
+    multiple of ``lcm(16, align)`` and the total to a multiple of ``align * 128``.
+
+    Args:
+        align: the alignment without FP8 (``tp``, or ``tp * cp_size * 2``).
+
+    Returns:
+        ``(lcm(16, align), align * 128)``, to pass as ``align=`` and ``total_align=``.
+
+    Example:
+        >>> fp8_alignment(2)
+        (16, 256)
+    """
+    base = int(check_number("align", align, integer=True, minimum=1))
+    return math.lcm(16, base), base * 128

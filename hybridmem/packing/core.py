@@ -1,38 +1,25 @@
 """Sequence packing (the THD layout) without device-to-host syncs.
 
-A padded batch ``[batch, seq_len, *rest]`` with an attention mask becomes one
-sequence of valid tokens ``[1, total, *rest]``: row ``i``'s valid tokens, in order,
-start at ``cu_seqlens_padded[i]``, each sequence padded with zeros to a multiple of
-``align`` and, with ``total_align``, the last one further so that the total is a
-multiple of it (TransformerEngine's FP8 block quantisation). With context parallelism
-each padded sequence is cut into ``2 * cp_size`` chunks and rank ``r`` holds chunks
-``r`` and ``2 * cp_size - 1 - r`` (the load-balanced causal split of Megatron and
-TransformerEngine). :func:`unpack` puts outputs back in the padded layout, zeros where
-the mask is 0.
+A padded batch ``[batch, seq_len, *rest]`` and its mask become one sequence of valid
+tokens ``[1, total, *rest]``: row ``i``'s tokens, in order, from ``cu_seqlens_padded[i]``,
+each sequence zero-padded to a multiple of ``align`` (with ``total_align``, the last one
+further, for FP8). With context parallelism each padded sequence is cut into
+``2 * cp_size`` chunks and rank ``r`` holds chunks ``r`` and ``2 * cp_size - 1 - r``.
+:func:`unpack` puts outputs back, zeros where the mask is 0. Any mask works.
 
-Why no syncs: every shape follows from the valid lengths. Given on the host
-(``lengths=``), they leave nothing to ask the device: the layout is planned on the
-host, its index vectors go to the device in one asynchronous copy from pinned memory,
-and the data moves in one gather (pack) or one scatter (unpack). Without them,
-:func:`pack` reads them from the mask (one sync). :func:`unpack` builds its own
-indices from what pack kept, on the device, at its first call (in a training step the
-device is then still busy with the model, so the host's time to queue them is hidden)
-and keeps them: a second output, or :meth:`PackPlan.pack` of another tensor of the
-batch, only moves data.
+No syncs: every shape follows from the valid lengths; given on the host (``lengths=``)
+they leave nothing to ask the device, read from the mask they cost one. The torch path
+uploads its layout in one copy and moves data in one gather (pack) or scatter (unpack);
+unpack builds its indices at its first call and keeps them. Where Triton is installed,
+CUDA tensors without gradients take one kernel each way (``_triton.py``).
 
 Why this module is long: the plan and both directions share one private state (a
 :class:`PackPlan`'s device indices, built lazily per rank and width); split, each half
-would reach into the other's. The host's planning and the word views live beside it
-(``_layout.py``, ``_words.py``).
+would reach into the other's. Host planning and word views live beside it.
 
-Any mask works (right-, left- or arbitrarily padded): the valid tokens of a row are
-packed in their order. This module uses torch only (no allocator, no IPC); gradients
-flow through both directions.
-
-Scope: the device of the input; thread-safe, except that a :class:`PackPlan`
-keeps the index vectors it built (about 50 bytes per token on the device), so share
-one between threads only under a lock. ``unpack`` with a ``group`` is a collective
-over that group.
+Scope: the input's device; thread-safe, except that a :class:`PackPlan` fills its
+index caches on first use (share one between threads only under a lock). ``unpack``
+with a ``group`` is a collective over that group.
 
 Example:
     >>> packed = pack(input_ids, attention_mask, lengths=lengths, align=8)  # doctest: +SKIP
@@ -61,9 +48,10 @@ from hybridmem.packing._layout import (
     starts,
     upload,
 )
+from hybridmem.packing._triton import pack_rows, token_ranks, unpack_rows, usable
 from hybridmem.packing._words import as_words, differentiable, word_dtype
 
-__all__ = ["CuSeqlens", "PackPlan", "PackedBatch", "fp8_alignment", "pack", "plan", "unpack"]
+__all__ = ["CuSeqlens", "PackPlan", "PackedBatch", "pack", "plan", "unpack"]
 
 #: What ``cu_seqlens_q/kv`` of :meth:`PackPlan.seq_params` hold.
 CuSeqlens = Literal["padded", "valid"]
@@ -112,9 +100,13 @@ class PackPlan:
     cp_rank: int
     batch: int
     seq_len: int
-    _valid: torch.Tensor = field(repr=False)  # flat input row of each valid token, then 0s
     _n_valid: int = field(repr=False)
+    _overshoot: int = field(repr=False)  # how far past the last token padding can index
     _keep: torch.Tensor = field(repr=False)  # [batch * seq_len] bool: the mask, flat
+    # made on first use: the flat input row of each valid token, then 0s (torch path);
+    # each position's valid tokens so far in its row (Triton path)
+    _valid: torch.Tensor | None = field(default=None, repr=False)
+    _token_ranks: torch.Tensor | None = field(default=None, repr=False)
     # device indices, kept so that pack again and unpack ask nothing of the device
     _ranks: dict[int, _RankIndex] = field(default_factory=dict, repr=False)
     _blanks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -188,9 +180,9 @@ class PackPlan:
                 f"values must be [batch, seq_len, *rest] = [{self.batch}, {self.seq_len}, ...] "
                 f"like the planned batch, got shape {tuple(values.shape)}"
             )
-        if values.device != self._valid.device:
-            raise ValueError(f"values is on {values.device} but the plan on {self._valid.device}")
-        return _gather(values, _rank(self, self.cp_rank))
+        if values.device != self._keep.device:
+            raise ValueError(f"values is on {values.device} but the plan on {self._keep.device}")
+        return _move(self, values)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -204,26 +196,6 @@ class PackedBatch(PackPlan):
     tensor: torch.Tensor
 
 
-def fp8_alignment(align: int) -> tuple[int, int]:
-    """The ``(align, total_align)`` pair of verl's ``use_fp8_padding`` for a base ``align``.
-
-    TransformerEngine's FP8 block quantisation wants each sequence padded to a
-    multiple of ``lcm(16, align)`` and the total to a multiple of ``align * 128``.
-
-    Args:
-        align: the alignment without FP8 (``tp``, or ``tp * cp_size * 2``).
-
-    Returns:
-        ``(lcm(16, align), align * 128)``, to pass as ``align=`` and ``total_align=``.
-
-    Example:
-        >>> fp8_alignment(2)
-        (16, 256)
-    """
-    base = int(check_number("align", align, integer=True, minimum=1))
-    return math.lcm(16, base), base * 128
-
-
 def _rank_index(plan: PackPlan, rank: int, table: torch.Tensor | None = None) -> _RankIndex:
     """Rank ``rank``'s indices; ``table`` is its host layout already on the device."""
     counts, offsets, pads = rank_layout(plan.lengths, plan.padded, plan.cp_size, rank)
@@ -231,14 +203,15 @@ def _rank_index(plan: PackPlan, rank: int, table: torch.Tensor | None = None) ->
     dump_at = plan.batch * plan.seq_len
     if table is None:
         layout = [*counts, *offsets, *pads, *range(dump_at, dump_at + n_pads)]
-        _, table = upload([], layout, plan._valid.device)
+        _, table = upload([], layout, plan._keep.device)
     n_local = plan.total // plan.cp_size
-    if plan._valid.numel():
+    valid = _valid_of(plan)
+    if valid.numel():
         slot = torch.repeat_interleave(
             table[n_runs : 2 * n_runs], table[:n_runs], output_size=n_local
         )
         slot += torch.arange(n_local, device=slot.device)
-        sources = plan._valid.index_select(0, slot)  # padding reads the 0s past the tokens
+        sources = valid.index_select(0, slot)  # padding reads the 0s past the tokens
     else:
         sources = torch.zeros(n_local, dtype=torch.int64, device=table.device)
     pad_at = 2 * n_runs
@@ -247,6 +220,38 @@ def _rank_index(plan: PackPlan, rank: int, table: torch.Tensor | None = None) ->
         pads=table[pad_at : pad_at + n_pads],
         dump=table[pad_at + n_pads : pad_at + 2 * n_pads],
     )
+
+
+def _valid_of(plan: PackPlan) -> torch.Tensor:
+    """The flat input row of each valid token, then 0s as far as padding can index (no sync)."""
+    if plan._valid is None:
+        plan._valid = _torch.nonzero_static(plan._keep, plan._n_valid + plan._overshoot)
+    return plan._valid
+
+
+def _ranks_of(plan: PackPlan) -> torch.Tensor:
+    """Each position's count of valid tokens so far in its row, ``[batch, seq_len]`` int32."""
+    if plan._token_ranks is None:
+        plan._token_ranks = token_ranks(plan._keep.view(plan.batch, plan.seq_len))
+    return plan._token_ranks
+
+
+def _move(plan: PackPlan, values: torch.Tensor) -> torch.Tensor:
+    """``values`` packed by ``plan`` for its own rank: ``[1, n_local, *rest]``."""
+    if usable(values):
+        moved = pack_rows(
+            values,
+            plan._keep.view(plan.batch, plan.seq_len),
+            _ranks_of(plan),
+            plan.cu_seqlens,
+            plan.cu_seqlens_padded,
+            plan.total // plan.cp_size,
+            plan._overshoot,
+            plan.cp_size,
+            plan.cp_rank,
+        )
+        return moved.unsqueeze(0)
+    return _gather(values, _rank(plan, plan.cp_rank))
 
 
 def _rank(plan: PackPlan, rank: int) -> _RankIndex:
@@ -316,14 +321,15 @@ def _build(
     # nonzero_static pads its answer with 0s that far, so no index needs a clamp.
     overshoot = max(p - n for p, n in zip(sizes, host))
     flat_keep = keep.reshape(-1)
-    valid = _torch.nonzero_static(flat_keep, n_valid + overshoot)
-    counts, offsets, pads = rank_layout(host, sizes, size, rank)
-    dump_at = batch * seq_len
-    cu, table = upload(
-        starts([*host, 0]) + starts([*sizes, 0]),
-        [*counts, *offsets, *pads, *range(dump_at, dump_at + len(pads))],
-        mask.device,
-    )
+    # The torch path's own-rank layout travels in the same upload as cu_seqlens; the
+    # Triton path needs none.
+    fast = values is not None and usable(values)
+    table_values: list[int] = []
+    if not fast:
+        counts, offsets, pads = rank_layout(host, sizes, size, rank)
+        dump_at = batch * seq_len
+        table_values = [*counts, *offsets, *pads, *range(dump_at, dump_at + len(pads))]
+    cu, table = upload(starts([*host, 0]) + starts([*sizes, 0]), table_values, mask.device)
     cu_seqlens, cu_seqlens_padded = cu[: 2 * (batch + 1)].view(2, -1)
     fields: dict[str, Any] = {
         "cu_seqlens_padded": cu_seqlens_padded,
@@ -337,14 +343,16 @@ def _build(
         "cp_rank": rank,
         "batch": batch,
         "seq_len": seq_len,
-        "_valid": valid,
         "_n_valid": n_valid,
+        "_overshoot": overshoot,
         "_keep": flat_keep,
     }
-    built = PackPlan(**fields) if values is None else PackedBatch(**fields, tensor=values)
-    index = built._ranks[rank] = _rank_index(built, rank, table)
-    if isinstance(built, PackedBatch):
-        built.tensor = _gather(built.tensor, index)
+    if values is None:
+        return PackPlan(**fields)
+    built = PackedBatch(**fields, tensor=values)
+    if not fast:
+        built._ranks[rank] = _rank_index(built, rank, table)
+    built.tensor = _move(built, values)
     return built
 
 
@@ -483,9 +491,9 @@ def _blank_rows(packed: PackPlan, seq_len: int) -> torch.Tensor:
         found = _torch.nonzero_static(~packed._keep, packed._keep.numel() - packed._n_valid)
         packed._blanks[seq_len] = found
     if found is None:
-        device = packed._valid.device
+        device = packed._keep.device
         hit = torch.zeros(packed.batch * seq_len, dtype=torch.bool, device=device)
-        flat = _widened(packed._valid[: packed._n_valid], packed.seq_len, seq_len)
+        flat = _widened(_valid_of(packed)[: packed._n_valid], packed.seq_len, seq_len)
         hit.index_fill_(0, flat, True)
         found = _torch.nonzero_static(~hit, packed.batch * seq_len - flat.numel())
         packed._blanks[seq_len] = found
@@ -551,6 +559,14 @@ def unpack(
             )
         if tuple(part.shape[2:]) != rest or part.dtype != first.dtype:
             raise ValueError("every rank's output must have the same trailing shape and dtype")
+    if packed.cp_size == 1 and usable(first):  # one kernel, zeros included
+        return unpack_rows(
+            first.reshape(n_local, *rest),
+            packed._keep.view(packed.batch, packed.seq_len),
+            _ranks_of(packed),
+            packed.cu_seqlens_padded,
+            width,
+        )
     rows = packed.batch * width
     targets = [_targets(packed, r, width) for r in range(packed.cp_size)]
     n_pads = max(_rank(packed, r).pads.numel() for r in range(packed.cp_size))

@@ -43,7 +43,8 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._checks import check_bool, check_number
-from hybridmem.packing.core import PackPlan, fp8_alignment, pack, plan, unpack
+from hybridmem.packing._layout import fp8_alignment
+from hybridmem.packing.core import PackPlan, pack, plan, unpack
 
 __all__ = ["PackedSeqParams", "postprocess_packed_seqs", "preprocess_packed_seqs"]
 
@@ -117,6 +118,11 @@ def _parallel(tp_size: object, cp_size: object, cp_rank: object, cp_group: objec
         raise ValueError(
             "Megatron is not installed, so the parallel layout must be given: pass tp_size= "
             "(and cp_size=, cp_rank=, cp_group= with context parallelism)"
+        )
+    elif "cp_rank" in missing and cp_size not in (None, 1):
+        raise ValueError(
+            f"Megatron is not installed, so with cp_size={cp_size} this rank's cp_rank= must "
+            "be given too"
         )
     else:  # no Megatron: no context parallelism unless it was given
         read = {name: 1 if name == "cp_size" else 0 for name in missing}

@@ -25,6 +25,13 @@ from tests.verl_oracle import FakeMegatron
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True, params=["triton", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both paths: Triton's kernels (where installed) and torch's calls."""
+    monkeypatch.setenv("HYBRIDMEM_PACKING_TRITON", "1" if request.param == "triton" else "0")
+    return str(request.param)
+
+
 @contextlib.contextmanager
 def sync_errors() -> Iterator[None]:
     """Every synchronising CUDA call in the block raises (the inputs are made before)."""
@@ -191,3 +198,27 @@ def test_a_plan_packs_again_and_unpacks_without_a_sync() -> None:
         again = packed.pack(x * 3)
         back = unpack(again, packed, seq_len=512)
     assert torch.equal(back, torch.where(mask[:, :, None], x * 3, torch.zeros_like(x)))
+
+
+@pytest.mark.parametrize(("cp", "total"), [(1, None), (1, 256), (2, None), (4, 512)])
+def test_the_two_paths_agree_bit_for_bit(path: str, cp: int, total: int | None) -> None:
+    if path == "torch":
+        pytest.skip("compares the paths: runs once")
+    x, mask, lengths = batch(rows=32, seq_len=1024, hidden=96)
+    host = lengths.tolist()
+    for rank in range(cp):
+        args: dict[str, Any] = {
+            "align": 8 * cp,
+            "total_align": total,
+            "cp_size": cp,
+            "cp_rank": rank,
+        }
+        fast = pack(x, mask, lengths=host, **args)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("HYBRIDMEM_PACKING_TRITON", "0")
+            slow = pack(x, mask, lengths=host, **args)
+            want = unpack(slow.tensor, slow, seq_len=1100) if cp == 1 else None
+        assert torch.equal(fast.tensor.view(torch.int16), slow.tensor.view(torch.int16))
+        if want is not None:
+            got = unpack(fast.tensor, fast, seq_len=1100)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
