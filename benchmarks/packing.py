@@ -212,9 +212,7 @@ def verl_figures(
     fake = verl_oracle.FakeMegatron()
     fake.set(align, 1, 0)  # tp = align: verl pads each sequence to a multiple of tp
     batch = mask.shape[0]
-    saved = {name: sys.modules.get(name) for name in fake.modules()}
-    sys.modules.update(fake.modules())
-    try:
+    with verl_oracle.installed(fake.modules()):
 
         def hm_round(host: bool) -> torch.Tensor:
             out, params = hm_verl.preprocess_packed_seqs(x, mask, lengths=lengths if host else None)
@@ -239,12 +237,6 @@ def verl_figures(
             found["verl_syncs"] = syncs(verl_round)
             found["verl_ms"] = timed(verl_round, repeat) * 1e3
         return found
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:

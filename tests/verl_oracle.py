@@ -13,12 +13,14 @@ a skip, so the equivalence tests cannot pass by not running.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import sys
 import types
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,16 +120,23 @@ def load(fake: FakeMegatron) -> types.ModuleType | None:
     if found is None:
         return None
     text, origin = found
-    saved = {name: sys.modules.get(name) for name in [*fake.modules(), *_verl_stubs()]}
-    sys.modules.update({**fake.modules(), **_verl_stubs()})
-    try:
+    with installed({**fake.modules(), **_verl_stubs()}):
         module = types.ModuleType("verl_mcore_util_oracle")
         module.__file__ = origin
         exec(compile(text, origin, "exec"), module.__dict__)  # verl's code, the user's copy
+    return module
+
+
+@contextlib.contextmanager
+def installed(modules: dict[str, types.ModuleType]) -> Iterator[None]:
+    """``modules`` in ``sys.modules`` for the block (``fake.modules()``: an installed Megatron)."""
+    saved = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
     finally:
         for name, old in saved.items():
             if old is None:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = old
-    return module

@@ -164,9 +164,7 @@ def test_the_verl_pair_equals_verls_own_on_the_gpu(fp8: bool) -> None:
         pytest.skip(verl_oracle.missing_reason())
     x, mask, _ = batch(rows=8, seq_len=1024, hidden=64)
     mask = mask.bool()
-    saved = {name: sys.modules.get(name) for name in fake.modules()}
-    sys.modules.update(fake.modules())
-    try:
+    with verl_oracle.installed(fake.modules()):
         for cp in (1, 2):
             outs = []
             for rank in range(cp):
@@ -183,12 +181,6 @@ def test_the_verl_pair_equals_verls_own_on_the_gpu(fp8: bool) -> None:
                 want = module.postprocess_packed_seqs(ours, their_params, mask, 8, 1024)
                 got = hm_verl.postprocess_packed_seqs(ours, our_params, mask, 8, 1024)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
 
 
 def test_a_plan_packs_again_and_unpacks_without_a_sync() -> None:
