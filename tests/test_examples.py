@@ -71,3 +71,10 @@ def test_the_cards_example_runs_with_the_cards_names() -> None:
         assert f"[{backend}] after rollout: expandable=False, scopes ()" in result.stdout
     assert result.stdout.count("training: expandable=True") == 2
     assert result.stdout.count("engine output equals the trainer's: True") == 2
+
+
+def test_verl_packing_example_runs() -> None:
+    result = run_python(str(REPO / "examples" / "verl_packing.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cu_seqlens_q [0, 48, 64, 256]" in result.stdout
+    assert "postprocessed output equals the padded computation" in result.stdout

@@ -42,3 +42,13 @@ def test_the_switch_turns_the_kernels_off() -> None:
         env={"TRITON_INTERPRET": "1", "HYBRIDMEM_PACKING_TRITON": "0"},
     )
     assert done.stdout.split() == ["False", "False"], done.stderr
+
+
+def test_batches_past_the_grid_limit_take_the_torch_path() -> None:
+    done = run_python(
+        "-c",
+        "from hybridmem.packing._triton import MAX_BATCH, usable; import torch; "
+        "print(usable(torch.zeros(MAX_BATCH, 1)), usable(torch.zeros(MAX_BATCH + 1, 1)))",
+        env={"TRITON_INTERPRET": "1"},
+    )
+    assert done.stdout.split() == ["True", "False"], done.stderr

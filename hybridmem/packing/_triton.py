@@ -26,7 +26,7 @@ import os
 
 import torch
 
-__all__ = ["enabled", "pack_rows", "unpack_rows", "usable"]
+__all__ = ["MAX_BATCH", "enabled", "pack_rows", "token_ranks", "unpack_rows", "usable"]
 
 try:  # optional: Triton ships with torch's CUDA builds on Linux, not with CPU builds
     import triton
@@ -45,14 +45,24 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+#: A grid's second dimension (one program row per batch row) stops at 65535.
+MAX_BATCH = 65535
+
+
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels can move these tensors (CUDA, or CPU under Triton's interpreter)."""
+    """Whether the kernels can move these ``[batch, ...]`` tensors.
+
+    CUDA tensors without gradients (CPU ones under Triton's interpreter), and at most
+    :data:`MAX_BATCH` rows.
+    """
     if not enabled():
         return False
     for t in tensors:
         if t.requires_grad and torch.is_grad_enabled():
             return False
         if t.device.type != "cuda" and not (_interpreted() and t.device.type == "cpu"):
+            return False
+        if t.dim() and t.shape[0] > MAX_BATCH:
             return False
     return True
 

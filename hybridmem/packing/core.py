@@ -48,7 +48,7 @@ from hybridmem.packing._layout import (
     starts,
     upload,
 )
-from hybridmem.packing._triton import pack_rows, token_ranks, unpack_rows, usable
+from hybridmem.packing._triton import MAX_BATCH, pack_rows, token_ranks, unpack_rows, usable
 from hybridmem.packing._words import as_words, differentiable, word_dtype
 
 __all__ = ["CuSeqlens", "PackPlan", "PackedBatch", "pack", "plan", "unpack"]
@@ -559,7 +559,7 @@ def unpack(
             )
         if tuple(part.shape[2:]) != rest or part.dtype != first.dtype:
             raise ValueError("every rank's output must have the same trailing shape and dtype")
-    if packed.cp_size == 1 and usable(first):  # one kernel, zeros included
+    if packed.cp_size == 1 and usable(first) and packed.batch <= MAX_BATCH:  # one kernel
         return unpack_rows(
             first.reshape(n_local, *rest),
             packed._keep.view(packed.batch, packed.seq_len),
