@@ -315,6 +315,13 @@ def test_a_megatron_without_parallel_state_says_how_to_fix_it(
         hm_verl.preprocess_packed_seqs(torch.zeros(1, 4), mask)
     out, _ = hm_verl.preprocess_packed_seqs(torch.zeros(1, 4), mask, tp_size=4)  # given: not read
     assert out.shape == (1, 4)
+    # no context-parallel group to be had: packing works, post-processing names the fix
+    monkeypatch.setattr(megatron.mpu, "get_context_parallel_group", not_ready)
+    split, params = hm_verl.preprocess_packed_seqs(
+        torch.zeros(1, 4), mask, tp_size=1, cp_size=2, cp_rank=0
+    )
+    with pytest.raises(ValueError, match="pass cp_group="):
+        hm_verl.postprocess_packed_seqs(split, params, mask, 1, 4)
 
 
 def test_post_refuses_a_mask_or_size_that_is_not_the_packed_one() -> None:

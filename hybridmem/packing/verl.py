@@ -134,7 +134,10 @@ def _parallel(tp_size: object, cp_size: object, cp_rank: object, cp_group: objec
         raise ValueError(f"cp_rank must be in [0, cp_size) = [0, {cp}), got {rank}")
     group = cp_group
     if group is None and cp > 1 and mpu is not None:
-        group = mpu.get_context_parallel_group()
+        try:  # only post-processing needs it, and says so when it is missing
+            group = mpu.get_context_parallel_group()
+        except (AssertionError, RuntimeError, AttributeError):
+            group = None
     return _Parallel(tp, cp, rank, group)
 
 
@@ -278,8 +281,8 @@ def postprocess_packed_seqs(
     )
     if group is None:
         raise ValueError(
-            f"this batch is split over cp_size={made.cp_size} ranks: pass cp_group= (Megatron "
-            "is not installed to name it)"
+            f"this batch is split over cp_size={made.cp_size} ranks: pass cp_group= (no "
+            "Megatron parallel state names the context-parallel group here)"
         )
     parts = _torch.dist_all_gather_tensors(output.detach(), group)
     parts[made.cp_rank] = output  # as verl: only this rank's part carries a gradient
