@@ -67,6 +67,10 @@ def main(out_dir: Path, wheel: str) -> None:
             found["verl"] = bool(torch.equal(ours, theirs))
             found["verl_grad"] = bool(torch.equal(our_grad, their_grad))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(found))
+    # every rank leaves its last collective before any tears its connections down: a
+    # rank that destroyed the group while its peer was still finishing a gather aborted
+    # the peer ("terminate called without an active exception", seen once in CI)
+    dist.barrier()
     dist.destroy_process_group()
 
 
