@@ -33,6 +33,7 @@ Run: ``python benchmarks/packing.py [--json FILE]`` (a CUDA GPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -205,11 +206,18 @@ def case(batch: int, seq_len: int, payload: str, rate: float, repeat: int) -> di
     return row
 
 
+@functools.cache
+def stand_ins() -> tuple[verl_oracle.FakeMegatron, Any]:
+    """Megatron's stand-in and verl's util module (None without its wheel), read once."""
+    fake = verl_oracle.FakeMegatron()
+    return fake, verl_oracle.load(fake)
+
+
 def verl_figures(
     x: torch.Tensor, mask: torch.Tensor, lengths: list[int], seq_len: int, align: int, repeat: int
 ) -> dict[str, Any]:
     """verl's pair (where its wheel is named) and hybridmem's verl pair: syncs and times."""
-    fake = verl_oracle.FakeMegatron()
+    fake, module = stand_ins()
     fake.set(align, 1, 0)  # tp = align: verl pads each sequence to a multiple of tp
     batch = mask.shape[0]
     with verl_oracle.installed(fake.modules()):
@@ -223,7 +231,6 @@ def verl_figures(
             "hm_verl_syncs_from_mask": syncs(lambda: hm_round(False)),
             "hm_verl_ms": timed(lambda: hm_round(False), repeat) * 1e3,
         }
-        module = verl_oracle.load(fake)
         if module is not None:
 
             def verl_round() -> torch.Tensor:

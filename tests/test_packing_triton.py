@@ -38,7 +38,7 @@ def test_the_switch_turns_the_kernels_off() -> None:
     done = run_python(
         "-c",
         "from hybridmem.packing._triton import enabled, usable; import torch; "
-        "print(enabled(), usable(torch.zeros(1)))",
+        "print(enabled(), usable(torch.zeros(1), 1))",
         env={"TRITON_INTERPRET": "1", "HYBRIDMEM_PACKING_TRITON": "0"},
     )
     assert done.stdout.split() == ["False", "False"], done.stderr
@@ -48,7 +48,7 @@ def test_batches_past_the_grid_limit_take_the_torch_path() -> None:
     done = run_python(
         "-c",
         "from hybridmem.packing._triton import MAX_BATCH, usable; import torch; "
-        "print(usable(torch.zeros(MAX_BATCH, 1)), usable(torch.zeros(MAX_BATCH + 1, 1)))",
+        "print(usable(torch.zeros(1), MAX_BATCH), usable(torch.zeros(1), MAX_BATCH + 1))",
         env={"TRITON_INTERPRET": "1"},
     )
     assert done.stdout.split() == ["True", "False"], done.stderr

@@ -58,7 +58,7 @@ def main(seed: int, count: int) -> None:
                 "cp_rank": rank,
             }
             with_path(True)
-            fast += usable(x)
+            fast += usable(x, batch)
             a = pack(x, mask, lengths=lengths, **args)
             again = a.pack(x)
             later = plan(mask, lengths=lengths, **args).pack(x)

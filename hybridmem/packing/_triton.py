@@ -21,10 +21,11 @@ Scope: the input's device; thread-safe (kernels are compiled once per process).
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
+
+from hybridmem.packing._words import INTEGER_WORDS, as_words, differentiable
 
 __all__ = ["MAX_BATCH", "enabled", "pack_rows", "token_ranks", "unpack_rows", "usable"]
 
@@ -49,35 +50,14 @@ def _interpreted() -> bool:
 MAX_BATCH = 65535
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels can move these ``[batch, ...]`` tensors.
+def usable(values: torch.Tensor, batch: int) -> bool:
+    """Whether the kernels can move ``values`` of a batch of ``batch`` rows.
 
     CUDA tensors without gradients (CPU ones under Triton's interpreter), and at most
     :data:`MAX_BATCH` rows.
     """
-    if not enabled():
-        return False
-    for t in tensors:
-        if t.requires_grad and torch.is_grad_enabled():
-            return False
-        if t.device.type != "cuda" and not (_interpreted() and t.device.type == "cpu"):
-            return False
-        if t.dim() and t.shape[0] > MAX_BATCH:
-            return False
-    return True
-
-
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def _words(rows: torch.Tensor, n: int, rest: tuple[int, ...]) -> torch.Tensor:
-    """``rows`` (``n`` rows of shape ``rest``) as ``[n, w]`` integer words that tile a row."""
-    row_bytes = math.prod(rest) * rows.element_size()
-    flat = rows.contiguous().view(torch.uint8).reshape(n, row_bytes)
-    for dtype in _WORDS:
-        if row_bytes % dtype.itemsize == 0 and flat.data_ptr() % dtype.itemsize == 0:
-            return flat.view(dtype)
-    return flat  # pragma: no cover - uint8 always tiles
+    on_device = values.device.type == "cuda" or (_interpreted() and values.device.type == "cpu")
+    return enabled() and on_device and not differentiable(values) and batch <= MAX_BATCH
 
 
 def _blocks(width: int) -> tuple[int, int]:
@@ -198,7 +178,7 @@ def pack_rows(
     """
     batch, seq_len = keep.shape
     rest = tuple(values.shape[2:])
-    words = _words(values, batch * seq_len, rest)
+    words = as_words(values.reshape(batch * seq_len, *rest), INTEGER_WORDS)
     out = torch.empty((n_local, words.shape[1]), dtype=words.dtype, device=words.device)
     width = words.shape[1]
     block_c, block_w = _blocks(width)
@@ -233,7 +213,7 @@ def unpack_rows(
     """``packed`` ``[n, *rest]`` (no context parallelism) back to ``[batch, out_len, *rest]``."""
     batch, seq_len = keep.shape
     rest = tuple(packed.shape[1:])
-    words = _words(packed, packed.shape[0], rest)
+    words = as_words(packed, INTEGER_WORDS)
     width = words.shape[1]
     out = torch.empty((batch * out_len, width), dtype=words.dtype, device=words.device)
     block_c, block_w = _blocks(width)

@@ -10,12 +10,18 @@ import math
 
 import torch
 
-__all__ = ["as_words", "differentiable", "word_dtype"]
+__all__ = ["INTEGER_WORDS", "TORCH_WORDS", "as_words", "differentiable", "word_dtype"]
+
+
+#: The words the torch path moves rows in, widest first (``index_*`` take complex128).
+TORCH_WORDS = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+#: The words a Triton kernel moves rows in (Triton has no complex dtype).
+INTEGER_WORDS = TORCH_WORDS[1:]
 
 
 @functools.lru_cache(maxsize=64)
-def word_dtype(row_bytes: int) -> torch.dtype:
-    """The widest integer (or complex128) that tiles a row of ``row_bytes``.
+def word_dtype(row_bytes: int, words: tuple[torch.dtype, ...] = TORCH_WORDS) -> torch.dtype:
+    """The widest of ``words`` that tiles a row of ``row_bytes``.
 
     Moving a bf16 row as 16-byte words instead of 2-byte elements is what makes
     ``index_copy_``, ``index_select`` and ``index_fill_`` run at the copy rate
@@ -24,18 +30,18 @@ def word_dtype(row_bytes: int) -> torch.dtype:
     0.9 ms). The bits move unchanged (no arithmetic touches them), so any dtype works;
     an all-zero word is zero in every dtype.
     """
-    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16):
-        if row_bytes % dtype.itemsize == 0:
-            return dtype
-    return torch.uint8
+    return next(w for w in words if row_bytes % w.itemsize == 0)  # uint8 always tiles
 
 
-def as_words(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` ([n, *rest]) as [n, k] of the widest word that tiles a row."""
+def as_words(rows: torch.Tensor, words: tuple[torch.dtype, ...] = TORCH_WORDS) -> torch.Tensor:
+    """``rows`` ([n, *rest]) as [n, k] of the widest of ``words`` that tiles a row.
+
+    A view at an odd address takes the widest word its address allows.
+    """
     flat = rows.reshape(rows.shape[0], math.prod(rows.shape[1:])).contiguous()
-    word = word_dtype(flat.shape[1] * flat.element_size())
-    if flat.data_ptr() % word.itemsize:  # a view at an odd offset: bytes are always safe
-        word = torch.uint8
+    row_bytes = flat.shape[1] * flat.element_size()
+    address = flat.data_ptr()
+    word = next(w for w in words if row_bytes % w.itemsize == 0 and address % w.itemsize == 0)
     return flat.view(torch.uint8).view(word)
 
 

@@ -48,7 +48,7 @@ from hybridmem.packing._layout import (
     starts,
     upload,
 )
-from hybridmem.packing._triton import MAX_BATCH, pack_rows, token_ranks, unpack_rows, usable
+from hybridmem.packing._triton import pack_rows, token_ranks, unpack_rows, usable
 from hybridmem.packing._words import as_words, differentiable, word_dtype
 
 __all__ = ["CuSeqlens", "PackPlan", "PackedBatch", "pack", "plan", "unpack"]
@@ -238,7 +238,7 @@ def _ranks_of(plan: PackPlan) -> torch.Tensor:
 
 def _move(plan: PackPlan, values: torch.Tensor) -> torch.Tensor:
     """``values`` packed by ``plan`` for its own rank: ``[1, n_local, *rest]``."""
-    if usable(values):
+    if usable(values, plan.batch):
         moved = pack_rows(
             values,
             plan._keep.view(plan.batch, plan.seq_len),
@@ -323,7 +323,7 @@ def _build(
     flat_keep = keep.reshape(-1)
     # The torch path's own-rank layout travels in the same upload as cu_seqlens; the
     # Triton path needs none.
-    fast = values is not None and usable(values)
+    fast = values is not None and usable(values, batch)
     table_values: list[int] = []
     if not fast:
         counts, offsets, pads = rank_layout(host, sizes, size, rank)
@@ -559,7 +559,7 @@ def unpack(
             )
         if tuple(part.shape[2:]) != rest or part.dtype != first.dtype:
             raise ValueError("every rank's output must have the same trailing shape and dtype")
-    if packed.cp_size == 1 and usable(first) and packed.batch <= MAX_BATCH:  # one kernel
+    if packed.cp_size == 1 and usable(first, packed.batch):  # one kernel
         return unpack_rows(
             first.reshape(n_local, *rest),
             packed._keep.view(packed.batch, packed.seq_len),

@@ -34,7 +34,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -318,24 +317,15 @@ def _replan(
     )
 
 
-# Params whose class refuses a new attribute (a slotted one) find their plan here.
-_BY_ID: dict[int, PackPlan] = {}
-
-
 def _attach(params: Any, made: PackPlan) -> None:
     try:
         setattr(params, _PLAN_ATTRIBUTE, made)
-    except AttributeError:
-        try:
-            weakref.finalize(params, _BY_ID.pop, id(params), None)
-        except TypeError:  # no attribute, no weak reference: postprocessing replans
-            _log.info("postprocess_packed_seqs will replan: %s takes no plan", type(params))
-            return
-        _BY_ID[id(params)] = made
+    except AttributeError:  # a class that takes no new attribute: postprocessing replans
+        _log.info("postprocess_packed_seqs will replan: %s takes no plan", type(params))
 
 
 def _attached(params: Any) -> PackPlan | None:
-    made = getattr(params, _PLAN_ATTRIBUTE, None) or _BY_ID.get(id(params))
+    made = getattr(params, _PLAN_ATTRIBUTE, None)
     if not isinstance(made, PackPlan):
         return None
     # params edited after preprocessing (new offsets) describe another layout
