@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hybridmem.ipc",),
     ("hybridmem.engine",),
     ("hybridmem",),  # the public face
+    ("hybridmem.integrations",),  # engines' own APIs (vLLM's backend): never imported by the face
     ("hybridmem.bench",),
     ("hybridmem.cli",),
 )

@@ -16,6 +16,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -289,10 +290,14 @@ def test_bad_tensors_are_refused_before_sending(
     assert sent == []
 
 
-def test_cpu_tensor_is_refused() -> None:
-    # Without the seam stand-in, a CPU tensor is what it is: not a device tensor.
-    with hm.WeightBucket(4096) as bucket, pytest.raises(ValueError, match="is on cpu"):
-        bucket.send({"w": torch.ones(2)}, mp.Pipe()[0])
+def test_without_cuda_cpu_tensors_ship_and_others_are_refused() -> None:
+    # Without CUDA the bucket is host memory on the CPU: CPU tensors are what it ships
+    # (vLLM on CPU); a tensor on any other device is refused before anything is sent.
+    with hm.WeightBucket(4096) as bucket:
+        assert bucket.device == torch.device("cpu")
+        assert [name for name, _ in bucket.check({"w": torch.ones(2)})] == ["w"]
+        with pytest.raises(ValueError, match="is on meta"):
+            bucket.send({"w": torch.ones(2, device="meta")}, mp.Pipe()[0])
 
 
 def test_closed_bucket_refuses(cpu_as_device: list[int]) -> None:
@@ -697,3 +702,43 @@ def test_a_bucket_dropped_without_close_leaks_no_shared_memory() -> None:
     assert dropped["left"] == []  # unlinked when the bucket was collected
     assert not any(os.path.exists(f"/dev/shm/{name}") for name in kept)  # and at exit
     assert "leaked shared_memory" not in result.stderr
+
+
+def test_unlink_shared_names_removes_them_once_and_the_memory_stays_mapped() -> None:
+    with hm.WeightBucket(4096, buffers=2) as bucket:
+        names = [str(n) for n in bucket.handle.exports]
+        receiver = hm.BucketReceiver(bucket.handle)
+        assert bucket.unlink_shared_names() == 2
+        assert not any(Path("/dev/shm", n).exists() for n in names)
+        assert bucket.unlink_shared_names() == 0  # gone already: nothing to do
+        parent, child = mp.Pipe()
+        sent = {"w": torch.arange(6.0)}
+        worker = threading.Thread(target=lambda: bucket.send(sent, parent))
+        worker.start()
+        got = dict(receiver.receive(child))
+        worker.join(30)
+        assert torch.equal(got["w"], sent["w"])  # both sides still map the buffers
+        receiver.close()
+
+
+# A receiver attaching on Python < 3.13 unregisters the name from the resource tracker it
+# shares with its producer (a spawned child, one process); the producer's unlink then made
+# the tracker print a KeyError traceback on stderr.
+_TRACKER = """
+import sys
+from multiprocessing import shared_memory
+from hybridmem._platform.stdlib import attach_shared_memory, unlink_shared_memory
+own = shared_memory.SharedMemory(create=True, size=4096)
+other = attach_shared_memory(own.name)  # as a receiver sharing the tracker does
+other.close()
+assert unlink_shared_memory(own) is True
+assert unlink_shared_memory(own) is False  # gone: nothing to do, nothing printed
+own.close()
+"""
+
+
+def test_unlinking_after_a_receiver_untracked_the_name_prints_nothing() -> None:
+    result = run_python("-c", _TRACKER)
+    assert result.returncode == 0, result.stderr
+    assert "KeyError" not in result.stderr
+    assert "leaked" not in result.stderr

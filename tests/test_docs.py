@@ -5,7 +5,9 @@ process-global), in a scratch directory, on the names :mod:`tests.docs_prelude`
 builds for what docs leave to the reader (a model, an engine, prompts). A block
 marked ``<!-- docs: gpu -->`` on the line before its fence needs a GPU (or a second
 process): here it is compiled and its imports run, but for those of an optional package
-it names (``<!-- docs: gpu needs=torch_memory_saver -->``) that is not installed. A
+it names (``<!-- docs: gpu needs=torch_memory_saver -->``; a module of ours that imports
+one, such as ``hybridmem.integrations.vllm.backend``, may be named too) that is not
+installed. A
 block that fails names its file and line.
 """
 
@@ -24,7 +26,7 @@ import pytest
 
 from tests.helpers import REPO, clean_env
 
-GPU_MARK = re.compile(r"<!-- docs: gpu(?: needs=([\w,]+))? -->")
+GPU_MARK = re.compile(r"<!-- docs: gpu(?: needs=([\w.,]+))? -->")
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
@@ -69,8 +71,10 @@ for block in blocks:
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [
                     node.module
                 ]
-                optional = [n for n in names if n.split(".")[0] in block["needs"]]
-                return not optional or all(importlib.util.find_spec(n) for n in optional)
+                needs = block["needs"]  # a package, or a module of ours that imports one
+                optional = [n for n in names if n.split(".")[0] in needs or n in needs]
+                packages = [p for p in needs if "." not in p]
+                return not optional or all(importlib.util.find_spec(p) for p in packages)
             imports = (ast.Import, ast.ImportFrom)
             tree = ast.Module([n for n in tree.body if isinstance(n, imports) and runs(n)], [])
         exec(compile(tree, where, "exec"), names)

@@ -382,10 +382,36 @@ def test_vllm_adapter() -> None:
     adapter.sleep()
     adapter.wake_up(["weights"])
     assert log == ["wake", "sleep:2", "wake"]
-    with pytest.raises(ValueError, match="level must be 1 or 2"):
+    with pytest.raises(ValueError, match="level must be 0, 1 or 2"):
         hm.VLLMEngine(Old(), level=3)
     with pytest.raises(ValueError, match="tags must be a non-empty subset"):
         adapter.wake_up(["everything"])
+    with pytest.raises(TypeError, match="not the string 'weights'"):
+        adapter.wake_up("weights")
+
+
+def test_vllm_adapter_level_0_pauses_scheduling_only() -> None:
+    """Level 0 moves no memory: the weights stage does nothing, the last one resumes."""
+    log: list[object] = []
+
+    class Paused:
+        def sleep(self, level: int = 1) -> None:
+            log.append(("sleep", level))
+
+        def wake_up(self, tags: list[str] | None = None) -> bool:
+            log.append(("wake", tags))
+            return True
+
+    adapter = hm.VLLMEngine(Paused(), level=0)
+    adapter.sleep()
+    assert adapter.wake_up(["weights"]) is None
+    adapter.wake_up(["kv_cache"])
+    adapter.wake_up(["scheduling"])
+    assert log == [("sleep", 0), ("wake", ["scheduling"]), ("wake", ["scheduling"])]
+    # Levels 1 and 2 pass vLLM's tags through, "scheduling" included.
+    staged = hm.VLLMEngine(Paused(), level=1)
+    staged.wake_up(["scheduling"])
+    assert log[-1] == ("wake", ["scheduling"])
 
 
 def test_sglang_adapter_without_tags() -> None:

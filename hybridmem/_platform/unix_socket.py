@@ -6,7 +6,9 @@ seccomp profiles deny it). The sockets live in Linux's abstract namespace: no fi
 to clean up, nothing left behind by a crash; anyone in the same network namespace
 could connect, so the listener checks the peer's uid with ``SO_PEERCRED`` and
 each export carries a one-time token (see :mod:`hybridmem.ipc.fd_server`).
-``SOCK_SEQPACKET`` keeps message boundaries, so a message and its fds arrive whole.
+``SOCK_SEQPACKET`` keeps message boundaries, so a message and its fds arrive whole;
+``stream=True`` sockets carry a :func:`message_channel` (pickled messages of any
+size, as a ``Pipe`` end does).
 
 Stdlib only. Scope: the sockets are the caller's; nothing here is shared.
 """
@@ -18,6 +20,7 @@ import os
 import secrets
 import socket
 import struct
+from multiprocessing.connection import Connection
 
 __all__ = [
     "PREFIX",
@@ -25,6 +28,7 @@ __all__ = [
     "close_fds",
     "connect",
     "listen",
+    "message_channel",
     "new_address",
     "peer_credentials",
     "receive_with_fds",
@@ -37,18 +41,22 @@ _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 Credentials = tuple[int, int, int]
 
 
-def new_address() -> bytes:
+def new_address(prefix: bytes = PREFIX) -> bytes:
     """Return a fresh, unguessable abstract-namespace address (128 random bits)."""
-    return b"\0" + PREFIX + secrets.token_hex(16).encode()
+    return b"\0" + prefix + secrets.token_hex(16).encode()
 
 
-def listen(address: bytes, backlog: int = 16) -> socket.socket:
-    """Bind a non-blocking ``SOCK_SEQPACKET`` listener at ``address``.
+def _kind(stream: bool) -> int:
+    return (socket.SOCK_STREAM if stream else socket.SOCK_SEQPACKET) | socket.SOCK_CLOEXEC
+
+
+def listen(address: bytes, backlog: int = 16, *, stream: bool = False) -> socket.socket:
+    """Bind a non-blocking listener at ``address`` (``SOCK_SEQPACKET``, or ``SOCK_STREAM``).
 
     Raises:
         OSError: the address is taken (EADDRINUSE) or sockets are not allowed.
     """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock = socket.socket(socket.AF_UNIX, _kind(stream))
     try:
         sock.bind(address)
         sock.listen(backlog)
@@ -59,14 +67,14 @@ def listen(address: bytes, backlog: int = 16) -> socket.socket:
     return sock
 
 
-def connect(address: bytes, timeout: float | None) -> socket.socket:
+def connect(address: bytes, timeout: float | None, *, stream: bool = False) -> socket.socket:
     """Connect to ``address``; every later call on the socket has ``timeout`` seconds.
 
     Raises:
         ConnectionRefusedError, FileNotFoundError: nobody listens there.
         TimeoutError: no answer within ``timeout``.
     """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock = socket.socket(socket.AF_UNIX, _kind(stream))
     sock.settimeout(timeout)
     try:
         sock.connect(address)
@@ -74,6 +82,20 @@ def connect(address: bytes, timeout: float | None) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def message_channel(sock: socket.socket) -> Connection:
+    """Turn a connected ``stream=True`` socket into a ``Pipe``-like end (it takes the fd).
+
+    ``multiprocessing.connection.Connection`` is the class behind ``Pipe()`` (stable
+    since Python 3.3; its constructor, taking an fd, is not in the module's
+    ``__all__``): ``send``/``recv`` of pickled messages of any size, ``send_bytes``/
+    ``recv_bytes`` of raw ones, and ``poll(timeout)``, which bounded waits need.
+    The socket is put back in blocking mode first: the channel's reads and writes
+    block, and waits are bounded by ``poll``.
+    """
+    sock.settimeout(None)
+    return Connection(sock.detach())
 
 
 def peer_credentials(sock: socket.socket) -> Credentials:

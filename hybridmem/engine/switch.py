@@ -313,7 +313,9 @@ class HybridSwitch:
             self._state.weights = True
         else:
             self._state.kv = True
-        return self.engine.wake_up([tag])
+        result = self.engine.wake_up([tag])
+        # vLLM answers whether it is fully awake: the stages know that already.
+        return result if inspect.isawaitable(result) else None
 
     def _sleep(self) -> Awaitable[Any] | None:
         result = self.engine.sleep()

@@ -34,6 +34,7 @@ import torch
 from hybridmem import _torch
 from hybridmem._checks import check_number
 from hybridmem._errors import SyncError
+from hybridmem._platform.stdlib import unlink_shared_memory
 from hybridmem.ipc.shareable import Transport
 
 __all__ = [
@@ -173,8 +174,7 @@ def drop_host_buffers(
     pinned.clear()
     for shm in shms:
         if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()
+            unlink_shared_memory(shm)
         with contextlib.suppress(BufferError):  # a tensor still maps it: freed at exit
             shm.close()
     shms.clear()

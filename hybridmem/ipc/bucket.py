@@ -42,6 +42,7 @@ from hybridmem._errors import IpcUnavailableError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_once
 from hybridmem._platform import cuda_vmm
+from hybridmem._platform.stdlib import unlink_shared_memory
 from hybridmem.allocator.scopes import ExpandableSegments
 from hybridmem.allocator.state import ENGINE
 from hybridmem.ipc._plan import ALIGN, Batch, align_up, plan_batches
@@ -249,6 +250,30 @@ class WeightBucket:
         self._minted = [ipc_export(buffer, timeout=None) for buffer in self._views]
         return dataclasses.replace(self._handle, exports=tuple(self._minted))
 
+    def unlink_shared_names(self) -> int:
+        """Remove the host buffers' names from ``/dev/shm`` once every receiver opened them.
+
+        The memory stays mapped in this process and in every receiver that opened
+        it, and is freed when the last of them lets go, even if the producer dies
+        by ``SIGKILL`` (whose finalizers never run, leaving named segments behind
+        until reboot). A receiver that has not opened the bucket yet cannot open it
+        afterwards. CUDA transports have no names: nothing to do.
+
+        Returns:
+            How many names were removed (0 for ``"cuda"`` and ``"fd"`` buckets).
+
+        Scope: this bucket; call it from the producer's thread.
+
+        Example:
+            >>> conn.send(bucket.handle)           # doctest: +SKIP
+            >>> assert conn.recv() == "opened"     # the receiver attached
+            >>> bucket.unlink_shared_names()
+        """
+        removed = sum(unlink_shared_memory(shm) for shm in self._shms)
+        if removed:
+            logger.debug("WeightBucket: %d host buffer names unlinked", removed)
+        return removed
+
     def _withdraw_minted(self) -> None:
         for minted in self._minted:
             minted.withdraw()
@@ -354,6 +379,24 @@ class WeightBucket:
             items.append((name, self._check_tensor(name, tensor)))
         return items
 
+    def check(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+        """Check named tensors as :meth:`send` would, without sending anything.
+
+        For a caller that must commit another party before sending (a control-plane
+        call that waits for the data, as vLLM's ``update_weights`` does): a bad name
+        or tensor is then refused before that call is made.
+
+        Returns:
+            The ``(name, tensor)`` pairs, in order.
+
+        Raises:
+            TypeError, ValueError: as :meth:`send` (the message names the tensor).
+
+        Example:
+            >>> items = bucket.check(model.state_dict())   # doctest: +SKIP
+        """
+        return self._validate(named_tensors)
+
     def _check_tensor(self, name: str, tensor: object) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
@@ -362,7 +405,10 @@ class WeightBucket:
                 f"{name!r} is a DTensor; send tensor.full_tensor() (or the local shard, "
                 "tensor.to_local(), under a per-shard name)"
             )
-        if not _torch.is_device_tensor(tensor):
+        # Without CUDA the bucket is host memory on the CPU and ships CPU tensors (a
+        # trainer and an engine without GPUs: vLLM on CPU, tests).
+        on_cpu = self.device.type == "cpu" and tensor.device.type == "cpu"
+        if not _torch.is_device_tensor(tensor) and not on_cpu:
             raise ValueError(
                 f"{name!r} is on {tensor.device}; WeightBucket ships device tensors: move it "
                 f"with .to('{self.device}') first"

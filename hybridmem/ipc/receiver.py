@@ -127,7 +127,7 @@ class BucketReceiver:
 
     def _open_host(self, handle: BucketHandle) -> None:
         for name in handle.exports:
-            shm = attach_shared_memory(str(name))
+            shm = attach_shared_memory(str(name), own_process=handle.producer_pid == os.getpid())
             self._shms.append(shm)
             tensor, pinned = host_buffer(shm, handle.nbytes)
             if pinned:

@@ -6,10 +6,12 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-__all__ = ["TAGS", "EngineAdapter", "SGLangEngine", "VLLMEngine", "call_sync"]
+__all__ = ["TAGS", "VLLM_TAGS", "EngineAdapter", "SGLangEngine", "VLLMEngine", "call_sync"]
 
 #: What an engine wakes in stages: its weights first, then its KV cache.
 TAGS = ("weights", "kv_cache")
+#: vLLM's ``wake_up`` tags (0.11 on): the stages, and ``"scheduling"`` (level 0's).
+VLLM_TAGS = (*TAGS, "scheduling")
 
 
 def call_sync(result: object, what: str) -> None:
@@ -33,10 +35,12 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
     )
 
 
-def _check_tags(tags: Sequence[str]) -> list[str]:
-    bad = [t for t in tags if t not in TAGS]
+def _check_tags(tags: Sequence[str], allowed: Sequence[str] = TAGS) -> list[str]:
+    if isinstance(tags, str):
+        raise TypeError(f"tags must be a list of tags, not the string {tags!r}: pass [{tags!r}]")
+    bad = [t for t in tags if t not in allowed]
     if bad or not tags:
-        raise ValueError(f"tags must be a non-empty subset of {TAGS}, got {list(tags)!r}")
+        raise ValueError(f"tags must be a non-empty subset of {tuple(allowed)}, got {list(tags)!r}")
     return list(tags)
 
 
@@ -69,8 +73,12 @@ class EngineAdapter:
         """Give the engine's device memory back."""
         raise NotImplementedError
 
-    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | None:
-        """Take memory back for ``tags`` (``"weights"``, ``"kv_cache"``)."""
+    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | bool | None:
+        """Take memory back for ``tags`` (``"weights"``, ``"kv_cache"``).
+
+        Returns what the engine returns: None, an awaitable (async engines), or
+        vLLM's answer to whether it is fully awake (0.11 on).
+        """
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -84,6 +92,8 @@ class _StagedWake(EngineAdapter):
     a sleep; the later stages of that wake-up are then no-ops.
     """
 
+    tags: tuple[str, ...] = TAGS
+
     def __init__(self, engine: object, methods: Sequence[str], resume: str) -> None:
         super().__init__(engine, methods)
         self._resume_name = resume
@@ -93,8 +103,8 @@ class _StagedWake(EngineAdapter):
     def _slept(self) -> None:
         self._awake = False
 
-    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | None:
-        tags = _check_tags(tags)
+    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | bool | None:
+        tags = _check_tags(tags, self.tags)
         resume = getattr(self.engine, self._resume_name)
         if self._tags:
             return resume(tags=tags)  # type: ignore[no-any-return]
@@ -108,25 +118,47 @@ class VLLMEngine(_StagedWake):
     """vLLM: ``LLM.sleep(level)`` and ``LLM.wake_up(tags)``.
 
     Args:
-        llm: a ``vllm.LLM`` (or ``AsyncLLMEngine``) created with ``enable_sleep_mode=True``.
+        llm: a ``vllm.LLM`` (or ``AsyncLLMEngine``) created with ``enable_sleep_mode=True``
+            (levels 1 and 2; vLLM on CPU accepts the calls and frees nothing).
         level: 1 offloads weights to CPU and drops the KV cache; 2 drops both (weights
-            must then be synced in full after waking).
+            must then be synced in full after waking); 0 (vLLM 0.11 on) only pauses
+            scheduling: no memory moves, and the last wake-up stage resumes it
+            (``wake_up(tags=["scheduling"])``).
 
+    Waking takes vLLM's tags: ``"weights"``, ``"kv_cache"`` and ``"scheduling"``.
     vLLM versions whose ``wake_up`` takes no ``tags`` wake everything at the first call;
     the adapter then makes the ``kv_cache`` stage a no-op.
+
+    Example:
+        >>> adapter = hm.VLLMEngine(llm, level=1)   # doctest: +SKIP
+        >>> adapter.sleep(); adapter.wake_up(["weights"]); adapter.wake_up(["kv_cache"])
     """
 
     name = "vllm"
+    tags = VLLM_TAGS
 
     def __init__(self, llm: object, *, level: int = 1) -> None:
         super().__init__(llm, ("sleep", "wake_up"), "wake_up")
-        if level not in (1, 2) or isinstance(level, bool):
-            raise ValueError(f"vLLM sleep level must be 1 or 2, got {level!r}")
+        if level not in (0, 1, 2) or isinstance(level, bool):
+            raise ValueError(
+                f"vLLM sleep level must be 0, 1 or 2, got {level!r} (1: offload weights, "
+                "drop the KV cache; 2: drop both; 0: pause scheduling only)"
+            )
         self.level = level
 
     def sleep(self) -> Awaitable[Any] | None:
         self._slept()
         return self.engine.sleep(level=self.level)  # type: ignore[attr-defined, no-any-return]
+
+    def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | bool | None:
+        if self.level == 0 and self._tags:
+            # Level 0 moved no memory: the memory stages have nothing to wake, and the
+            # last one (the KV cache's) resumes scheduling.
+            tags = _check_tags(tags, self.tags)
+            if "scheduling" in tags or "kv_cache" in tags:
+                return self.engine.wake_up(tags=["scheduling"])  # type: ignore[attr-defined, no-any-return]
+            return None
+        return super().wake_up(tags)
 
 
 class SGLangEngine(_StagedWake):

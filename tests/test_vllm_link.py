@@ -1,0 +1,340 @@
+"""The vLLM backend's link without vLLM: the trainer's and the engine's ends over host memory.
+
+What the backend promises, checked where vLLM is not installed: whole syncs arrive
+intact (names, dtypes, shapes, split tensors), nothing reaches the model unless all of
+it arrived and fits the checkpoint, a dead or silent trainer leaves nothing applied
+and nothing behind, every wait is bounded. tests/vllm/ drives the same through a real
+vLLM engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridmem._errors import SyncError
+from hybridmem.integrations.vllm.link import (
+    EngineLink,
+    TrainerLink,
+    Weights,
+    parse_init_info,
+)
+from hybridmem.integrations.vllm.schema import check_weights, checkpoint_schema
+from tests import link_trainer
+from tests.helpers import run_python
+
+CPU = torch.device("cpu")
+
+
+def _weights(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {
+        "embed.weight": torch.arange(15, dtype=torch.float32).reshape(3, 5) * scale,
+        "norm.weight": (torch.arange(7) * scale).to(torch.bfloat16),
+        "counts": torch.tensor([[1, 2], [3, 4]], dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(scale),
+        "big": torch.arange(2500, dtype=torch.float32) * scale,  # 10,000 bytes: split
+    }
+
+
+def _schema(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in weights.items()}
+
+
+class _Pair:
+    """A trainer and an engine link in one process; vLLM's calls run in link threads."""
+
+    def __init__(self, schema: dict[str, tuple[int, ...]] | None, **options: Any) -> None:
+        self.trainer = TrainerLink(4096, transport="host", **options)
+        self.engine: EngineLink | None = None
+        self.applied: list[Weights] = []
+        self.updates: list[dict[str, Any]] = []
+
+        def init(info: dict[str, Any]) -> None:
+            self.engine = EngineLink(info, CPU, schema)
+
+        self.trainer.connect(init)
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.updates.append(info)
+        assert self.engine is not None
+        self.engine.update(self.applied.append)
+
+    def sync(self, weights: dict[str, torch.Tensor], version: str | None = None) -> None:
+        self.trainer.sync(weights, self.update, weight_version=version)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.trainer.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[_Pair]:
+    made = _Pair(_schema(_weights()), timeout=30)
+    yield made
+    made.close()
+
+
+def _same(received: Weights, sent: dict[str, torch.Tensor]) -> None:
+    assert [name for name, _ in received] == list(sent)
+    for name, tensor in received:
+        assert tensor.dtype == sent[name].dtype, name
+        assert tensor.shape == sent[name].shape, name
+        assert torch.equal(tensor, sent[name]), name
+
+
+def test_whole_syncs_arrive_intact_with_their_version(pair: _Pair) -> None:
+    for step in range(3):
+        sent = _weights(step + 1.5)
+        pair.sync(sent, version=f"v{step}")
+        _same(pair.applied[-1], sent)
+    assert [u["weight_version"] for u in pair.updates] == ["v0", "v1", "v2"]
+    assert [u["sync"] for u in pair.updates] == [1, 2, 3]
+    assert pair.engine is not None
+    assert pair.engine.syncs == 3
+    assert not pair.engine.closed
+    assert pair.trainer.transport == "host"
+    assert pair.trainer.schema == _schema(_weights())  # the engine told the trainer
+
+
+def test_a_name_or_shape_the_model_lacks_is_refused_before_vllm_is_called(pair: _Pair) -> None:
+    bad = dict(_weights(), bogus=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"unknown names \['bogus'\].*nothing was loaded"):
+        pair.sync(bad)
+    wrong = dict(_weights(), **{"embed.weight": torch.zeros(5, 3)})
+    with pytest.raises(ValueError, match=r"'embed.weight' is \[5, 3\], the model's is \[3, 5\]"):
+        pair.sync(wrong)
+    partial = {k: v for k, v in _weights().items() if k != "counts"}
+    with pytest.raises(ValueError, match=r"1 missing names, e.g. \['counts'\]"):
+        pair.sync(partial)
+    with pytest.raises(TypeError, match=r"is a str, not a torch\.Tensor"):
+        pair.sync({"embed.weight": "nope"})  # type: ignore[dict-item]
+    assert pair.updates == []  # vLLM was never told
+    assert pair.applied == []
+    pair.sync(_weights())  # and the link is fine
+    _same(pair.applied[-1], _weights())
+
+
+def test_the_engine_checks_what_it_received_and_applies_nothing_wrong(pair: _Pair) -> None:
+    pair.trainer.schema = None  # a trainer that does not check (another version, say)
+    with pytest.raises(ValueError, match=r"the received sync does not fit.*\['bogus'\]"):
+        pair.sync(dict(_weights(), bogus=torch.zeros(2)))
+    assert pair.applied == []
+    pair.sync(_weights(2.0))
+    _same(pair.applied[-1], _weights(2.0))
+
+
+def _shared_mappings() -> int:
+    """This process's mappings of shared memory (what it holds; /dev/shm is machine-wide)."""
+    with open("/proc/self/maps") as maps:
+        return sum("/dev/shm/" in line for line in maps)
+
+
+def test_twenty_syncs_leak_no_fd_and_no_shared_memory(pair: _Pair) -> None:
+    pair.sync(_weights())
+    fds = len(os.listdir("/proc/self/fd"))
+    mapped = _shared_mappings()
+    for step in range(20):
+        pair.sync(_weights(float(step)))
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert _shared_mappings() == mapped
+    assert len(pair.applied) == 21
+
+
+def test_the_host_buffers_names_are_gone_once_the_engine_opened_them(pair: _Pair) -> None:
+    names = pair.trainer.bucket.handle.exports
+    assert names
+    assert not any(Path("/dev/shm", str(n)).exists() for n in names)
+    pair.sync(_weights())  # still mapped on both sides
+
+
+class _Child:
+    """A trainer process (tests/link_trainer.py) whose control calls reach this one."""
+
+    def __init__(
+        self,
+        *,
+        die_after: int | None = None,
+        silent: bool = False,
+        timeout: float = 30.0,
+        schema: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.control, child_end = ctx.Pipe()
+        self.process = ctx.Process(
+            target=link_trainer.run,
+            args=(child_end, _weights(), 4096, timeout, die_after, silent),
+            daemon=True,
+        )
+        self.process.start()
+        child_end.close()
+        kind, info = self._next()
+        assert kind == "init"
+        self.engine = EngineLink(info, CPU, schema)
+        self.control.send("ok")
+        kind, self.names = self._next()
+        assert kind == "connected"
+        self.applied: list[Weights] = []
+
+    def _next(self) -> Any:
+        if not self.control.poll(60):
+            raise AssertionError("the trainer child said nothing for 60 s")
+        return self.control.recv()
+
+    def sync(self) -> None:
+        self.control.send("sync")
+        kind, _info = self._next()
+        assert kind == "update"
+        try:
+            self.engine.update(self.applied.append)
+        finally:
+            with contextlib.suppress(OSError):  # a dead child's end of the pipe is gone
+                self.control.send("ok")
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(30)
+
+
+def test_a_trainer_killed_mid_sync_leaves_the_model_and_the_machine_clean() -> None:
+    child = _Child(die_after=1, schema=_schema(_weights()))
+    try:
+        with pytest.raises(SyncError, match=r"before anything was loaded.*trainer is gone"):
+            child.sync()
+        child.process.join(30)
+        assert child.process.exitcode == 3
+        assert child.applied == []  # nothing reached the model
+        assert child.engine.closed  # the dead trainer's buffers are let go
+        assert not any(Path("/dev/shm", str(n)).exists() for n in child.names)
+        with pytest.raises(RuntimeError, match=r"closed.*initialise a new one"):
+            child.engine.update(child.applied.append)
+    finally:
+        child.close()
+
+
+def test_a_silent_trainer_times_out_and_its_exit_is_noticed_while_idle() -> None:
+    child = _Child(silent=True, timeout=0.5)
+    try:
+        with pytest.raises(SyncError, match=r"sent no the start of a sync for 0\.5 s"):
+            child.sync()
+        assert child.applied == []
+        assert not child.engine.closed  # the trainer is alive: the link stays
+        child.process.kill()
+        child.process.join(30)
+        watcher = child.engine._watcher
+        watcher.join(10)  # bounded: the watcher checks the pid every second
+        assert not watcher.is_alive()
+        assert child.engine.closed
+    finally:
+        child.close()
+
+
+def test_every_wait_is_bounded_and_strangers_are_refused() -> None:
+    with pytest.raises(TypeError, match="timeout must be a number of seconds > 0"):
+        TrainerLink(4096, transport="host", timeout=None)  # type: ignore[arg-type]
+    with (
+        TrainerLink(4096, transport="host", timeout=0.3) as lonely,
+        pytest.raises(SyncError, match=r"no vLLM worker connected within 0\.3 s"),
+    ):
+        lonely.connect(lambda info: None)
+    with TrainerLink(4096, transport="host", timeout=2) as link:
+        forged = dict(link.init_info(), token="00" * 16)
+
+        def init(info: dict[str, Any]) -> None:
+            with pytest.raises(SyncError):
+                EngineLink(forged, CPU)
+
+        with pytest.raises(SyncError, match="did not present this link's token"):
+            link.connect(init)
+        with pytest.raises(RuntimeError, match="no engine: call connect"):
+            link.sync(_weights(), lambda info: None)
+
+
+def test_init_info_is_validated_with_the_key_named() -> None:
+    with TrainerLink(4096, transport="host", timeout=5) as link:
+        info = link.init_info()
+        json.dumps(info)  # JSON-native: vLLM's HTTP and Ray clients carry it
+        address, token, timeout, keep = parse_init_info(info)
+        assert address.startswith(b"\0hybridmem-vllm-")
+        assert len(token) == 16
+        assert timeout == 5
+        assert keep is False  # the staging copy goes back to the driver by default
+        with TrainerLink(4096, transport="host", timeout=5, keep_staging=True) as keeper:
+            assert parse_init_info(keeper.init_info())[3] is True  # the trainer decides
+        with pytest.raises(ValueError, match=r"missing \['token'\], unknown \[\]"):
+            parse_init_info({k: v for k, v in info.items() if k != "token"})
+        with pytest.raises(ValueError, match="link protocol 99"):
+            parse_init_info(dict(info, protocol=99))
+        with pytest.raises(ValueError, match="malformed token"):
+            parse_init_info(dict(info, token="zz"))
+        with pytest.raises(ValueError, match="timeout must be"):
+            parse_init_info(dict(info, timeout=-1))
+        with pytest.raises(ValueError, match="keep_staging must be a bool"):
+            parse_init_info(dict(info, keep_staging="yes"))
+    with pytest.raises(SyncError, match="cannot reach the trainer's hybridmem link"):
+        EngineLink(info, CPU)  # the trainer closed its link
+
+
+def _safetensors(path: Path, header: dict[str, Any]) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def test_checkpoint_schema_reads_only_the_headers(tmp_path: Path) -> None:
+    _safetensors(
+        tmp_path / "model-00001.safetensors",
+        {"__metadata__": {"format": "pt"}, "a.weight": {"dtype": "F32", "shape": [4, 2]}},
+    )
+    _safetensors(tmp_path / "model-00002.safetensors", {"b": {"dtype": "BF16", "shape": []}})
+    assert checkpoint_schema(tmp_path) == {"a.weight": (4, 2), "b": ()}
+    assert checkpoint_schema(tmp_path / "missing") is None
+    assert checkpoint_schema("meta-llama/Llama-3-8B") is None  # a hub id: nothing local
+    (tmp_path / "model-00003.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(ValueError, match=r"model-00003\.safetensors has no readable"):
+        checkpoint_schema(tmp_path)
+    check_weights(None, [("anything", (1,))], where="x")  # no schema: nothing to check
+
+
+def test_importing_hybridmem_or_the_link_never_imports_vllm() -> None:
+    code = (
+        "import sys, hybridmem, hybridmem.integrations.vllm.link, "
+        "hybridmem.integrations.vllm.schema, hybridmem.integrations.vllm.plugin\n"
+        "hybridmem.WeightBucket\n"
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)"
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_plugin_without_vllm_says_how_to_install_it() -> None:
+    if _installed("vllm"):
+        pytest.skip("vllm is installed here: tests/vllm/ checks the registration")
+    from hybridmem.integrations.vllm.plugin import register
+
+    with pytest.raises(ImportError, match=r"pip install 'hybridmem\[vllm\]'"):
+        register()
+
+
+def test_the_entry_point_is_declared_for_vllms_general_plugins() -> None:
+    from importlib.metadata import entry_points
+
+    points = {p.name: p.value for p in entry_points(group="vllm.general_plugins")}
+    assert points.get("hybridmem") == "hybridmem.integrations.vllm.plugin:register"
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
