@@ -110,7 +110,7 @@ def _worker(conn: Connection, spec: dict[str, Any], seccomp: bool) -> None:
         deny_pidfd_getfd()
     from torch.multiprocessing import reductions
 
-    from hybridmem.integrations.vllm.link import EngineLink
+    from hybridmem.integrations.vllm.engine import EngineLink
 
     rebuild: Any = reductions.rebuild_cuda_tensor  # untyped in torch
     torch.cuda.set_device(0)
@@ -140,7 +140,7 @@ def _worker(conn: Connection, spec: dict[str, Any], seccomp: bool) -> None:
             conn.send(("ok",))
         elif kind == "update":
             assert link is not None
-            link.update(load)
+            link.update(load, command[1]["sync"])
             conn.send(("ok", torch.cuda.max_memory_reserved() - base))
         elif kind == "ipc":  # vLLM's IPCWeightTransferEngine.receive_weights, unpacked
             _, names, handles = command
@@ -204,7 +204,7 @@ def run_method(
     import torch
     from torch.multiprocessing import reductions
 
-    from hybridmem.integrations.vllm.link import TrainerLink
+    from hybridmem.integrations.vllm.trainer import TrainerLink
 
     reduce: Any = reductions.reduce_tensor  # untyped in torch
     collect: Any = torch.cuda.ipc_collect

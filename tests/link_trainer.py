@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.integrations.vllm.link import TrainerLink
+from hybridmem.integrations.vllm.trainer import TrainerLink
 
 
 class _DiesAfter:
@@ -70,6 +70,7 @@ def run(
             control.send(("update", {"sync": 1, "tensors": len(weights), "weight_version": None}))
             control.recv()
             continue
+        asked.clear()  # set again once this sync's update call is made
         if die_after is not None:
             link._conn = _DiesAfter(link._conn, die_after, asked)
         link.sync(weights, lambda info: ask("update", info), weight_version="v1")

@@ -22,13 +22,10 @@ import pytest
 import torch
 
 from hybridmem._errors import SyncError
-from hybridmem.integrations.vllm.link import (
-    EngineLink,
-    TrainerLink,
-    Weights,
-    parse_init_info,
-)
+from hybridmem.integrations.vllm.engine import EngineLink
+from hybridmem.integrations.vllm.link import Weights, parse_init_info
 from hybridmem.integrations.vllm.schema import check_weights, checkpoint_schema
+from hybridmem.integrations.vllm.trainer import TrainerLink
 from tests import link_trainer
 from tests.helpers import run_python
 
@@ -58,6 +55,7 @@ class _Pair:
         self.engine: EngineLink | None = None
         self.applied: list[Weights] = []
         self.updates: list[dict[str, Any]] = []
+        self.refuse: BaseException | None = None  # vLLM's call fails before reading
 
         def init(info: dict[str, Any]) -> None:
             self.engine = EngineLink(info, CPU, schema)
@@ -67,7 +65,10 @@ class _Pair:
     def update(self, info: dict[str, Any]) -> None:
         self.updates.append(info)
         assert self.engine is not None
-        self.engine.update(self.applied.append)
+        if self.refuse is not None:
+            refuse, self.refuse = self.refuse, None
+            raise refuse
+        self.engine.update(self.applied.append, info["sync"])
 
     def sync(self, weights: dict[str, torch.Tensor], version: str | None = None) -> None:
         self.trainer.sync(weights, self.update, weight_version=version)
@@ -140,6 +141,22 @@ def _shared_mappings() -> int:
         return sum("/dev/shm/" in line for line in maps)
 
 
+def test_a_worker_that_fails_before_reading_ends_the_sync_at_once_and_the_next_works(
+    pair: _Pair,
+) -> None:
+    # vLLM refused the update (no start_weight_update, say): the trainer stops waiting
+    # at its next poll, not at the timeout (30 s here), and raises vLLM's error.
+    pair.refuse = RuntimeError("start_weight_update must be called before update_weights")
+    with pytest.raises(RuntimeError, match="start_weight_update must be called") as refused:
+        pair.sync(_weights())
+    assert "the worker is not reading" in str(refused.value.__cause__)
+    # What that sync left unread (its begin, its batches, its abort) is skipped.
+    pair.sync(_weights(3.0))
+    _same(pair.applied[-1], _weights(3.0))
+    assert pair.engine is not None
+    assert pair.engine.syncs == 1
+
+
 def test_twenty_syncs_leak_no_fd_and_no_shared_memory(pair: _Pair) -> None:
     pair.sync(_weights())
     fds = len(os.listdir("/proc/self/fd"))
@@ -193,10 +210,10 @@ class _Child:
 
     def sync(self) -> None:
         self.control.send("sync")
-        kind, _info = self._next()
+        kind, info = self._next()
         assert kind == "update"
         try:
-            self.engine.update(self.applied.append)
+            self.engine.update(self.applied.append, info["sync"])
         finally:
             with contextlib.suppress(OSError):  # a dead child's end of the pipe is gone
                 self.control.send("ok")
@@ -227,7 +244,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_model_and_the_machine_clean() -> N
 def test_a_silent_trainer_times_out_and_its_exit_is_noticed_while_idle() -> None:
     child = _Child(silent=True, timeout=0.5)
     try:
-        with pytest.raises(SyncError, match=r"sent no the start of a sync for 0\.5 s"):
+        with pytest.raises(SyncError, match=r"sent no marker of sync 1 for 0\.5 s"):
             child.sync()
         assert child.applied == []
         assert not child.engine.closed  # the trainer is alive: the link stays
@@ -309,8 +326,8 @@ def test_checkpoint_schema_reads_only_the_headers(tmp_path: Path) -> None:
 
 def test_importing_hybridmem_or_the_link_never_imports_vllm() -> None:
     code = (
-        "import sys, hybridmem, hybridmem.integrations.vllm.link, "
-        "hybridmem.integrations.vllm.schema, hybridmem.integrations.vllm.plugin\n"
+        "import sys, hybridmem\n"
+        "from hybridmem.integrations.vllm import engine, link, plugin, schema, trainer\n"
         "hybridmem.WeightBucket\n"
         "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)"
     )

@@ -1,10 +1,12 @@
 """hybridmem as a vLLM weight-transfer backend: ``weight_transfer_config={"backend": "hybridmem"}``.
 
-Four modules:
+Its modules:
 
-- :mod:`~hybridmem.integrations.vllm.link`: the two endpoints (trainer and engine)
-  over a :class:`~hybridmem.WeightBucket`, with no vLLM import: what the backend
-  does, testable and measurable where vLLM cannot run;
+- :mod:`~hybridmem.integrations.vllm.link` (the protocol and what both ends share),
+  :mod:`~hybridmem.integrations.vllm.trainer` (``TrainerLink``) and
+  :mod:`~hybridmem.integrations.vllm.engine` (``EngineLink``): the two ends over a
+  :class:`~hybridmem.WeightBucket`, with no vLLM import: what the backend does,
+  testable and measurable where vLLM cannot run;
 - :mod:`~hybridmem.integrations.vllm.schema`: the names and shapes a model takes
   (its checkpoint's safetensors headers) and the check of a sync against them;
 - :mod:`~hybridmem.integrations.vllm.backend`: vLLM's two engine classes (worker and

@@ -36,13 +36,10 @@ from vllm.distributed.weight_transfer.base import (
 
 from hybridmem._log import logger
 from hybridmem.integrations.vllm import BACKEND_NAME
-from hybridmem.integrations.vllm.link import (
-    DEFAULT_TIMEOUT_S,
-    EngineLink,
-    TrainerLink,
-    Weights,
-)
+from hybridmem.integrations.vllm.engine import EngineLink
+from hybridmem.integrations.vllm.link import DEFAULT_TIMEOUT_S, Weights
 from hybridmem.integrations.vllm.schema import checkpoint_schema
+from hybridmem.integrations.vllm.trainer import TrainerLink
 from hybridmem.ipc.bucket import SyncReport
 
 __all__ = [
@@ -192,7 +189,7 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         """Receive one sync whole, check it, then reload it in one step."""
         if self.link is None:
             raise RuntimeError("no hybridmem link: call init_weight_transfer_engine first")
-        self.link.update(self._reload)
+        self.link.update(self._reload, update_info.sync)
         self.weight_version = update_info.weight_version
         logger.info(
             "vLLM worker: sync %d applied (%d tensors, version %s)",
