@@ -157,6 +157,38 @@ def test_greedy_outputs_follow_the_weights_exactly(
     assert report.batches > 1  # a 2 MiB model through a 512 KiB bucket
 
 
+class Source033:
+    """vLLM 0.33's ``WeightSource`` shape: ``iter_full()``, no ``__iter__``."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = dict(state)
+
+    def implements_iter_full(self) -> bool:
+        return True
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(list(self.state.items()))
+
+
+def test_a_vllm_0_33_source_sends_through_iter_full(
+    llm: Any,
+    trainer: HybridmemTrainerWeightTransferEngine,
+    checkpoint: dict[str, torch.Tensor],
+    original: list[list[int]],
+) -> None:
+    from hybridmem.integrations.vllm.backend import full_tensors
+
+    old = trainer.source
+    trainer.source = Source033(dict(checkpoint, **{"lm_head.weight": torch.zeros(1024, 128)}))
+    try:
+        trainer.send_weights(weight_version="0.33-source")
+        assert _generate(llm) == [[0] * 8 for _ in PROMPTS]
+    finally:
+        trainer.source = old
+    with pytest.raises(TypeError, match="neither iter_full"):
+        full_tensors(object())
+
+
 def _held() -> tuple[int, int]:
     """Open fds and shared-memory mappings of this process and vLLM's (its children)."""
     import psutil
@@ -282,12 +314,17 @@ def test_a_trainer_that_dies_or_goes_silent_mid_update_leaves_the_engine_serving
 def test_the_adapter_drives_the_real_engines_sleep_levels_and_tags(
     llm: Any, original: list[list[int]]
 ) -> None:
-    adapter = hm.VLLMEngine(llm, level=1)
-    assert adapter.sleep() is None
-    # vLLM's bookkeeping is real on CPU: awake only once every tag woke.
-    assert adapter.wake_up(["weights"]) is False
-    assert adapter.wake_up(["kv_cache"]) is True
-    assert _generate(llm) == original
+    for level in (1, 2):
+        adapter = hm.VLLMEngine(llm, level=level)
+        assert adapter.sleep() is None
+        assert llm.llm_engine.is_sleeping()
+        # vLLM's bookkeeping is real on CPU: awake only once every tag woke.
+        assert adapter.wake_up(["weights"]) is False
+        assert adapter.wake_up(["kv_cache"]) is True
+        assert not llm.llm_engine.is_sleeping()
+        # On CPU vLLM frees nothing at either level ("sleep mode is not supported on
+        # CPU, ignore it"), so even level 2 serves the same weights after waking.
+        assert _generate(llm) == original
 
     paused = hm.VLLMEngine(llm, level=0)  # level 0: scheduling pauses, nothing moves
     paused.sleep()

@@ -15,11 +15,14 @@ one step, so a failed sync never leaves a half-reloaded model, and weights take
 effect on every backend (the CPU backend keeps a prepacked copy that a bare
 ``load_weights`` would not refresh).
 
-Checked against vLLM 0.32.0 (run on CPU) and 0.33's signatures (read).
+Checked against vLLM 0.32.0 (run on CPU, in CI) and 0.33.0 (its wheel's sources read:
+the same factories, engine classes, reload and client calls; its ``WeightSource``
+yields through ``iter_full()``, which :func:`full_tensors` follows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -149,6 +152,28 @@ def model_schema(model_dir: str, hf_config: Any) -> dict[str, tuple[int, ...]] |
     if "lm_head.weight" not in schema and len(embeddings) == 1:
         schema["lm_head.weight"] = schema[embeddings[0]]
     return schema
+
+
+def full_tensors(source: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's full tensors, as vLLM's ``WeightSource`` yields them in 0.32 and 0.33.
+
+    vLLM 0.32 iterates the source itself; 0.33 asks ``iter_full()`` (full tensors,
+    gathered where sharded) of a source that ``implements_iter_full()``, and has no
+    ``__iter__``.
+
+    Raises:
+        TypeError: a source with neither (the message names its type).
+    """
+    iter_full = getattr(source, "iter_full", None)
+    implements = getattr(source, "implements_iter_full", None)
+    if callable(iter_full) and (not callable(implements) or implements()):
+        return iter(iter_full())
+    if hasattr(source, "__iter__"):
+        return iter(source)
+    raise TypeError(
+        f"the hybridmem backend sends full tensors: {type(source).__name__} has neither "
+        "iter_full() (vLLM 0.33) nor __iter__ (vLLM 0.32)"
+    )
 
 
 class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, HybridmemUpdateInfo]):
@@ -291,7 +316,7 @@ class HybridmemTrainerWeightTransferEngine(TrainerWeightTransferEngine[Hybridmem
         a mismatch raises ValueError before vLLM is told anything.
         """
         assert self.source is not None
-        items = [(name, tensor.detach().contiguous()) for name, tensor in self.source]
+        items = [(name, tensor.detach().contiguous()) for name, tensor in full_tensors(self.source)]
         if not self.is_sender or self.link is None:
             return
         self.link.check(items)
