@@ -244,8 +244,10 @@ def test_a_trainer_killed_mid_sync_leaves_the_model_and_the_machine_clean() -> N
 def test_a_silent_trainer_times_out_and_its_exit_is_noticed_while_idle() -> None:
     child = _Child(silent=True, timeout=0.5)
     try:
+        fds = len(os.listdir("/proc/self/fd"))
         with pytest.raises(SyncError, match=r"sent no marker of sync 1 for 0\.5 s"):
             child.sync()
+        assert len(os.listdir("/proc/self/fd")) == fds  # no pidfd left behind by the failure
         assert child.applied == []
         assert not child.engine.closed  # the trainer is alive: the link stays
         child.process.kill()

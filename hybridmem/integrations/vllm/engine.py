@@ -70,20 +70,27 @@ class EngineLink:
             ) from None
         trainer_pid = unix_socket.peer_credentials(sock)[0] or None  # who listens there
         conn = unix_socket.message_channel(sock)
+        peer = Peer(trainer_pid, "trainer")
+        receiver: BucketReceiver | None = None
         try:
             conn.send_bytes(token)
-            message = recv_within(conn, self.timeout, Peer(trainer_pid, "trainer"), "the bucket")
+            message = recv_within(conn, self.timeout, peer, "the bucket")
             if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "bucket"):
                 raise SyncError(f"unexpected first message from the trainer: {message!r}")
             handle = message[2]
             if not isinstance(handle, BucketHandle):
                 raise SyncError(f"the trainer sent {type(handle).__name__}, not a bucket handle")
-            self.receiver = BucketReceiver(handle, _receiver_device(device, handle))
+            receiver = BucketReceiver(handle, _receiver_device(device, handle))
             shapes = None if self.schema is None else {k: list(v) for k, v in self.schema.items()}
             conn.send(("ready", os.getpid(), shapes))
         except BaseException:
+            if receiver is not None:
+                receiver.close()
             conn.close()
             raise
+        finally:
+            peer.close()  # its pidfd: the watcher opens its own
+        self.receiver = receiver
         self._conn = conn
         self.trainer_pid = handle.producer_pid
         self.transport = handle.transport
@@ -140,7 +147,7 @@ class EngineLink:
                 # A closed channel ends the link as surely as a dead pid (the process
                 # may still be exiting when its socket is already shut).
                 broken = isinstance(exc.__cause__, (EOFError, OSError))
-                gone = broken or not Peer(self.trainer_pid, "trainer").alive()
+                gone = broken or not self._trainer_alive()
                 if gone:
                     self._close_locked()
                 raise SyncError(
@@ -164,6 +171,13 @@ class EngineLink:
                 if not self.keep_staging and self.receiver.device.type == "cuda":
                     release_cache(self.receiver.device, collect_garbage=False)
             return count
+
+    def _trainer_alive(self) -> bool:
+        peer = Peer(self.trainer_pid, "trainer")
+        try:
+            return peer.alive()
+        finally:
+            peer.close()
 
     def _skip_to(self, sync: int) -> None:
         """Read up to the trainer's marker of ``sync``, dropping an earlier sync's leftovers."""
