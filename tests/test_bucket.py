@@ -742,3 +742,29 @@ def test_unlinking_after_a_receiver_untracked_the_name_prints_nothing() -> None:
     assert result.returncode == 0, result.stderr
     assert "KeyError" not in result.stderr
     assert "leaked" not in result.stderr
+
+
+def test_send_takes_what_check_returned_without_checking_every_tensor_again() -> None:
+    with hm.WeightBucket(4096) as bucket:
+        calls: list[str] = []
+        real = bucket._check_tensor
+
+        def counted(name: str, tensor: object) -> torch.Tensor:
+            calls.append(name)
+            return real(name, tensor)
+
+        bucket._check_tensor = counted  # type: ignore[method-assign]
+        items = bucket.check({"a": torch.ones(3), "b": torch.zeros(2, 2)})
+        assert calls == ["a", "b"]
+        receiver = hm.BucketReceiver(bucket.handle)
+        parent, child = mp.Pipe()
+        worker = threading.Thread(target=lambda: bucket.send(items, parent))
+        worker.start()
+        got = dict(receiver.receive(child))
+        worker.join(30)
+        assert calls == ["a", "b"]  # checked once
+        assert torch.equal(got["b"], torch.zeros(2, 2))
+        # a plain list is still checked by send itself
+        with pytest.raises(ValueError, match="is on meta"):
+            bucket.send([("m", torch.ones(1, device="meta"))], parent)
+        receiver.close()

@@ -126,6 +126,25 @@ def test_a_name_or_shape_the_model_lacks_is_refused_before_vllm_is_called(pair: 
     _same(pair.applied[-1], _weights())
 
 
+def test_start_is_called_only_once_every_check_passed(pair: _Pair) -> None:
+    calls: list[str] = []
+
+    def update(info: dict[str, Any]) -> None:
+        calls.append("update")
+        pair.update(info)
+
+    for bad in (
+        dict(_weights(), bogus=torch.zeros(2)),  # the engine's checkpoint refuses it
+        dict(_weights(), counts=torch.ones(2, 2, device="meta")),  # the bucket does
+    ):
+        with pytest.raises(ValueError, match=r"bogus|is on meta"):
+            pair.trainer.sync(bad, update, start=lambda: calls.append("start"))
+    assert calls == []  # vLLM was told nothing: no update left open in the worker
+    pair.trainer.sync(_weights(), update, start=lambda: calls.append("start"))
+    assert calls == ["start", "update"]
+    _same(pair.applied[-1], _weights())
+
+
 def test_the_engine_checks_what_it_received_and_applies_nothing_wrong(pair: _Pair) -> None:
     pair.trainer.schema = None  # a trainer that does not check (another version, say)
     with pytest.raises(ValueError, match=r"the received sync does not fit.*\['bogus'\]"):

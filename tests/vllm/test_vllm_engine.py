@@ -230,6 +230,11 @@ def test_a_bad_name_or_shape_is_one_clear_error_and_the_engine_keeps_serving(
     source.state = dict(checkpoint, **{"lm_head.weight": torch.zeros(1024, 64)})
     with pytest.raises(ValueError, match=r"'lm_head.weight' is \[1024, 64\], the model's"):
         trainer.send_weights()
+    # A tensor the bucket cannot ship is refused before vLLM's start_weight_update too:
+    # the next update finds no update left open in the worker.
+    source.state = dict(checkpoint, **{"lm_head.weight": torch.empty(1024, 128, device="meta")})
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' is on meta"):
+        trainer.send_weights()
     assert _generate(llm) == original
 
     # A trainer that does not check: the worker refuses the received sync itself.

@@ -312,19 +312,19 @@ class HybridmemTrainerWeightTransferEngine(TrainerWeightTransferEngine[Hybridmem
         """Send the source's tensors: start, update (over the bucket), finish.
 
         Every rank iterates the source (gathers are collectives); rank 0 sends.
-        The names and shapes are checked against the engine's checkpoint first:
-        a mismatch raises ValueError before vLLM is told anything.
+        Every tensor, name and shape is checked (against the engine's checkpoint
+        too) before vLLM is told anything: a refusal raises before
+        ``start_weight_update``, so the worker has no update left open.
         """
         assert self.source is not None
         items = [(name, tensor.detach().contiguous()) for name, tensor in full_tensors(self.source)]
         if not self.is_sender or self.link is None:
             return
-        self.link.check(items)
-        self.client.start_weight_update()
         self.last_report = self.link.sync(
             items,
-            lambda info: self.client.update_weights(info),
+            self.client.update_weights,
             weight_version=weight_version,
+            start=self.client.start_weight_update,  # after the checks, as vLLM needs
         )
         self.client.finish_weight_update(weight_version=weight_version)
         logger.info("vLLM trainer: %s", self.last_report)

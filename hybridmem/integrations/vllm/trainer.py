@@ -254,8 +254,18 @@ class TrainerLink:
         update: Callable[[dict[str, Any]], object],
         *,
         weight_version: str | None = None,
+        start: Callable[[], object] | None = None,
     ) -> SyncReport:
         """Check, then send ``named`` while ``update(update_info)`` (vLLM's RPC) receives them.
+
+        Args:
+            named: the tensors, by name (checked as :meth:`WeightBucket.send` checks
+                them, and against the engine's checkpoint).
+            update: vLLM's ``update_weights`` call, run beside the sending.
+            weight_version: carried in ``update_info``.
+            start: vLLM's ``start_weight_update``, called once every check passed
+                and before ``update``: a refused sync never leaves an update open in
+                the worker (whose next start would then fail).
 
         Returns:
             The bucket's :class:`SyncReport`.
@@ -269,6 +279,8 @@ class TrainerLink:
             raise RuntimeError("this TrainerLink has no engine: call connect() first")
         items = self.bucket.check(named)  # refused here, before vLLM is told anything
         self.check(items)
+        if start is not None:
+            start()
         self._syncs += 1
         sync = self._syncs
         info = {"sync": sync, "tensors": len(items), "weight_version": weight_version}
