@@ -51,6 +51,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from weight_sync import copy_rate  # noqa: E402  (a sibling script: the same measure)
+
 MiB = 1 << 20
 GiB = 1 << 30
 METHODS = ("hybridmem-cuda", "hybridmem-fd", "hybridmem-host", "vllm-ipc", "vllm-ipc-expandable")
@@ -172,24 +174,6 @@ def _ask(conn: Connection, message: Any) -> Any:
     return answer
 
 
-def _copy_rate(nbytes: int) -> float:
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    del src, dst
-    torch.cuda.empty_cache()
-    return nbytes / statistics.median(times) / 1e9
-
-
 def _free() -> int:
     import torch
 
@@ -308,7 +292,7 @@ def main() -> None:
     spec = layout(int(args.gib * GiB))
     weights = _tensors(spec, fill=True)
     nbytes = sum(t.nbytes for t in weights.values())
-    rate = _copy_rate(nbytes)
+    rate = copy_rate(nbytes, repeats=5)
     rows = []
     failed = []
     for method in args.methods:

@@ -180,7 +180,13 @@ def _fresh_sync(tensors: dict[str, Any], bucket: int, conn: Connection) -> None:
     assert conn.recv() == ("ack",)
 
 
-def _copy_rate(nbytes: int) -> float:
+def copy_rate(nbytes: int, repeats: int = 10) -> float:
+    """The device copy rate (GB/s): the median of ``repeats`` copies of ``nbytes``.
+
+    The two buffers are freed and the cache emptied afterwards, so that what is
+    measured next starts from the same device memory (benchmarks/vllm_transfer.py
+    uses it too).
+    """
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -188,11 +194,13 @@ def _copy_rate(nbytes: int) -> float:
     dst.copy_(src)
     torch.cuda.synchronize()
     times = []
-    for _ in range(10):
+    for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    del src, dst
+    torch.cuda.empty_cache()
     return nbytes / statistics.median(times) / 1e9
 
 
@@ -213,7 +221,7 @@ def main() -> None:
     model_bytes = args.model_mib * MiB
     tensors = _model(model_bytes)
     payload = sum(t.nbytes for t in tensors.values())
-    rate = _copy_rate(payload)
+    rate = copy_rate(payload)
     ctx = tmp.get_context("spawn")
     conn, child = ctx.Pipe()
     consumer = ctx.Process(target=_consumer, args=(child, model_bytes))
