@@ -485,6 +485,45 @@ def test_a_receiver_that_dies_mid_sync_fails_the_send_and_the_bucket_carries_on(
     child.close()
 
 
+def test_a_peer_whose_end_is_closed_fails_the_sync_with_a_sync_error_on_either_side(
+    cpu_as_device: list[int],
+) -> None:
+    """Sending to a peer that exited: a SyncError saying so, never a bare BrokenPipeError.
+
+    Which side notices a dead peer first (its receive, or its next send) is a race;
+    both must say the same (stop 30's CI: the vLLM engine saw "[Errno 32] Broken
+    pipe" from an ack when the trainer was killed mid-sync).
+    """
+    tensors = model_tensors()
+    with hm.WeightBucket(4 * KiB) as bucket:
+        producer, receiver_end = mp.Pipe()
+        receiver_end.close()  # the receiver exited before the sync began
+        with pytest.raises(hm.SyncError, match=r"end of the channel is closed.*begin") as sent:
+            bucket.send(tensors, producer, timeout=5)
+        assert isinstance(sent.value.__cause__, OSError)
+        producer.close()
+        # the receiver's side: the producer's batch is read, then the producer is gone
+        recorded: list[Any] = []
+
+        class Recorder(_Scripted):
+            def send(self, obj: Any) -> None:
+                recorded.append(obj)
+                if obj[0] in ("batch", "end"):
+                    self.messages.append(("ack", obj[1], obj[2]))
+
+        bucket.send(tensors, Recorder([]))
+        producer_end, receiver_end = mp.Pipe()
+        for message in recorded[:2]:  # the begin and the first batch
+            producer_end.send(message)
+        producer_end.close()
+        receiver = hm.BucketReceiver(bucket.handle)
+        with pytest.raises(hm.SyncError, match="end of the channel is closed") as received:
+            list(receiver.receive(receiver_end, timeout=5))
+        assert isinstance(received.value.__cause__, OSError)
+        receiver.close()
+        receiver_end.close()
+
+
 class _Silent:
     """A channel that polls but never answers (a receiver stuck elsewhere)."""
 
@@ -663,10 +702,12 @@ def test_injected_sync_faults_never_hang_and_never_poison_the_next_sync(
         thread, result = run_receiver(bucket.handle, b, body)
         try:
             report: Any = bucket.send(tensors, producer_end, timeout=0.5)
-        except (hm.SyncError, RuntimeError, OSError) as exc:
+        except (hm.SyncError, RuntimeError) as exc:  # never a bare OSError/BrokenPipeError
             report = exc
         thread.join(10)
         assert not thread.is_alive(), "the receiver blocked past its timeout"
+        if "error" in result:  # the receiver's side says what happened too
+            assert isinstance(result["error"], (hm.SyncError, RuntimeError)), result["error"]
         if not isinstance(report, Exception) and "value" in result:
             assert_same_tensors(result["value"], tensors)  # a sync that succeeds is exact
         for end in (a, b):

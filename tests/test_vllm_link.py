@@ -227,10 +227,12 @@ class _Child:
             raise AssertionError("the trainer child said nothing for 60 s")
         return self.control.recv()
 
-    def sync(self) -> None:
+    def sync(self, *, after_death: bool = False) -> None:
         self.control.send("sync")
         kind, info = self._next()
         assert kind == "update"
+        if after_death:  # the trainer is gone before the engine reads or answers
+            self.process.join(30)
         try:
             self.engine.update(self.applied.append, info["sync"])
         finally:
@@ -244,11 +246,19 @@ class _Child:
         self.process.join(30)
 
 
-def test_a_trainer_killed_mid_sync_leaves_the_model_and_the_machine_clean() -> None:
+@pytest.mark.parametrize("after_death", [False, True], ids=["racing", "answering-a-dead-one"])
+def test_a_trainer_killed_mid_sync_leaves_the_model_and_the_machine_clean(
+    after_death: bool,
+) -> None:
+    """Whether the engine notices on a receive or on a send (its hello, an ack), it says so.
+
+    ``answering-a-dead-one``: the engine's first send after the trainer died fails
+    with EPIPE; before the fix that was a bare "[Errno 32] Broken pipe" (stop 30's CI).
+    """
     child = _Child(die_after=1, schema=_schema(_weights()))
     try:
         with pytest.raises(SyncError, match=r"before anything was loaded.*trainer is gone"):
-            child.sync()
+            child.sync(after_death=after_death)
         child.process.join(30)
         assert child.process.exitcode == 3
         assert child.applied == []  # nothing reached the model

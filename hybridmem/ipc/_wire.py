@@ -13,7 +13,9 @@ that it got ``count`` tensors and ``nbytes`` bytes in batches numbered without a
 Messages of an earlier, aborted sync are skipped, so a failed sync does not poison the
 next one.
 
-Every wait for the other side is bounded (:func:`recv_within`): a channel with
+Every message goes out through :func:`send_to`, so a peer that exited ends the sync
+with a :class:`SyncError` saying so, never a bare ``BrokenPipeError``. Every wait for
+the other side is bounded (:func:`recv_within`): a channel with
 ``poll(timeout)`` (a ``Pipe`` end) is polled in short slices, between which the other
 process's liveness is checked, so a peer that died is noticed within a slice even
 when this process still holds its end of the pipe (no EOF ever comes then).
@@ -54,6 +56,7 @@ __all__ = [
     "flat_words",
     "host_buffer",
     "recv_within",
+    "send_to",
     "word_unit",
 ]
 
@@ -274,4 +277,31 @@ def recv_within(channel: Channel, timeout: float | None, peer: Peer, waiting_for
         raise SyncError(
             f"the {peer.what}'s end of the channel is closed ({exc!r}) while this side waited "
             f"for {waiting_for}: it exited"
+        ) from exc
+
+
+def send_to(channel: Channel, message: Any, peer: Peer, what: str) -> None:
+    """``channel.send(message)``, turning a closed channel into a SyncError that says why.
+
+    A peer that exited leaves its end closed: the send then fails with
+    ``BrokenPipeError``/``ConnectionResetError`` (or ``EOFError``), and which of the
+    two sides notices first is a race. This gives both the same error as
+    :func:`recv_within`, so a caller tells "the peer is gone" by the cause
+    (``exc.__cause__`` is the ``OSError``/``EOFError``) whichever side noticed.
+
+    Args:
+        channel: this side's end.
+        message: any picklable object.
+        peer: the other process (for the error).
+        what: what the message is, for the error ("the ack of batch 3").
+
+    Raises:
+        SyncError: the channel is closed (the peer exited or closed it).
+    """
+    try:
+        channel.send(message)
+    except (EOFError, OSError) as exc:
+        raise SyncError(
+            f"the {peer.what}'s end of the channel is closed ({exc!r}) while this side sent "
+            f"{what}: it exited"
         ) from exc

@@ -61,6 +61,7 @@ from hybridmem.ipc._wire import (
     flat_words,
     host_buffer,
     recv_within,
+    send_to,
     word_unit,
 )
 from hybridmem.ipc.capabilities import ipc_capabilities
@@ -601,7 +602,7 @@ class WeightBucket:
         self._sync += 1
         sync = self._sync
         try:
-            channel.send(("begin", sync))
+            send_to(channel, ("begin", sync), self._peer, f"the begin of sync {sync}")
             for number in range(len(plan.batches)):
                 buffer = number % self._buffers_count
                 self._wait_ack(channel, occupied[buffer], timeout)
@@ -616,10 +617,20 @@ class WeightBucket:
                 else:
                     _torch.synchronize_stream(stream)
                 self._seq += 1
-                channel.send(("batch", sync, self._seq, buffer, plan.entries[number]))
+                send_to(
+                    channel,
+                    ("batch", sync, self._seq, buffer, plan.entries[number]),
+                    self._peer,
+                    f"batch {self._seq}",
+                )
                 occupied[buffer] = self._seq
             self._seq += 1
-            channel.send(("end", sync, self._seq, len(items), total))
+            send_to(
+                channel,
+                ("end", sync, self._seq, len(items), total),
+                self._peer,
+                f"the end of sync {sync}",
+            )
             self._wait_ack(channel, self._seq, timeout)
             _torch.wait_stream(caller, stream)  # later writes to the sources come after
         except PeerAborted:

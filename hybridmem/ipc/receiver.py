@@ -31,6 +31,7 @@ from hybridmem.ipc._wire import (
     flat_words,
     host_buffer,
     recv_within,
+    send_to,
     word_unit,
 )
 
@@ -278,10 +279,10 @@ class BucketReceiver:
         finished = False
         aborted_by_peer = False
         sync = self._begin(channel, wait)
-        channel.send(("hello", sync, os.getpid()))
+        send_to(channel, ("hello", sync, os.getpid()), self._peer, "its hello")
         if self._drained and not self._events_sent:
             handles = [_torch.ipc_event_handle(e) for e in self._drained]
-            channel.send(("events", sync, handles))
+            send_to(channel, ("events", sync, handles), self._peer, "its events")
             self._events_sent = True
         count = nbytes = 0
         last_seq: int | None = None
@@ -299,7 +300,7 @@ class BucketReceiver:
                 if kind == "end":
                     self._check_end(message, partial, count, nbytes, last_seq)
                     finished = True
-                    channel.send(("ack", sync, message[2]))
+                    send_to(channel, ("ack", sync, message[2]), self._peer, "the ack of the end")
                     return
                 if kind != "batch" or len(message) != 5:
                     raise RuntimeError(f"unexpected message from the producer: {message!r}")
@@ -314,13 +315,15 @@ class BucketReceiver:
                 count += len(ready)
                 nbytes += sum(e[4] for e in message[4])
                 if not views or out is not None:
-                    channel.send(("ack", sync, seq))  # copies made: the producer may refill it
+                    # copies made: the producer may refill it
+                    send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
                     yield from ready
                 else:
                     yield from ready
                     if self._drained:  # after the user's work on the views, on the device
                         _torch.record_event(self._drained[int(message[3])], caller)
-                    channel.send(("ack", sync, seq))  # the views of this batch are done with
+                    # the views of this batch are done with
+                    send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
         finally:
             if not finished and not aborted_by_peer:
                 with contextlib.suppress(Exception):

@@ -19,7 +19,7 @@ from hybridmem._log import logger
 from hybridmem._platform import unix_socket
 from hybridmem.integrations.vllm.link import Weights, parse_init_info
 from hybridmem.integrations.vllm.schema import Schema, check_weights
-from hybridmem.ipc._wire import BucketHandle, Peer, recv_within
+from hybridmem.ipc._wire import BucketHandle, Peer, recv_within, send_to
 from hybridmem.ipc.receiver import BucketReceiver
 from hybridmem.memory.release import release_cache
 
@@ -73,7 +73,13 @@ class EngineLink:
         peer = Peer(trainer_pid, "trainer")
         receiver: BucketReceiver | None = None
         try:
-            conn.send_bytes(token)
+            try:
+                conn.send_bytes(token)
+            except OSError as exc:
+                raise SyncError(
+                    f"the trainer's hybridmem link closed before the token was sent ({exc!r}): "
+                    "it exited"
+                ) from exc
             message = recv_within(conn, self.timeout, peer, "the bucket")
             if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "bucket"):
                 raise SyncError(f"unexpected first message from the trainer: {message!r}")
@@ -82,7 +88,7 @@ class EngineLink:
                 raise SyncError(f"the trainer sent {type(handle).__name__}, not a bucket handle")
             receiver = BucketReceiver(handle, _receiver_device(device, handle))
             shapes = None if self.schema is None else {k: list(v) for k, v in self.schema.items()}
-            conn.send(("ready", os.getpid(), shapes))
+            send_to(conn, ("ready", os.getpid(), shapes), peer, "its ready")
         except BaseException:
             if receiver is not None:
                 receiver.close()

@@ -33,7 +33,7 @@ from hybridmem.integrations.vllm.link import (
     bounded_timeout,
 )
 from hybridmem.integrations.vllm.schema import check_weights
-from hybridmem.ipc._wire import Peer, recv_within
+from hybridmem.ipc._wire import Peer, recv_within, send_to
 from hybridmem.ipc.bucket import SyncReport, TransportChoice, WeightBucket
 from hybridmem.ipc.shareable import Fallback
 
@@ -218,7 +218,7 @@ class TrainerLink:
                 conn.recv_bytes(maxlength=TOKEN_BYTES), self._token
             ):
                 raise SyncError("the connecting process did not present this link's token")
-            conn.send(("bucket", PROTOCOL, self.bucket.handle))
+            send_to(conn, ("bucket", PROTOCOL, self.bucket.handle), peer, "the bucket")
             message = recv_within(conn, self.timeout, peer, "the engine's ready")
             if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "ready"):
                 raise SyncError(f"unexpected answer from the engine: {message!r}")
@@ -289,7 +289,7 @@ class TrainerLink:
         def send(failed: threading.Event) -> SyncReport:
             # The worker reads from this marker on: whatever an earlier, failed sync
             # left unread in the connection is skipped, not taken for this one.
-            conn.send(("sync", sync))
+            send_to(conn, ("sync", sync), Peer(None, "engine"), f"the marker of sync {sync}")
             return self.bucket.send(items, _Watched(conn, failed), timeout=self.timeout)
 
         report: SyncReport = _concurrently(
