@@ -30,6 +30,7 @@ from hybridmem.ipc.bucket import BucketHandle, SyncReport
 from tests.helpers import LoopTicker, run_python
 
 KiB = 1024
+MiB = 1 << 20
 
 
 def model_tensors() -> dict[str, torch.Tensor]:
@@ -809,3 +810,48 @@ def test_send_takes_what_check_returned_without_checking_every_tensor_again() ->
         with pytest.raises(ValueError, match="is on meta"):
             bucket.send([("m", torch.ones(1, device="meta"))], parent)
         receiver.close()
+
+
+@pytest.mark.parametrize(
+    ("total", "expected"),
+    [
+        (1, (256 * MiB, 2)),  # the floor
+        (1 << 30, (512 * MiB, 2)),  # half the model
+        ((1 << 30) + 1, (576 * MiB, 2)),  # rounded up to 64 MiB
+        (4 << 30, (1 << 30, 2)),  # the ceiling
+        ((8 << 30) - 1, (1 << 30, 2)),
+        (8 << 30, (1 << 30, 3)),  # eight buffers' worth: a third buffer
+        (15 << 30, (1 << 30, 3)),
+    ],
+)
+def test_auto_size_is_half_the_model_within_bounds(total: int, expected: tuple[int, int]) -> None:
+    from hybridmem.ipc.bucket import auto_size
+
+    assert auto_size(total) == expected
+
+
+def test_for_tensors_sizes_the_bucket_by_the_model_and_passes_the_rest_on() -> None:
+    made: list[tuple[Any, ...]] = []
+
+    class Recorded(hm.WeightBucket):
+        def __init__(self, nbytes: int, device: Any = None, **kwargs: Any) -> None:
+            made.append((nbytes, device, kwargs))  # nothing allocated
+
+    model = {"embed": torch.empty(4 << 30, dtype=torch.uint8, device="meta")}
+    model["w"] = torch.empty(2 << 30, dtype=torch.bfloat16, device="meta")  # 4 GiB
+    Recorded.for_tensors(model, transport="fd", fallback="raise")
+    Recorded.for_tensors(list(model.items()), buffers=4)
+    Recorded.for_tensors({"small": torch.empty(10, device="meta")}, device=0)
+    assert made == [
+        (1 << 30, None, {"fallback": "raise", "buffers": 3, "transport": "fd"}),
+        (1 << 30, None, {"fallback": "auto", "buffers": 4, "transport": "auto"}),
+        (256 * MiB, 0, {"fallback": "auto", "buffers": 2, "transport": "auto"}),
+    ]
+    with pytest.raises(TypeError, match=r"'w' is a list: pass model.state_dict\(\)"):
+        Recorded.for_tensors({"w": [1, 2]})  # type: ignore[arg-type]
+
+
+def test_buffers_says_how_many_the_bucket_holds(cpu_as_device: list[int]) -> None:
+    with hm.WeightBucket(4 * KiB, buffers=3) as bucket:
+        assert bucket.buffers == 3
+        assert len(bucket.handle.exports) == 3

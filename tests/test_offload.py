@@ -192,6 +192,58 @@ def test_close_and_garbage_collection_unpin_once(cpu_as_device: list[int]) -> No
     assert cpu_as_device.count(-1) == 3
 
 
+def test_the_pool_is_exactly_sized_huge_page_memory_pinned_once(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #25: huge pages pin twice as fast; the size is exact, not a power of two."""
+    import mmap
+
+    from hybridmem._platform.host_memory import huge_page_region
+    from hybridmem.memory import offload
+
+    regions: list[mmap.mmap] = []
+
+    def region(nbytes: int) -> mmap.mmap | None:
+        made = offload_region(nbytes)
+        assert made is not None
+        regions.append(made)
+        return made
+
+    offload_region = huge_page_region
+    monkeypatch.setattr(offload, "huge_page_region", region)
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    for _ in range(3):
+        off.offload()
+        off.reload()
+    assert len(regions) == 1  # one pool, reused
+    assert cpu_as_device == [off.host_bytes] == [len(regions[0])]  # pinned once, all of it
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    off.close()
+    assert cpu_as_device.count(-1) == 1  # unpinned before it is unmapped
+    # where no anonymous mapping can be made, an ordinary allocation serves
+    monkeypatch.setattr(offload, "huge_page_region", lambda nbytes: None)
+    other = hm.Offloader(model, optimizer)
+    other.offload()
+    other.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    other.close()
+
+
+def test_huge_page_region_is_a_writable_mapping_of_the_size_asked() -> None:
+    from hybridmem._platform.host_memory import huge_page_region
+
+    region = huge_page_region(3 << 20)
+    if region is None:
+        pytest.skip("no anonymous mappings on this platform")
+    tensor = torch.frombuffer(region, dtype=torch.uint8)
+    assert tensor.numel() == 3 << 20
+    tensor.fill_(5)
+    assert region[123] == 5
+    del tensor
+
+
 def test_mixed_devices_are_an_error(cpu_as_device: list[int]) -> None:
     off = hm.Offloader(torch.zeros(4), torch.zeros(4, device="meta"))
     with pytest.raises(ValueError, match=r"several devices.*Use one Offloader per device"):

@@ -24,6 +24,7 @@ when this process still holds its end of the pipe (no EOF ever comes then).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import time
@@ -130,7 +131,10 @@ def word_unit(nbytes: int, offset: int = 0) -> tuple[int, torch.dtype]:
     A view as wider words needs the tensor's start in its storage on a word
     boundary too: a bf16 view at an odd element of a flat buffer is moved as int16.
     """
-    return next(u for u in UNITS if nbytes % u[0] == 0 and offset % u[0] == 0)
+    for unit in UNITS:  # a plain loop: called for every tensor of every sync
+        if nbytes % unit[0] == 0 and offset % unit[0] == 0:
+            return unit
+    return UNITS[-1]  # pragma: no cover - bytes divide everything
 
 
 def byte_offset(tensor: torch.Tensor) -> int:
@@ -139,17 +143,24 @@ def byte_offset(tensor: torch.Tensor) -> int:
 
 
 def flat_words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D view of ``dtype`` words."""
-    with torch.no_grad():
-        flat = tensor.view(-1)
-        if flat.dtype == dtype:
-            return flat
-        if flat.element_size() < torch.empty(0, dtype=dtype).element_size():
-            flat = flat.view(torch.uint8)  # bytes first: any dtype views as bytes
-        return flat.view(dtype)
+    """A contiguous tensor's bytes as a 1-D view of ``dtype`` words.
+
+    Called for every tensor of every sync on both sides, so it stays cheap:
+    ``detach()`` rather than a ``no_grad`` block (the view is outside autograd either
+    way, and an in-place copy into it is allowed), ``dtype.itemsize`` (torch 2.1+)
+    rather than an empty tensor to ask.
+    """
+    flat = tensor.detach().view(-1)
+    if flat.dtype == dtype:
+        return flat
+    if flat.element_size() < dtype.itemsize:
+        flat = flat.view(torch.uint8)  # bytes first: any dtype views as bytes
+    return flat.view(dtype)
 
 
+@functools.lru_cache(maxsize=64)
 def dtype_named(name: str) -> torch.dtype:
+    """The dtype a producer named (``"torch.bfloat16"``); cached: every entry asks."""
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"received an unknown dtype {name!r}: producer and receiver differ?")

@@ -23,6 +23,7 @@ import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.ipc import export as export_module
 from hybridmem.ipc import fd_server
+from tests.gpu.runner import settled_free
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -50,8 +51,9 @@ def _fds() -> int:
 
 
 def _used(index: int = 0) -> int:
-    free, total = torch.cuda.mem_get_info(index)
-    return int(total - free)
+    """Device memory in use, once no earlier process of this test run holds the GPU."""
+    free = settled_free(index)
+    return int(torch.cuda.mem_get_info(index)[1] - free)
 
 
 def _listening() -> int:

@@ -21,6 +21,7 @@ import torch.multiprocessing as tmp
 
 import hybridmem as hm
 from hybridmem import _torch
+from tests.gpu.runner import settled_free
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -159,6 +160,8 @@ def bucket_syncs(
     control, child_control = _ctx.Pipe()
     consumer = _ctx.Process(target=_consumer_bucket, args=(child_conn, child_control, syncs, True))
     consumer.start()
+    assert consumer.pid is not None
+    own = {consumer.pid}  # the one other process this scenario's samples count
     staging = hm.WeightBucket(bucket)
     conn.send(staging.handle)
     free: list[int] = []
@@ -174,8 +177,7 @@ def bucket_syncs(
         control.send({n: _checksum(t) for n, t in tensors.items()} if check else None)
         checked += int(check)
         assert control.recv() == ("done", step)
-        torch.cuda.synchronize()
-        free.append(torch.cuda.mem_get_info(device)[0])
+        free.append(settled_free(device, allowed=own))
     _, bad, consumer_device = control.recv()
     consumer.join(timeout=120)
     staging.close()

@@ -6,30 +6,16 @@ process-global; the scenario prints its facts as JSON and the test asserts on th
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import run_python
+from tests.gpu.runner import run_scenario
 
 pytestmark = pytest.mark.gpu
 
 USER_ENV = "max_split_size_mb:256,garbage_collection_threshold:0.6,roundup_power2_divisions:4"
 MiB = 1 << 20
-
-
-def run_scenario(name: str, module: str = "tests.gpu.scenarios", **env: str) -> dict[str, Any]:
-    result = run_python("-m", module, name, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    facts: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    out_dir = os.environ.get("OUT")
-    if out_dir:  # keep the raw facts for the issue note
-        with open(Path(out_dir) / "gpu_facts.jsonl", "a") as fh:
-            fh.write(json.dumps({"scenario": name, "env": env, "facts": facts}) + "\n")
-    return facts
 
 
 def test_a_segment_kind_follows_the_toggle() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_python
+from tests.gpu.runner import run_alone
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -28,7 +28,7 @@ def test_quick_bench_runs_every_strategy(tmp_path: Path) -> None:
     keep = os.environ.get("HYBRIDMEM_GPU_ARTIFACTS")
     folder = Path(keep) if keep else tmp_path
     out = folder / "bench.json"
-    done = run_python(
+    done = run_alone(
         "-m",
         "hybridmem.cli",
         "bench",

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.test_allocator_gpu import run_scenario
+from tests.gpu.runner import run_alone, run_scenario
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -130,9 +131,7 @@ def test_f_strangers_get_no_fd_and_are_logged() -> None:
 
 
 def test_the_example_runs_on_the_gpu() -> None:
-    from tests.helpers import REPO, run_python
-
-    result = run_python(str(REPO / "examples" / "expandable_sharing.py"))
+    result = run_alone(str(REPO / "examples" / "expandable_sharing.py"))
     print(result.stdout)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rollout read ('handle', 1048576.0)" in result.stdout

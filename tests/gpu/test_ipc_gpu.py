@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.test_allocator_gpu import run_scenario
+from tests.gpu.runner import run_scenario
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_python
+from tests.gpu.runner import run_alone
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ print(json.dumps({"events": len(events), "flagged": watch.flagged, "slope": watc
 
 def test_doctor_on_the_gpu() -> None:
     started = time.perf_counter()
-    done = run_python("-m", "hybridmem.cli", "doctor", "--json", timeout=120)
+    done = run_alone("-m", "hybridmem.cli", "doctor", "--json", timeout=120)
     seconds = time.perf_counter() - started
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
@@ -56,7 +56,7 @@ def test_doctor_on_the_gpu() -> None:
 
 
 def test_doctor_in_a_restricted_consumer() -> None:
-    done = run_python("-c", DOCTOR_RESTRICTED, timeout=120)
+    done = run_alone("-c", DOCTOR_RESTRICTED, timeout=120)
     assert done.returncode == 0, done.stderr
     ipc = json.loads(done.stdout)["ipc"]
     print(f"\nrestricted doctor ipc: {ipc}")
@@ -65,7 +65,7 @@ def test_doctor_in_a_restricted_consumer() -> None:
 
 
 def test_timeline_and_leak_watch_on_real_memory(tmp_path: Path) -> None:
-    done = run_python("-c", RECORD, str(tmp_path / "t"), timeout=300)
+    done = run_alone("-c", RECORD, str(tmp_path / "t"), timeout=300)
     assert done.returncode == 0, done.stderr
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts["flagged"]  # 64 MiB a cycle kept after sleep
@@ -79,6 +79,6 @@ def test_timeline_and_leak_watch_on_real_memory(tmp_path: Path) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         return  # the GPU machine may lack matplotlib; the CPU tests cover the plot
     out = tmp_path / "t.png"
-    plot = run_python("-m", "hybridmem.cli", "plot", str(tmp_path / "t.jsonl"), "-o", str(out))
+    plot = run_alone("-m", "hybridmem.cli", "plot", str(tmp_path / "t.jsonl"), "-o", str(out))
     assert plot.returncode == 0, plot.stderr
     assert out.stat().st_size > 20_000

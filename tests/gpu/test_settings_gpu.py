@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.test_allocator_gpu import MiB, run_scenario
+from tests.gpu.runner import run_scenario
+from tests.gpu.test_allocator_gpu import MiB
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import pytest
 
 from hybridmem.bench.engine_memory import available, preload_library
 from tests.gpu import TMS_REASON
-from tests.gpu.test_allocator_gpu import run_scenario
+from tests.gpu.runner import run_scenario
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20

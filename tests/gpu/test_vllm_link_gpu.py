@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_python
+from tests.gpu.runner import run_alone
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ def test_every_transport_delivers_whole_syncs_intact_and_memory_stays_flat(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "vllm_transfer.json"
-    result = run_python(
+    result = run_alone(
         "benchmarks/vllm_transfer.py",
         "--gib", "1", "--syncs", "3", "--bucket-mib", "64", "--check", "--json", str(out),
     )  # fmt: skip
