@@ -16,7 +16,9 @@ variable, CUDA IPC broken), 2 for bad command-line usage.
 ``hybridmem bench [--quick] [--cycles N] [--json F] [--plot F] [--timeline PREFIX]``
 runs a synthetic hybrid engine under four strategies on a GPU (see
 :mod:`hybridmem.bench`); exit 2 without one. ``hybridmem bench --from-json F...
-[--plot P]`` prints (and draws) saved results anywhere.
+[--plot P]`` prints (and draws) saved results anywhere. ``hybridmem bench --scale
+[GIB...]`` times the switch at trainer states of 8, 32 and 64 GiB against the
+pinned-copy ceiling, and plots time against size.
 """
 
 from __future__ import annotations
@@ -425,6 +427,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "allocations hold it (into --json; slower)",
     )
     bench.add_argument(
+        "--scale",
+        nargs="*",
+        type=float,
+        metavar="GIB",
+        help="the switch at model scale: trainer states of these sizes in GiB (default 8 32 "
+        "64), each strategy's switch seconds against the pinned-copy ceiling",
+    )
+    bench.add_argument(
         "--from-json",
         nargs="+",
         metavar="FILE",
@@ -445,6 +455,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         missing = [path for path in args.timeline if not os.path.exists(path)]
         first = f"cannot read timeline {missing[0]}: no such file; and " if missing else ""
         plot.error(f"{first}nothing to write: pass -o FILE.png, --trace FILE.json, or both")
+    if args.command == "bench" and args.scale is not None:
+        clash = [
+            flag
+            for flag, given in (
+                ("--quick", args.quick),
+                ("--from-json", args.from_json),
+                ("--timeline", args.timeline),
+                ("--anatomy", args.anatomy),
+            )
+            if given
+        ]
+        if clash:
+            parser.error(f"--scale runs plans of its own: leave out {', '.join(clash)}")
+        bad = [size for size in args.scale if not size > 0]
+        if bad:
+            parser.error(f"--scale sizes are GiB of trainer state (> 0), got {bad[0]:g}")
     if args.command == "bench" and args.cycles is not None and args.cycles < 2:
         parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
     problem = timeline_env_problem()
@@ -465,6 +491,18 @@ def _run(args: argparse.Namespace) -> int:
 
         if args.from_json:
             return bench_report(args.from_json, json_path=args.json_path, plot_path=args.plot_path)
+        if args.scale is not None:
+            from hybridmem.bench.scale import bench_scale
+
+            return bench_scale(
+                sizes=args.scale or None,
+                json_path=args.json_path,
+                plot_path=args.plot_path,
+                strategies=args.strategies,
+                cycles=args.cycles,
+                model=args.model,
+                engine=args.engine,
+            )
         return run_bench(
             quick=args.quick,
             json_path=args.json_path,

@@ -17,7 +17,11 @@ __all__ = [
     "choose_strategies",
     "handback_ratio",
     "plan",
+    "scale_plan",
 ]
+
+#: ``hybridmem bench --scale``'s trainer states (GiB of model + grads + AdamW), issue #25.
+SCALE_GIB = (8, 32, 64)
 
 #: The ways of switching that the bench compares (``tms`` needs torch_memory_saver).
 STRATEGIES = ("naive", "handrolled", "tms", "hybridmem")
@@ -126,6 +130,71 @@ def plan(
     )
 
 
+def scale_plan(
+    total_bytes: int,
+    state_gib: float,
+    *,
+    cycles: int | None = None,
+    model: str = "auto",
+    engine: str = "auto",
+) -> BenchPlan:
+    """A plan whose trainer state is ``state_gib`` GiB: the switch at model scale.
+
+    The model is widened with the state (``d_model`` 1024 below 400 M parameters,
+    2048 below 2.5 B, 4096 above) and its batches kept short (2 x 128-512 tokens, one
+    step per cycle), so that the activations stay small beside the state and what is
+    timed is the hand-over of the state. The rollout engine's KV cache takes half of
+    the device, as in :func:`plan`.
+
+    Args:
+        total_bytes: the device's memory.
+        state_gib: the trainer state's size in GiB (fp32 parameters, gradients and
+            two AdamW moments: 16 bytes per parameter); with the engine's weights (a
+            quarter of it) it must fit in 75% of the device (the KV cache wakes only
+            once the state is handed over).
+        cycles: cycles per strategy (default 4; at least 2).
+        model, engine: as for :func:`plan`.
+
+    Raises:
+        ValueError: a size the device cannot hold beside the KV cache.
+
+    Example:
+        >>> scale_plan(141 << 30, 8).state_bytes / 2**30  # doctest: +ELLIPSIS
+        7.9...
+    """
+    check_number("total_bytes", total_bytes, above=0)
+    check_number("state_gib", state_gib, above=0)
+    base = plan(total_bytes, quick=True, cycles=cycles, model=model, engine=engine)
+    state = int(state_gib * GiB)
+    # Training holds the state and the engine's fp32 weights (a quarter of it): with
+    # activations and contexts, three quarters of the device at most.
+    if state * 1.25 > total_bytes * 0.75:
+        raise ValueError(
+            f"a trainer state of {state_gib:g} GiB and the engine's weights (a quarter of "
+            f"it) do not fit in 75% of a {total_bytes / GiB:.0f} GiB device; the largest "
+            f"is {total_bytes * 0.6 / GiB:.0f} GiB: pass smaller sizes to --scale"
+        )
+    params = state // _STATE_BYTES_PER_PARAM
+    d_model = 1024 if params < 400e6 else 2048 if params < 2.5e9 else 4096
+    vocab = base.vocab
+    layers = max(2, (params - 2 * vocab * d_model) // (12 * d_model**2))
+    return BenchPlan(
+        d_model=d_model,
+        layers=int(layers),
+        heads=d_model // 128,
+        vocab=vocab,
+        batch=2,
+        seq_min=128,
+        seq_max=512,
+        train_steps=1,
+        cycles=cycles if cycles is not None else 4,
+        kv_fraction=base.kv_fraction,
+        bucket_bytes=base.bucket_bytes,
+        model=model,
+        engine=engine,
+    )
+
+
 def choose_strategies(requested: list[str] | None, *, tms: bool) -> tuple[list[str], str]:
     """The strategies to run (as asked, once each) and what was left out (or ``""``).
 
@@ -194,6 +263,9 @@ class Figures:
     anatomy: list[dict[str, Any]] = field(default_factory=list)
     #: per cycle, bytes the engine kept cached once asleep (outside paused regions).
     engine_cached_after_sleep: list[int] = field(default_factory=list)
+    #: the trainer state handed over each switch (parameters and optimizer state),
+    #: the ceiling's bytes: moving them at ``pinned_gbps`` is the fastest a switch is.
+    state_bytes: int = 0
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
@@ -203,6 +275,12 @@ class Figures:
             return ordered[len(ordered) // 2] if ordered else None
 
         ratios = [r / a for r, a in zip(self.peak_reserved, self.peak_allocated, strict=True) if a]
+        # One direction's bytes at the pinned copy rate measured in the same process.
+        ceiling = (
+            self.state_bytes / (self.pinned_gbps * 1e9)
+            if self.state_bytes and self.pinned_gbps
+            else None
+        )
         ratio = median(ratios)
         steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
         return {
@@ -225,6 +303,10 @@ class Figures:
             if len(steady) >= 2
             else None,
             "overhead_s": median(self.overhead_s),
+            "state_gib": self.state_bytes / GiB,
+            "ceiling_s": ceiling,
+            "to_rollout_over_ceiling": _over(median(self.to_rollout_s), ceiling),
+            "to_trainer_over_ceiling": _over(median(self.to_trainer_s), ceiling),
             "trainer_cached_mib": (
                 median([float(m["trainer_cached"]) for m in self.missing]) or 0.0
             )
@@ -243,3 +325,7 @@ class Figures:
             },
             "errors": self.errors,
         }
+
+
+def _over(seconds: float | None, ceiling: float | None) -> float | None:
+    return seconds / ceiling if seconds is not None and ceiling else None

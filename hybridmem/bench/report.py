@@ -11,11 +11,15 @@ from typing import Any
 
 __all__ = [
     "BASELINES",
+    "SCALE_TARGET",
     "TABLE_KEYS",
     "TARGETS",
+    "format_scale_table",
     "format_table",
     "noise",
     "plot_results",
+    "plot_scale",
+    "scale_verdicts",
     "verdicts",
 ]
 
@@ -239,6 +243,123 @@ def plot_results(rows: dict[str, dict[str, Any]], path: str) -> None:
     fig.suptitle(
         "hybridmem bench: " + ", ".join(f"{n} {rows[n].get('cycles')} cycles" for n in rows)
     )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+#: ``hybridmem bench --scale``: each switch within this factor of its ceiling (issue #25).
+SCALE_TARGET = 1.1
+
+
+def _scale_rows(size: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: r["summary"] for name, r in size["results"].items()}
+
+
+def format_scale_table(sizes: list[dict[str, Any]]) -> list[str]:
+    """Per trainer-state size, each strategy's switch times against the ceiling.
+
+    Args:
+        sizes: ``[{"state_gib": 8, "results": {strategy: {"summary": ...}}}, ...]``,
+            what ``hybridmem bench --scale --json`` saves under ``"scale"``.
+    """
+
+    def cell(value: Any, fmt: str) -> str:
+        return format(value, fmt) if isinstance(value, float | int) else "-"
+
+    lines: list[str] = []
+    for size in sizes:
+        rows = _scale_rows(size)
+        ceilings = [r["ceiling_s"] for r in rows.values() if r.get("ceiling_s")]
+        ceiling = sorted(ceilings)[len(ceilings) // 2] if ceilings else None
+        lines.append(
+            f"== {size['state_gib']:g} GiB of trainer state; ceiling "
+            f"{cell(ceiling, '.3f')} s each way (the state at the pinned copy rate)"
+        )
+        lines.append(
+            f"{'strategy':<12} {'to rollout s':>13} {'x ceiling':>10} {'to trainer s':>13} "
+            f"{'x ceiling':>10} {'hand-back':>10} {'drift MiB/c':>12}"
+        )
+        for name, row in rows.items():
+            errors = row.get("errors") or []
+            lines.append(
+                f"{name:<12} {cell(row.get('to_rollout_s'), '13.3f')} "
+                f"{cell(row.get('to_rollout_over_ceiling'), '10.2f')} "
+                f"{cell(row.get('to_trainer_s'), '13.3f')} "
+                f"{cell(row.get('to_trainer_over_ceiling'), '10.2f')} "
+                f"{cell(row.get('handback'), '10.4f')} "
+                f"{cell(row.get('drift_mib_per_cycle'), '12.1f')}"
+                + (f"  errors: {errors[0]}" if errors else "")
+            )
+    return lines
+
+
+def scale_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
+    """hybridmem's switch against :data:`SCALE_TARGET` x its ceiling, at every size."""
+    judged: list[str] = []
+    for size in sizes:
+        row = _scale_rows(size).get("hybridmem")
+        if row is None:
+            continue
+        for key, what in (
+            ("to_rollout_over_ceiling", "to rollout"),
+            ("to_trainer_over_ceiling", "to trainer"),
+        ):
+            ratio = row.get(key)
+            if not isinstance(ratio, float | int):
+                judged.append(f"{size['state_gib']:g} GiB {what}: not measured")
+                continue
+            verdict = "met" if ratio <= SCALE_TARGET else "NOT met"
+            judged.append(
+                f"{size['state_gib']:g} GiB {what}: {ratio:.2f}x the ceiling "
+                f"(target <= {SCALE_TARGET}x): {verdict}"
+            )
+    return judged
+
+
+def plot_scale(sizes: list[dict[str, Any]], path: str) -> None:
+    """Seconds per switch against the state's size: a line per strategy, the ceiling dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gib = [float(size["state_gib"]) for size in sizes]
+    names = list(dict.fromkeys(n for size in sizes for n in size["results"]))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in (
+        (axes[0], "to_rollout_s", "to rollout (trainer state out)"),
+        (axes[1], "to_trainer_s", "to trainer (trainer state back)"),
+    ):
+        for name in names:
+            points = [
+                (g, _scale_rows(size)[name].get(key))
+                for g, size in zip(gib, sizes, strict=True)
+                if name in size["results"]
+            ]
+            xs = [x for x, y in points if isinstance(y, float | int)]
+            ys = [y for _, y in points if isinstance(y, float | int)]
+            ax.plot(xs, ys, marker="o", label=name, color=_COLOURS.get(name, "#888888"))
+        ceilings = []
+        for g, size in zip(gib, sizes, strict=True):
+            values = sorted(
+                r["ceiling_s"] for r in _scale_rows(size).values() if r.get("ceiling_s")
+            )
+            if values:
+                ceilings.append((g, values[len(values) // 2]))
+        if ceilings:
+            ax.plot(
+                [c[0] for c in ceilings],
+                [c[1] for c in ceilings],
+                ls="--",
+                color="#333333",
+                label="ceiling (bytes / pinned rate)",
+            )
+        ax.set_xlabel("trainer state, GiB (model + grads + AdamW)")
+        ax.set_ylabel("seconds")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle("hybridmem bench --scale")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -198,14 +198,14 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     )
     figures.model = model_name
     figures.engine = engine_name
-    figures.pinned_gbps = _pinned_ceiling(
-        sum(
-            t.nbytes
-            for s in optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor)
-        )
+    optimizer_bytes = sum(
+        t.nbytes
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
     )
+    figures.state_bytes = optimizer_bytes + sum(t.nbytes for t in model.parameters())
+    figures.pinned_gbps = _pinned_ceiling(optimizer_bytes)
     recording = record(timeline, process="trainer") if timeline else contextlib.nullcontext()
     with recording:
         for cycle in range(p.cycles):
@@ -282,7 +282,9 @@ def _pinned_ceiling(nbytes: int) -> float:
     """Device-to-host GB/s into pinned memory for ``nbytes`` (the offload ceiling)."""
     import torch
 
-    nbytes = max(nbytes, 1 << 20)
+    # A rate, not a size: up to 2 GiB measures it (the copy engine is at speed long
+    # before), and the scale plan's 32 GiB of moments would pin as much host memory.
+    nbytes = min(max(nbytes, 1 << 20), 2 << 30)
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.copy_(device)
@@ -300,7 +302,12 @@ def _bar(name: str, done: int, total: int) -> str:
     return f"\r{name:<11} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
 
 
-def _child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
+def child_run(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
+    """Run strategy ``name`` with plan ``p`` in a child process; return its figures.
+
+    A progress bar goes to stderr; a child that fails returns a summary holding
+    its last stderr lines as ``errors`` (the bench goes on with the next one).
+    """
     import os
 
     from hybridmem.bench.engine_memory import not_preloaded, preloaded
@@ -362,10 +369,10 @@ def bench(
     """
     from hybridmem import _torch
 
-    if plot_path and not _has_matplotlib():
-        print(_NO_MATPLOTLIB, file=sys.stderr)
+    if plot_path and not has_matplotlib():
+        print(NO_MATPLOTLIB, file=sys.stderr)
         return 2
-    problem = _outputs_problem(json_path, plot_path, timeline)
+    problem = outputs_problem(json_path, plot_path, timeline)
     if problem:  # before a run of minutes, not after it
         print(f"hybridmem bench: {problem}", file=sys.stderr)
         return 2
@@ -406,7 +413,7 @@ def bench(
         f"model {p.model}, engine {engine_kind}"
     )
     started = time.perf_counter()
-    results = {name: _child(name, p, timeline) for name in strategies}
+    results = {name: child_run(name, p, timeline) for name in strategies}
     rows = {name: r["summary"] for name, r in results.items()}
     print("\n" + "\n".join(format_table(rows)))
     judged = verdicts(rows, {name: r.get("raw") for name, r in results.items()})
@@ -450,7 +457,7 @@ def load_results(path: str) -> dict[str, Any]:
     return result
 
 
-def _outputs_problem(json_path: str | None, plot_path: str | None, timeline: str | None) -> str:
+def outputs_problem(json_path: str | None, plot_path: str | None, timeline: str | None) -> str:
     """What is wrong with the output paths, checked before any work ('' if nothing)."""
     try:
         if json_path:
@@ -464,13 +471,13 @@ def _outputs_problem(json_path: str | None, plot_path: str | None, timeline: str
     return ""
 
 
-_NO_MATPLOTLIB = (
+NO_MATPLOTLIB = (
     "--plot needs matplotlib: pip install 'hybridmem[plot]' (or save --json here and "
     "draw it elsewhere with `hybridmem bench --from-json FILE --plot out.png`)"
 )
 
 
-def _has_matplotlib() -> bool:
+def has_matplotlib() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("matplotlib") is not None
@@ -483,10 +490,10 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
     strategies run separately, e.g. with different ``--cycles``, compare in one table.
     No GPU needed.
     """
-    if plot_path and not _has_matplotlib():
-        print(_NO_MATPLOTLIB, file=sys.stderr)
+    if plot_path and not has_matplotlib():
+        print(NO_MATPLOTLIB, file=sys.stderr)
         return 2
-    problem = _outputs_problem(json_path, plot_path, None)
+    problem = outputs_problem(json_path, plot_path, None)
     if problem:
         print(f"hybridmem bench: {problem}", file=sys.stderr)
         return 2

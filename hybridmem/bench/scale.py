@@ -1,0 +1,107 @@
+"""``hybridmem bench --scale``: the switch at trainer states of 8, 32 and 64 GiB.
+
+Each size runs every strategy (each in its own process, as ``hybridmem bench`` does)
+with :func:`hybridmem.bench.plan.scale_plan`, and reports its to-rollout and
+to-trainer seconds against the ceiling measured in the same process (the state's
+bytes at the pinned copy rate), the hand-back and the drift (issue #25).
+
+Scope: starts processes on the current device, one at a time; needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridmem.bench.plan import SCALE_GIB, choose_strategies, scale_plan
+from hybridmem.bench.report import format_scale_table, plot_scale, scale_verdicts
+
+__all__ = ["bench_scale"]
+
+GiB = 2**30
+
+
+def bench_scale(
+    *,
+    sizes: list[float] | None,
+    json_path: str | None,
+    plot_path: str | None,
+    strategies: list[str] | None,
+    cycles: int | None = None,
+    model: str = "auto",
+    engine: str = "auto",
+) -> int:
+    """Run the strategies at each trainer-state size; print the table and verdicts; exit code.
+
+    Args:
+        sizes: trainer states in GiB (None: ``SCALE_GIB``, 8, 32 and 64).
+        json_path: write ``{"scale": [{"state_gib", "plan", "results"}...], "verdicts"}``.
+        plot_path: seconds per switch against size, a line per strategy (matplotlib).
+        strategies, cycles, model, engine: as for :func:`hybridmem.bench.run.bench`
+            (cycles default to 4 per size).
+
+    Returns:
+        0, or 2 for misuse (no GPU, a size the device cannot hold, a bad path),
+        said in one line before anything runs.
+
+    Example:
+        >>> bench_scale(sizes=[8], json_path="scale.json", plot_path=None,
+        ...             strategies=None)  # doctest: +SKIP
+    """
+    from hybridmem import _torch
+    from hybridmem.bench.run import NO_MATPLOTLIB, child_run, has_matplotlib, outputs_problem
+
+    if plot_path and not has_matplotlib():
+        print(NO_MATPLOTLIB, file=sys.stderr)
+        return 2
+    problem = outputs_problem(json_path, plot_path, None)
+    if problem:
+        print(f"hybridmem bench: {problem}", file=sys.stderr)
+        return 2
+    if not _torch.cuda_available():
+        print("hybridmem bench needs a CUDA GPU (none is visible here)", file=sys.stderr)
+        return 2
+    import torch
+
+    from hybridmem._devices import device_index
+    from hybridmem.bench.engine_memory import available, preload_library, resolve
+
+    total = torch.cuda.get_device_properties(device_index(None)).total_memory
+    try:
+        engine_kind = resolve(engine)
+        chosen, skipped = choose_strategies(
+            strategies, tms=available() and preload_library() is not None
+        )
+        plans = [
+            (g, scale_plan(int(total), g, cycles=cycles, model=model, engine=engine_kind))
+            for g in (sizes or list(SCALE_GIB))
+        ]
+    except (RuntimeError, ValueError) as exc:  # before a run of many minutes, not after
+        print(f"hybridmem bench: {exc}", file=sys.stderr)
+        return 2
+    if skipped:
+        print(f"bench: {skipped}", file=sys.stderr)
+    started = time.perf_counter()
+    measured: list[dict[str, Any]] = []
+    for gib, p in plans:
+        print(
+            f"bench --scale: {gib:g} GiB of trainer state ({p.params / 1e9:.2f} B parameters, "
+            f"d_model {p.d_model} x {p.layers} layers), {p.cycles} cycles, engine {engine_kind}"
+        )
+        results = {name: child_run(name, p, None) for name in chosen}
+        measured.append({"state_gib": gib, "plan": p.as_dict(), "results": results})
+    judged = scale_verdicts(measured)
+    print("\n" + "\n".join(format_scale_table(measured)))
+    print("\n" + "\n".join(judged))
+    print(f"\nbench --scale took {time.perf_counter() - started:.0f} s")
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps({"scale": measured, "verdicts": judged}, indent=2, default=str)
+        )
+    if plot_path:
+        plot_scale(measured, plot_path)
+        print(f"wrote {plot_path}")
+    return 0

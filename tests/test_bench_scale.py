@@ -1,0 +1,156 @@
+"""``hybridmem bench --scale``: the plans, the ceiling ratios, the table, the plot, the CLI.
+
+The runs themselves need a GPU; here every child is faked and everything else is real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hybridmem import _torch
+from hybridmem.bench import run as bench_run
+from hybridmem.bench.plan import SCALE_GIB, BenchPlan, scale_plan
+from hybridmem.bench.report import format_scale_table, plot_scale, scale_verdicts
+from hybridmem.cli import main
+from tests.test_bench import figures
+
+GiB = 2**30
+H200 = 141 * GiB
+
+
+@pytest.mark.parametrize(("gib", "d_model"), [(8, 2048), (32, 2048), (64, 4096)])
+def test_scale_plans_hold_the_asked_trainer_state(gib: int, d_model: int) -> None:
+    p = scale_plan(H200, gib)
+    assert abs(p.state_bytes / GiB - gib) / gib < 0.01  # within 1% of the size asked
+    assert (p.d_model, p.heads * 128) == (d_model, d_model)
+    assert (p.batch, p.seq_max, p.train_steps, p.cycles) == (2, 512, 1, 4)
+    assert p.kv_fraction == 0.5
+    assert scale_plan(H200, gib, cycles=7).cycles == 7
+
+
+def test_a_scale_the_device_cannot_hold_is_refused_with_the_largest_that_fits() -> None:
+    assert tuple(SCALE_GIB) == (8, 32, 64)
+    with pytest.raises(ValueError, match=r"100 GiB .* the largest is 85 GiB: pass smaller"):
+        scale_plan(H200, 100)
+    with pytest.raises(ValueError, match="state_gib must be > 0"):
+        scale_plan(H200, 0)
+    with pytest.raises(ValueError, match="cycles must be >= 2"):
+        scale_plan(H200, 8, cycles=1)
+
+
+def test_the_summary_puts_each_switch_against_the_ceiling_of_its_own_run() -> None:
+    row = figures("hybridmem", state_bytes=54 * 10**9 // 2, pinned_gbps=54.0).summary()
+    assert row["ceiling_s"] == pytest.approx(0.5)  # 27 GB at 54 GB/s
+    assert row["to_rollout_over_ceiling"] == pytest.approx(1.0)  # 0.5 s
+    assert row["to_trainer_over_ceiling"] == pytest.approx(0.6)  # 0.3 s
+    unknown = figures("naive").summary()  # no state measured: no ratio, not a crash
+    assert unknown["ceiling_s"] is None
+    assert unknown["to_rollout_over_ceiling"] is None
+
+
+def _size(gib: float, slow: float) -> dict[str, Any]:
+    """Saved results for one size: hybridmem at the ceiling x ``slow``, handrolled 2x."""
+    state = int(gib * GiB)
+    ceiling = state / 54e9
+    results = {
+        name: {
+            "summary": figures(
+                name,
+                state_bytes=state,
+                to_rollout_s=[ceiling * factor] * 4,
+                to_trainer_s=[ceiling * factor] * 4,
+            ).summary()
+        }
+        for name, factor in (("handrolled", 2.0), ("hybridmem", slow))
+    }
+    return {"state_gib": gib, "plan": {}, "results": results}
+
+
+def test_the_table_and_verdicts_say_which_sizes_meet_the_target() -> None:
+    sizes = [_size(8, 1.05), _size(64, 1.3)]
+    table = "\n".join(format_scale_table(sizes))
+    assert "== 8 GiB of trainer state; ceiling 0.159 s each way" in table
+    assert "handrolled" in table
+    assert "2.00" in table  # handrolled: twice the ceiling
+    judged = scale_verdicts(sizes)
+    assert judged[0] == "8 GiB to rollout: 1.05x the ceiling (target <= 1.1x): met"
+    assert judged[3] == "64 GiB to trainer: 1.30x the ceiling (target <= 1.1x): NOT met"
+
+
+def test_the_scale_plot_is_a_non_trivial_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "scale.png"
+    plot_scale([_size(8, 1.0), _size(32, 1.05), _size(64, 1.1)], str(out))
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG")
+    assert len(data) > 20_000
+
+
+def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import torch
+
+    from hybridmem.bench import engine_memory
+
+    ran: list[tuple[str, float]] = []
+
+    def child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
+        assert timeline is None
+        ran.append((name, round(p.state_bytes / GiB)))
+        return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
+
+    monkeypatch.setattr(_torch, "cuda_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=H200)
+    )
+    monkeypatch.setattr("hybridmem._devices.device_index", lambda device: 0)
+    monkeypatch.setattr(engine_memory, "resolve", lambda engine: "handmade")
+    monkeypatch.setattr(engine_memory, "available", lambda: False)
+    monkeypatch.setattr(bench_run, "child_run", child)
+    out = tmp_path / "scale.json"
+    code = main(["bench", "--scale", "8", "32", "--json", str(out), "--cycles", "3"])
+    assert code == 0
+    assert ran == [(n, g) for g in (8, 32) for n in ("naive", "handrolled", "hybridmem")]
+    saved = json.loads(out.read_text())
+    assert [s["state_gib"] for s in saved["scale"]] == [8, 32]
+    assert saved["scale"][0]["plan"]["cycles"] == 3
+    assert any("8 GiB to rollout" in v for v in saved["verdicts"])
+    printed = capsys.readouterr()
+    assert "== 32 GiB of trainer state" in printed.out
+    assert "strategy tms skipped" in printed.err
+    # a size that cannot fit is refused before anything runs
+    ran.clear()
+    assert main(["bench", "--scale", "8", "200"]) == 2
+    assert ran == []
+    assert "200 GiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--scale", "8", "--quick"], "--scale runs plans of its own: leave out --quick"),
+        (["--scale", "--timeline", "t"], "leave out --timeline"),
+        (["--scale", "-1"], "--scale sizes are GiB of trainer state (> 0), got -1"),
+    ],
+)
+def test_scale_misuse_is_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_scale_without_a_gpu_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_torch, "cuda_available", lambda: False)
+    assert main(["bench", "--scale"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
