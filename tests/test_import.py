@@ -64,3 +64,30 @@ def test_py_typed_is_shipped() -> None:
     import hybridmem
 
     assert (Path(hybridmem.__file__).parent / "py.typed").exists()
+
+
+def test_the_face_is_one_table_written_three_ways_that_cannot_drift() -> None:
+    """``__all__``, the lazy map and the ``TYPE_CHECKING`` imports name the same things.
+
+    The map is what loads a name; the ``TYPE_CHECKING`` block is what type checkers
+    see (they cannot follow ``__getattr__``); ``__all__`` is what is exported (a
+    literal, as type checkers need it). A name added to one but not the others would
+    load but not type-check, or type-check but not load (issue #27).
+    """
+    import ast
+
+    import hybridmem
+
+    source = Path(hybridmem.__file__).read_text()
+    typed: dict[str, str] = {}
+    for statement in ast.parse(source).body:
+        if isinstance(statement, ast.If) and ast.unparse(statement.test) == "TYPE_CHECKING":
+            for node in ast.walk(statement):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    typed.update({alias.name: node.module for alias in node.names})
+    lazy = vars(hybridmem)["_LAZY"]
+    assert typed == lazy  # the same names, each from the same module
+    assert sorted(hybridmem.__all__) == hybridmem.__all__  # sorted, as the style asks
+    assert set(hybridmem.__all__) == {*lazy, "__version__"}
+    for name, module in lazy.items():  # and each loads from where the map says
+        assert getattr(hybridmem, name) is getattr(__import__(module, fromlist=[name]), name)

@@ -106,7 +106,7 @@ def _leak(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -> None:
 # (file, function) of each call site -> what a user does that reaches it.
 TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("_env.py", "parse_flag"): _disable_flag,
-    ("_scope.py", "wrapper"): _generator_returned,
+    ("_scope/functions.py", "wrapper"): _generator_returned,
     ("allocator/state.py", "_parse_env"): _env_ignored,
     ("allocator/state.py", "_parse_env#2"): _env_misread,
     ("allocator/state.py", "_check_can_apply"): _no_setter,
