@@ -271,3 +271,60 @@ def test_bad_step_arguments_fail_when_the_phase_is_made(
 def test_bad_wait_timeout() -> None:
     with pytest.raises(ValueError, match="timeout_s must be a number >= 0"):
         hm.phase("sleep", backend="sglang", await_free={"timeout_s": -1})
+
+
+def test_a_phase_takes_what_release_cache_takes_and_refuses_what_it_refuses(
+    fake_gpu: FakeTorch,
+) -> None:
+    """Issue #27: each step is checked by its primitive's own checker, once."""
+    with hm.expandable_segments(True):
+        fake_gpu.events.clear()
+        with hm.phase("wake_up", backend="vllm", release_cache={"collect_garbage": "young"}):
+            pass
+    assert "gc:1" in fake_gpu.events  # release_cache's young pass, as the primitive does it
+    assert "gc" not in fake_gpu.events
+    with pytest.raises(TypeError, match=r"release_cache\.collect_garbage must be True, False or"):
+        hm.phase("wake_up", backend="vllm", release_cache={"collect_garbage": "old"})
+    with pytest.raises(ValueError, match=r"timeout_s must be a number >= 0"):
+        hm.phase("sleep", backend="sglang", await_free={"timeout_s": -1})
+    with pytest.raises(ValueError, match="timeout_s must be a number >= 0"):
+        phases.await_free(timeout_s=-1)  # the primitive refuses the same
+
+
+def test_a_phase_is_checked_once_and_entering_again_reruns_only_its_steps(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[str] = []
+    original = phases._Prepared.__init__
+
+    def counting(self: Any, step: Any, where: str) -> None:
+        made.append(step.name)
+        original(self, step, where)
+
+    monkeypatch.setattr(phases._Prepared, "__init__", counting)
+    wake = hm.phase("wake_up", backend="vllm")
+    assert made == [s.name for s in wake.steps]
+    for _ in range(3):
+        fake_gpu.events.clear()
+        with wake:
+            assert not expandable()
+        assert fake_gpu.events.count("empty_cache") >= 1  # the steps ran each time
+    with wake, wake:  # re-entrant, as every scope
+        assert not expandable()
+    assert len(made) == len(wake.steps)  # and nothing was built or checked again
+
+
+def test_entering_passes_the_garbage_policy_without_rebuilding(fake_gpu: FakeTorch) -> None:
+    wake = hm.phase("wake_up", backend="vllm")
+    fake_gpu.events.clear()
+    with wake.entering(collect_garbage=False):
+        assert not expandable()
+    assert "gc" not in fake_gpu.events
+    assert "empty_cache" in fake_gpu.events  # the release itself still ran
+    fake_gpu.events.clear()
+    with wake.entering():  # None: as the recipe says
+        pass
+    assert "gc" in fake_gpu.events
+    assert "entering(collect_garbage=False)" in repr(wake.entering(collect_garbage=False))
+    with pytest.raises(TypeError, match="collect_garbage must be True or False"):
+        wake.entering(collect_garbage="young")  # type: ignore[arg-type]

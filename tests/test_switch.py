@@ -765,3 +765,26 @@ def test_an_offload_that_fails_twice_is_reloaded_by_the_recovery(
     after = list(model.parameters())
     assert all(p.untyped_storage().nbytes() > 0 for p in after)  # before reading them
     assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_a_switch_builds_its_phases_once(
+    trainer: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #27: built in __init__, entered every cycle; the garbage policy at entry."""
+    from hybridmem.engine import phases
+
+    built: list[str] = []
+    original = phases.Phase.__init__
+
+    def counting(self: Any, name: str, backend: Any, overrides: Any) -> None:
+        built.append(name)
+        original(self, name, backend, overrides)
+
+    monkeypatch.setattr(phases.Phase, "__init__", counting)
+    switch = hm.HybridSwitch(hm.VLLMEngine(FakeVLLM([], trainer)), "vllm", barrier=None)
+    assert sorted(built) == ["rollout", "sleep", "wake_up", "weight_sync"]
+    for _ in range(3):
+        with switch.rollout():
+            pass
+    assert len(built) == 4  # three cycles, no phase built again
+    assert len(switch.reports) == 6  # each cycle: to rollout and back

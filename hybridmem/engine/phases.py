@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
@@ -15,10 +15,10 @@ from hybridmem._scope import ScopedContext
 from hybridmem.allocator import ExpandableSegments
 from hybridmem.engine.backends.registry import BackendProfile, Step, canonical_phase, get_backend
 from hybridmem.ipc.shareable import IpcSafe
-from hybridmem.memory.release import release_cache
+from hybridmem.memory.release import check_release_args, release_cache
 from hybridmem.observe import timeline as _timeline
 
-__all__ = ["Phase", "await_free", "await_free_async", "phase"]
+__all__ = ["Phase", "await_free", "await_free_async", "check_wait", "phase"]
 
 POLL_S = 0.01  # how often free memory is read while waiting for it
 
@@ -51,6 +51,7 @@ def await_free(
     ``tolerance`` bytes, or ``timeout_s`` passes. Returns ``(free bytes, seconds)``.
     Does nothing (returns ``(0, 0.0)``) when CUDA is not initialised.
     """
+    check_wait(timeout_s)
     index = device if device is not None else _torch.current_device()
     if index is None:
         return 0, 0.0
@@ -63,11 +64,17 @@ def await_free(
 
 async def await_free_async(device: int | None, timeout_s: float) -> None:
     """:func:`await_free` for async code: polls with ``asyncio.sleep``, never blocking."""
+    check_wait(timeout_s)
     index = device if device is not None else _torch.current_device()
     if index is None:
         return
     for _ in _polls(index, timeout_s, _TOLERANCE, []):
         await asyncio.sleep(POLL_S)
+
+
+def check_wait(timeout_s: object) -> None:
+    """Refuse what :func:`await_free` refuses (its own checker: a phase's step uses it too)."""
+    check_number("timeout_s", timeout_s, minimum=0, wrong_type=ValueError, expected="a number >= 0")
 
 
 def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: str) -> list[Step]:
@@ -101,64 +108,72 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
     return steps
 
 
-def _scope(step: Step) -> ScopedContext:
-    """A fresh scope for ``step`` (the primitives check the argument types)."""
-    args = dict(step.args)
-    if step.action == "expandable_segments":
-        return ExpandableSegments(
-            args.get("enabled", False),
-            release_cache=args.get("release_cache", True),
-            force=args.get("force", False),
-        )
-    return IpcSafe(fallback=args.get("fallback", "auto"))
+class _Prepared:
+    """One step of a phase, built and checked once: a scope to enter, or an action to run.
 
+    Each argument is checked by its primitive's own checker (``ExpandableSegments`` and
+    ``IpcSafe`` by their constructors, ``release_cache``'s and ``await_free``'s by
+    theirs), so a phase accepts exactly what the primitive accepts (issue #27).
+    """
 
-def _check(step: Step, where: str) -> None:
-    """Refuse bad step arguments when the phase is made, not when it is entered."""
-    if step.when == "scope":
-        _scope(step)
-    elif step.action == "release_cache":
-        for flag in ("sync", "collect_garbage", "ipc_collect"):
-            check_bool(f"{where}: {step.name}.{flag}", step.args.get(flag, True))
-    elif step.action == "await_free":
-        timeout = step.args.get("timeout_s", 5.0)
-        check_number(
-            f"{where}: {step.name}.timeout_s",
-            timeout,
-            minimum=0,
-            wrong_type=ValueError,
-            expected="a number >= 0",
-        )
+    def __init__(self, step: Step, where: str) -> None:
+        self.step = step
+        args = dict(step.args)
+        self.args = args
+        self.scope: ScopedContext | None = None
+        try:
+            if step.when == "scope":
+                if step.action == "expandable_segments":
+                    self.scope = ExpandableSegments(
+                        args.get("enabled", False),
+                        release_cache=args.get("release_cache", True),
+                        force=args.get("force", False),
+                    )
+                else:
+                    self.scope = IpcSafe(fallback=args.get("fallback", "auto"))
+            elif step.action == "release_cache":
+                check_release_args(
+                    args.get("sync", True),
+                    args.get("collect_garbage", True),
+                    args.get("ipc_collect", True),
+                )
+            elif step.action == "await_free":
+                check_wait(args.get("timeout_s", 5.0))
+        except (TypeError, ValueError) as exc:  # say which phase and step, keep the type
+            # "phase('sleep', backend='vllm'): release_cache.collect_garbage must be ..."
+            raise type(exc)(f"{where}: {step.name}.{exc}") from None
 
-
-def _action(step: Step) -> Callable[[], None]:
-    args = dict(step.args)
-
-    def release() -> None:
-        release_cache(
-            args.get("device"),
-            sync=bool(args.get("sync", True)),
-            collect_garbage=bool(args.get("collect_garbage", True)),
-            ipc_collect=bool(args.get("ipc_collect", True)),
-        )
-
-    def settle() -> None:
-        await_free(args.get("device"), timeout_s=args.get("timeout_s", 5.0))
-
-    def move() -> None:
-        offloader = args.get("offloader")
-        if offloader is None:
-            logger.debug("phase step %s skipped: no offloader given", step.name)
-        elif step.action == "offload":
-            offloader.offload(args.get("groups"))
+    def run(self, collect_garbage: bool | None) -> None:
+        """Run the action (``collect_garbage``, if given, overrides a release's own)."""
+        args, action = self.args, self.step.action
+        if action == "release_cache":
+            release_cache(
+                args.get("device"),
+                sync=args.get("sync", True),
+                collect_garbage=args.get("collect_garbage", True)
+                if collect_garbage is None
+                else collect_garbage,
+                ipc_collect=args.get("ipc_collect", True),
+            )
+        elif action == "await_free":
+            await_free(args.get("device"), timeout_s=args.get("timeout_s", 5.0))
         else:
-            offloader.reload(args.get("groups"))
-
-    return {"release_cache": release, "await_free": settle}.get(step.action, move)
+            offloader = args.get("offloader")
+            if offloader is None:
+                logger.debug("phase step %s skipped: no offloader given", self.step.name)
+            elif action == "offload":
+                offloader.offload(args.get("groups"))
+            else:
+                offloader.reload(args.get("groups"))
 
 
 class Phase(ScopedContext):
-    """A phase of a hybrid engine, composed from its backend's recipe (see :func:`phase`)."""
+    """A phase of a hybrid engine, composed from its backend's recipe (see :func:`phase`).
+
+    Built once: the name canonicalised, the recipe looked up, every step's arguments
+    checked and its scope made. Entering it again (it is re-entrant, as every scope
+    is) re-runs the steps, not the checks; :meth:`entering` passes per-use options.
+    """
 
     def __init__(
         self, name: str, backend: str | BackendProfile | None, overrides: Mapping[str, object]
@@ -167,43 +182,64 @@ class Phase(ScopedContext):
         self.name = canonical_phase(name)
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         where = f"phase({self.name!r}, backend={self.profile.name!r})"
-        self.steps = tuple(_resolve(self.profile.recipe(self.name), overrides, where))
-        for step in self.steps:
-            _check(step, where)
+        # Registration keyed the recipes by canonical name: no second canonicalisation.
+        recipe = self.profile.recipes.get(self.name, ())
+        self.steps = tuple(_resolve(recipe, overrides, where))
+        self._prepared = tuple(_Prepared(step, where) for step in self.steps)
         self._label = where
 
     def __repr__(self) -> str:
         return self._label
 
+    def entering(self, *, collect_garbage: bool | None = None) -> ScopedContext:
+        """This phase with per-use options, for one ``with`` (nothing is rebuilt).
+
+        Args:
+            collect_garbage: False: the recipe's cache releases skip Python's garbage
+                collector this time (a :class:`~hybridmem.HybridSwitch` whose garbage
+                policy says so); None: as the recipe says.
+
+        Example:
+            >>> with hm.phase("sleep").entering(collect_garbage=False):  # doctest: +SKIP
+            ...     engine.sleep()
+        """
+        if collect_garbage is not None:
+            check_bool("collect_garbage", collect_garbage)
+        return _PhaseUse(self, collect_garbage)
+
     def _enter(self) -> object:
+        return self._open(None)
+
+    def _open(self, collect_garbage: bool | None) -> object:
         entered: list[ScopedContext] = []
         try:
-            for step in self.steps:
-                if step.when == "enter":
-                    _action(step)()
-                elif step.when == "scope":
-                    scope = _scope(step)
-                    scope.__enter__()
-                    entered.append(scope)
+            for prepared in self._prepared:
+                if prepared.step.when == "enter":
+                    prepared.run(collect_garbage)
+                elif prepared.scope is not None:
+                    prepared.scope.__enter__()
+                    entered.append(prepared.scope)
         except BaseException as exc:
             for scope in reversed(entered):
                 scope.__exit__(type(exc), exc, exc.__traceback__)
             raise
         logger.debug("%s entered (%d steps)", self._label, len(self.steps))
-        return entered, _timeline.begin(f"phase:{self.name}", "phase", backend=self.profile.name)
+        span = _timeline.begin(f"phase:{self.name}", "phase", backend=self.profile.name)
+        return entered, span, collect_garbage
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
         self._leave(token, exc, skip_waits=False)
 
     def _leave(self, token: object, exc: BaseException | None, *, skip_waits: bool) -> None:
-        entered, span = cast(tuple[list[ScopedContext], Any], token)
+        entered, span, collect_garbage = cast(tuple[list[ScopedContext], Any, "bool | None"], token)
         errors: list[BaseException] = []
         # Exit actions run first (in reverse recipe order), inside the phase's scopes.
-        for step in reversed(self.steps):
+        for prepared in reversed(self._prepared):
+            step = prepared.step
             if step.when != "exit" or (skip_waits and step.action == "await_free"):
                 continue
             try:
-                _action(step)()
+                prepared.run(collect_garbage)
             except Exception as error:  # keep going: the scopes must still be restored
                 errors.append(error)
         for scope in reversed(entered):
@@ -223,6 +259,27 @@ class Phase(ScopedContext):
             if step.when == "exit" and step.action == "await_free":
                 await await_free_async(step.args.get("device"), step.args.get("timeout_s", 5.0))
         self._leave(token, exc, skip_waits=True)
+
+
+class _PhaseUse(ScopedContext):
+    """One use of a built :class:`Phase` with per-use options (see :meth:`Phase.entering`)."""
+
+    def __init__(self, phase: Phase, collect_garbage: bool | None) -> None:
+        super().__init__()
+        self.phase = phase
+        self.collect_garbage = collect_garbage
+
+    def __repr__(self) -> str:
+        return f"{self.phase!r}.entering(collect_garbage={self.collect_garbage!r})"
+
+    def _enter(self) -> object:
+        return self.phase._open(self.collect_garbage)
+
+    def _exit(self, token: object, exc: BaseException | None) -> None:
+        self.phase._exit(token, exc)
+
+    async def _aexit(self, token: object, exc: BaseException | None) -> None:
+        await self.phase._aexit(token, exc)
 
 
 def phase(name: str, backend: str | BackendProfile | None = None, **overrides: object) -> Phase:

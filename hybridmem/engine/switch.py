@@ -39,6 +39,7 @@ from hybridmem._devices import DeviceArg, device_index
 from hybridmem._errors import HybridSwitchError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
+from hybridmem._scope import ScopedContext
 from hybridmem.engine import phases
 from hybridmem.engine.backends.adapters import EngineAdapter, call_sync
 from hybridmem.engine.backends.registry import BackendProfile, get_backend
@@ -136,12 +137,16 @@ class _Stage:
     span: Any
 
 
+#: The phases a switch runs, in its stages' order.
+_STAGE_PHASES = ("wake_up", "weight_sync", "rollout", "sleep")
+
+
 @dataclass
 class _State:
     offloaded: bool = False
     weights: bool = False
     kv: bool = False
-    phases: list[Phase] = field(default_factory=list)
+    phases: list[ScopedContext] = field(default_factory=list)
 
 
 class HybridSwitch:
@@ -208,6 +213,9 @@ class HybridSwitch:
         collect_garbage: bool | Literal["once", "adaptive"] = "adaptive",
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
+        # Built once, entered every cycle (a phase re-enters; the garbage policy of a
+        # stage is passed when it is entered): nothing is re-checked per stage.
+        self._phases = {name: Phase(name, self.profile, {}) for name in _STAGE_PHASES}
         self.engine = _adapter(engine, self.profile)
         if offloader is not None and not isinstance(offloader, Offloader):
             raise TypeError(f"offloader must be an hm.Offloader or None, got {offloader!r}")
@@ -266,11 +274,10 @@ class HybridSwitch:
     # The stages, as (name, operation) pairs; an operation may return an awaitable
     # ------------------------------------------------------------------ #
     def _enter_phase(self, name: str) -> None:
-        releases = [s.name for s in self.profile.recipe(name) if s.action == "release_cache"]
-        overrides: dict[str, object] = {}
-        if releases and not self._gc_now():  # the recipes' releases skip gc too
-            overrides = {step: {"collect_garbage": False} for step in releases}
-        entered = Phase(name, self.profile, overrides)
+        phase = self._phases[name]
+        releases = any(s.action == "release_cache" for s in phase.steps)
+        # The recipes' releases skip gc too when the garbage policy says so.
+        entered = phase.entering(collect_garbage=None if not releases or self._gc_now() else False)
         entered.__enter__()
         self._state.phases.append(entered)
 

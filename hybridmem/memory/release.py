@@ -180,7 +180,8 @@ class ReleaseReport:
         )
 
 
-def _check_flags(sync: object, collect_garbage: object, ipc_collect: object) -> None:
+def check_release_args(sync: object, collect_garbage: object, ipc_collect: object) -> None:
+    """Refuse what :func:`release_cache` refuses (its own checker: a phase's step uses it too)."""
     check_bool("sync", sync)
     if collect_garbage != "young":
         try:
@@ -240,7 +241,7 @@ def release_cache(
         >>> report = hm.release_cache()          # doctest: +SKIP
         >>> print(report.bytes_returned)         # doctest: +SKIP
     """
-    _check_flags(sync, collect_garbage, ipc_collect)
+    check_release_args(sync, collect_garbage, ipc_collect)
     return _release(
         resolve_devices(device, allow_all=True),
         sync=sync,
@@ -381,7 +382,7 @@ class CacheRelease(ScopedContext):
         super().__init__()
         if on not in _WHEN_VALUES:
             raise ValueError(f"on must be one of {_WHEN_VALUES}, got {on!r}")
-        _check_flags(sync, collect_garbage, ipc_collect)
+        check_release_args(sync, collect_garbage, ipc_collect)
         resolve_devices(device, allow_all=True)  # validate now, resolve at use
         self.on = on
         self.device = device
