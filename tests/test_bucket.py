@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.ipc.bucket import BucketHandle, SyncReport
+from tests.channels import FaultyChannel, ScriptedChannel, acking
 from tests.helpers import LoopTicker, run_python
 
 KiB = 1024
@@ -277,18 +278,10 @@ def test_size_is_rounded_up_to_alignment() -> None:
 def test_bad_tensors_are_refused_before_sending(
     cpu_as_device: list[int], named: Any, error: type[Exception], match: str
 ) -> None:
-    sent: list[Any] = []
-
-    class Recorder:
-        def send(self, obj: Any) -> None:
-            sent.append(obj)
-
-        def recv(self) -> Any:
-            raise AssertionError("nothing should be awaited")
-
+    channel = ScriptedChannel()  # nothing may be awaited, nothing may be sent
     with hm.WeightBucket(4096) as bucket, pytest.raises(error, match=match):
-        bucket.send(named, Recorder())
-    assert sent == []
+        bucket.send(named, channel)
+    assert channel.sent == []
 
 
 def test_without_cuda_cpu_tensors_ship_and_others_are_refused() -> None:
@@ -504,15 +497,9 @@ def test_a_peer_whose_end_is_closed_fails_the_sync_with_a_sync_error_on_either_s
         assert isinstance(sent.value.__cause__, OSError)
         producer.close()
         # the receiver's side: the producer's batch is read, then the producer is gone
-        recorded: list[Any] = []
-
-        class Recorder(_Scripted):
-            def send(self, obj: Any) -> None:
-                recorded.append(obj)
-                if obj[0] in ("batch", "end"):
-                    self.messages.append(("ack", obj[1], obj[2]))
-
-        bucket.send(tensors, Recorder([]))
+        recorder = ScriptedChannel(answer=acking)
+        bucket.send(tensors, recorder)
+        recorded = recorder.sent
         producer_end, receiver_end = mp.Pipe()
         for message in recorded[:2]:  # the begin and the first batch
             producer_end.send(message)
@@ -525,29 +512,13 @@ def test_a_peer_whose_end_is_closed_fails_the_sync_with_a_sync_error_on_either_s
         receiver_end.close()
 
 
-class _Silent:
-    """A channel that polls but never answers (a receiver stuck elsewhere)."""
-
-    def __init__(self) -> None:
-        self.sent: list[Any] = []
-
-    def send(self, obj: Any) -> None:
-        self.sent.append(obj)
-
-    def recv(self) -> Any:  # pragma: no cover - poll never says there is a message
-        raise AssertionError("recv without a message")
-
-    def poll(self, timeout: float) -> bool:
-        return False
-
-
 def test_a_silent_receiver_times_out_with_a_clear_error(cpu_as_device: list[int]) -> None:
     with hm.WeightBucket(4 * KiB) as bucket:
-        silent = _Silent()
+        silent = ScriptedChannel()
         with pytest.raises(hm.SyncError, match=r"sent no an ack.* for 0.2 s \(timeout=\)"):
             bucket.send(model_tensors(), silent, timeout=0.2)
         assert silent.sent[-1][0] == "abort"
-    receiver_side = _Silent()
+    receiver_side = ScriptedChannel()
     with hm.WeightBucket(4 * KiB) as bucket:
         receiver = hm.BucketReceiver(bucket.handle)
         with pytest.raises(hm.SyncError, match="start of a sync"):
@@ -555,7 +526,7 @@ def test_a_silent_receiver_times_out_with_a_clear_error(cpu_as_device: list[int]
         receiver.close()
     for bad, error in ((0, ValueError), (-1, ValueError), ("1", TypeError), (True, TypeError)):
         with hm.WeightBucket(4 * KiB) as bucket, pytest.raises(error, match="timeout"):
-            bucket.send({"w": torch.ones(2)}, _Silent(), timeout=bad)  # type: ignore[arg-type]
+            bucket.send({"w": torch.ones(2)}, ScriptedChannel(), timeout=bad)  # type: ignore[arg-type]
 
 
 def test_views_at_any_storage_offset_ship_exactly(
@@ -594,7 +565,7 @@ def test_views_at_any_storage_offset_ship_exactly(
 def test_tensors_that_cannot_ship_as_is_are_refused_before_anything_is_sent(
     cpu_as_device: list[int],
 ) -> None:
-    channel = _Silent()
+    channel = ScriptedChannel()
     complex_view = torch.randn(4, dtype=torch.complex64).conj()
     with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors
         warnings.simplefilter("ignore", UserWarning)
@@ -609,44 +580,21 @@ def test_tensors_that_cannot_ship_as_is_are_refused_before_anything_is_sent(
         assert channel.sent == []  # nothing went out: the channel is as it was
 
 
-class _Scripted:
-    """A producer's side played from a script, to feed a receiver odd syncs."""
-
-    def __init__(self, messages: list[Any]) -> None:
-        self.messages = messages
-        self.sent: list[Any] = []
-
-    def send(self, obj: Any) -> None:
-        self.sent.append(obj)
-
-    def recv(self) -> Any:
-        return self.messages.pop(0)
-
-    def poll(self, timeout: float) -> bool:
-        return bool(self.messages)
-
-
 def test_a_lost_batch_fails_the_sync_on_the_receiver(cpu_as_device: list[int]) -> None:
     tensors = {"x": torch.arange(8, dtype=torch.int64), "y": torch.arange(4, dtype=torch.int64)}
     with hm.WeightBucket(64, buffers=2) as bucket:
         # record what a real sync sends, then replay it with one batch missing
-        recorded: list[Any] = []
-
-        class Recorder(_Scripted):
-            def send(self, obj: Any) -> None:
-                recorded.append(obj)
-                if obj[0] == "batch" or obj[0] == "end":
-                    self.messages.append(("ack", obj[1], obj[2]))
-
-        bucket.send(tensors, Recorder([]))
+        recorder = ScriptedChannel(answer=acking)
+        bucket.send(tensors, recorder)
+        recorded = recorder.sent
         batches = [m for m in recorded if m[0] == "batch"]
         assert len(batches) == 2
         end = next(m for m in recorded if m[0] == "end")
         receiver = hm.BucketReceiver(bucket.handle)
-        gap = _Scripted([recorded[0], batches[1], end])  # batch 1 never arrives
+        gap = ScriptedChannel([recorded[0], batches[1], end])  # batch 1 never arrives
         with pytest.raises(hm.SyncError, match="lost"):
             list(receiver.receive(gap))
-        short = _Scripted([recorded[0], batches[0], (*end[:3], 3, end[4])])  # says 3 tensors
+        short = ScriptedChannel([recorded[0], batches[0], (*end[:3], 3, end[4])])  # says 3 tensors
         with pytest.raises(hm.SyncError, match=r"sent 3 tensors .* but 1"):
             list(receiver.receive(short))
         assert short.sent[-1][0] == "abort"
@@ -657,29 +605,6 @@ def test_a_lost_batch_fails_the_sync_on_the_receiver(cpu_as_device: list[int]) -
 # while copying, a receiver that stops reading): the sync fails with an error
 # within its timeout on both sides, nothing blocks, and the next sync through the
 # same bucket with a fresh receiver is complete and exact.
-class _FaultyEnd:
-    def __init__(self, conn: Connection, fault: str, at: int) -> None:
-        self.conn, self.fault, self.at, self.count = conn, fault, at, 0
-
-    def send(self, obj: Any) -> None:
-        self.count += 1
-        if self.count == self.at:
-            if self.fault == "drop":
-                return
-            if self.fault == "close":
-                self.conn.close()
-                raise OSError("closed on purpose")
-            if self.fault == "error":
-                raise RuntimeError("injected send failure")
-        self.conn.send(obj)
-
-    def recv(self) -> Any:
-        return self.conn.recv()
-
-    def poll(self, timeout: float) -> bool:
-        return self.conn.poll(timeout)
-
-
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -694,8 +619,8 @@ def test_injected_sync_faults_never_hang_and_never_poison_the_next_sync(
     tensors = model_tensors()
     with hm.WeightBucket(4 * KiB) as bucket:
         a, b = mp.Pipe()
-        producer_end: Any = _FaultyEnd(a, fault, at) if side == "producer" else a
-        receiver_end: Any = _FaultyEnd(b, fault, at) if side == "receiver" else b
+        producer_end: Any = FaultyChannel(a, fault, at) if side == "producer" else a
+        receiver_end: Any = FaultyChannel(b, fault, at) if side == "receiver" else b
 
         def body(receiver: hm.BucketReceiver) -> dict[str, torch.Tensor]:
             return {n: t.clone() for n, t in receiver.receive(receiver_end, timeout=0.5)}
