@@ -7,13 +7,13 @@ sleep -> confirm the memory came back -> release -> [barrier] -> reload. Never o
 weights + new weights + KV cache at once, and with many ranks no rank wakes its KV
 cache while another rank on the node is still offloading.
 
-Why this module is long: one class holds one state machine (what is offloaded,
-what is awake, which phases are entered), and its parts read and write that state
-together: the stage operations, the sans-IO direction (:meth:`HybridSwitch._direction`,
-a generator of calls), the two thin drivers that run it (sync, and async with
-blocking calls in worker threads), recovery, and the room check before a reload.
-Data and types live beside it (``ranks``, ``reports``); splitting the rest would
-pass the state through every call.
+One class holds one state machine (what is offloaded, what is awake, which phases
+are entered); its parts live in modules of their own (issue #27): the stages as data,
+the calls the drivers run and the state (``switch_parts``), the rank protocol
+(``switch_ranks``) and the recovery with its room check (``switch_recovery``), mixed
+into :class:`HybridSwitch`. Here: the stage operations, the sans-IO direction
+(:meth:`HybridSwitch._direction`, a generator of calls) and the two thin drivers that
+run it (sync, and async with blocking calls in worker threads).
 
 Three operations still ask which driver runs them (``_exit_phase``, ``_release``,
 ``_confirm``): a phase is entered and left on the event loop's thread, because
@@ -29,23 +29,18 @@ import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, cast
 
 from hybridmem import _torch
 from hybridmem._checks import check_number
 from hybridmem._devices import DeviceArg, device_index
-from hybridmem._errors import HybridSwitchError
-from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
-from hybridmem._scope import ScopedContext
 from hybridmem.engine import phases
 from hybridmem.engine.backends.adapters import EngineAdapter, call_sync
 from hybridmem.engine.backends.registry import BackendProfile, get_backend
 from hybridmem.engine.phases import Phase
 from hybridmem.engine.ranks import (
-    SYNC_POINTS,
     Barrier,
     DistRanks,
     PlainBarrier,
@@ -53,6 +48,18 @@ from hybridmem.engine.ranks import (
     RankSync,
 )
 from hybridmem.engine.reports import StageReport, SwitchReport
+from hybridmem.engine.switch_parts import (
+    BLOCKING,
+    STAGE_PHASES,
+    STAGES,
+    Call,
+    Failure,
+    Stage,
+    SwitchState,
+    adapter,
+)
+from hybridmem.engine.switch_ranks import RankProtocol
+from hybridmem.engine.switch_recovery import Recovery
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.release import GarbageGate, release_cache
 from hybridmem.observe import timeline as _timeline
@@ -60,96 +67,8 @@ from hybridmem.observe.memory import MemoryInfo, memory_info
 
 __all__ = ["HybridSwitch"]
 
-#: The stages of each direction, in order, as data: (stage, the method that runs it).
-#: None marks a sync point, which the drivers run as an exchange of every rank's
-#: status. Order: vLLM RFC #15254, verl #302 (see the module's docstring).
-STAGES: dict[str, tuple[tuple[str, str | None], ...]] = {
-    "to_rollout": (
-        ("offload", "_offload"),
-        ("release", "_release"),
-        ("barrier", None),
-        ("wake_weights", "_wake_weights"),
-        ("weight_sync", "_sync"),
-        ("free_staging", "_free_staging"),
-        ("barrier_kv", None),
-        ("wake_kv", "_wake_kv"),
-        ("rollout", "_start_rollout"),
-    ),
-    "to_trainer": (
-        ("sleep", "_put_to_sleep"),
-        ("confirm", "_confirm"),
-        ("release", "_release"),
-        ("barrier_reload", None),
-        ("reload", "_reload"),
-    ),
-}
-# Stages that block the host for long (copies, collectives): run off the event loop.
-_BLOCKING = frozenset({"offload", "reload"}) | SYNC_POINTS
 
-
-@dataclass
-class _Failure:
-    """Where a switch failed and why (here, or on another rank)."""
-
-    stage: str
-    error: BaseException
-    remote: bool = False
-
-    def describe(self) -> str:
-        return f"{type(self.error).__name__}: {self.error}"
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One operation of a direction, for a driver to run (in a thread if ``blocking``)."""
-
-    fn: Callable[[], object]
-    blocking: bool
-    name: str
-
-
-def _adapter(engine: object, profile: BackendProfile) -> EngineAdapter:
-    """The engine as an adapter: given as one, or wrapped by the profile's adapter."""
-    if isinstance(engine, EngineAdapter):
-        return engine
-    if profile.adapter is None:
-        raise TypeError(
-            f"wrap the engine in an adapter (hm.VLLMEngine, hm.SGLangEngine or an "
-            f"hm.EngineAdapter subclass); backend {profile.name!r} has no default adapter "
-            "(a BackendProfile names one with adapter=...)"
-        )
-    adapted = profile.adapter(engine)
-    if not isinstance(adapted, EngineAdapter):
-        raise TypeError(
-            f"backend {profile.name!r}: its adapter returned {adapted!r}, not an hm.EngineAdapter"
-        )
-    return adapted
-
-
-@dataclass
-class _Stage:
-    """A stage in progress: its name, the memory reading and clocks at its start, its span."""
-
-    name: str
-    before: MemoryInfo
-    clock: float
-    wall: float
-    span: Any
-
-
-#: The phases a switch runs, in its stages' order.
-_STAGE_PHASES = ("wake_up", "weight_sync", "rollout", "sleep")
-
-
-@dataclass
-class _State:
-    offloaded: bool = False
-    weights: bool = False
-    kv: bool = False
-    phases: list[ScopedContext] = field(default_factory=list)
-
-
-class HybridSwitch:
+class HybridSwitch(RankProtocol, Recovery):
     """Run the staged trainer -> rollout -> trainer switch around generation.
 
     Args:
@@ -215,8 +134,8 @@ class HybridSwitch:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         # Built once, entered every cycle (a phase re-enters; the garbage policy of a
         # stage is passed when it is entered): nothing is re-checked per stage.
-        self._phases = {name: Phase(name, self.profile, {}) for name in _STAGE_PHASES}
-        self.engine = _adapter(engine, self.profile)
+        self._phases = {name: Phase(name, self.profile, {}) for name in STAGE_PHASES}
+        self.engine = adapter(engine, self.profile)
         if offloader is not None and not isinstance(offloader, Offloader):
             raise TypeError(f"offloader must be an hm.Offloader or None, got {offloader!r}")
         if sync_weights is not None and not callable(sync_weights):
@@ -254,7 +173,7 @@ class HybridSwitch:
         self.device = None if device is None else device_index(device)
         self.rank = _torch.process_rank()
         self.reports: list[SwitchReport] = []
-        self._state = _State()
+        self._state = SwitchState()
         self._active = False
         self._async_mode = False
         self._cycle = 0
@@ -400,114 +319,16 @@ class HybridSwitch:
         return self._wake("kv_cache")
 
     # ------------------------------------------------------------------ #
-    # Ranks: every sync point carries each rank's status
-    # ------------------------------------------------------------------ #
-    def _status(self, point: str, failure: _Failure | None) -> RankStatus:
-        return RankStatus(
-            rank=self.rank,
-            cycle=self._cycle,
-            point=point,
-            ok=failure is None,
-            stage=None if failure is None else failure.stage,
-            error=None if failure is None else failure.describe(),
-            asleep=not (self._state.weights or self._state.kv),
-        )
-
-    def _exchange(self, point: str, failure: _Failure | None) -> list[RankStatus]:
-        """Tell every rank this rank's status at ``point``; return every rank's.
-
-        A collective when the barrier is torch.distributed's: every rank passes the
-        same points in the same order, failed or not (a failed rank skips its
-        remaining work but never a point), so no point pairs with another.
-
-        Raises:
-            HybridSwitchError: the ranks are at different points (out of step).
-        """
-        status = self._status(point, failure)
-        if self._ranks is None or self._out_of_step:
-            return [status]
-        statuses = self._ranks.exchange(status)
-        where = {(s.cycle, s.point) for s in statuses}
-        if len(where) > 1:
-            self._out_of_step = True
-            listed = ", ".join(f"rank {s.rank} at {s.point!r} of cycle {s.cycle}" for s in statuses)
-            raise HybridSwitchError(
-                f"the ranks are out of step ({listed}): every rank must run the same "
-                "switches in the same order"
-            )
-        return statuses
-
-    def _remote(self, statuses: list[RankStatus]) -> _Failure | None:
-        failed = [s for s in statuses if not s.ok and s.rank != self.rank]
-        if not failed:
-            return None
-        first = failed[0]
-        return _Failure(
-            first.stage or "?",
-            HybridSwitchError(
-                "; ".join(f"rank {s.rank} failed at stage {s.stage!r} ({s.error})" for s in failed)
-            ),
-            remote=True,
-        )
-
-    # ------------------------------------------------------------------ #
-    # Room: the engine must have let go before the trainer state comes back
-    # ------------------------------------------------------------------ #
-    def _reload_need(self) -> int:
-        if self.offloader is None or not self._state.offloaded:
-            return 0
-        return self.offloader.reload_bytes()
-
-    def _room(self) -> tuple[bool, int | None, int]:
-        need = self._reload_need()
-        free = self._memory().free if need else None
-        return (free is None or free >= need), free, need
-
-    def _no_room(self, free: int | None, need: int) -> str:
-        return (
-            f"device free memory is {fmt_bytes(free or 0)} but the trainer state needs about "
-            f"{fmt_bytes(need)}: the engine has not let go of its memory (its sleep returned "
-            "before freeing it, or another process holds it)"
-        )
-
-    def _room_polls(self) -> Iterator[None]:
-        """Yield while the trainer state does not fit yet; raise once the time is up.
-
-        Raises:
-            HybridSwitchError: no room after ``confirm_timeout_s``.
-        """
-        deadline = time.monotonic() + self.confirm_timeout_s
-        while True:
-            fits, free, need = self._room()
-            if fits:
-                return
-            if time.monotonic() >= deadline:
-                raise HybridSwitchError(
-                    f"rank {self.rank}: {self._no_room(free, need)} after "
-                    f"{self.confirm_timeout_s:g} s (confirm_timeout_s); not reloading into "
-                    "memory that cannot hold it"
-                )
-            yield
-
-    def _await_room(self) -> None:
-        for _ in self._room_polls():
-            time.sleep(phases.POLL_S)
-
-    async def _await_room_async(self) -> None:
-        for _ in self._room_polls():
-            await asyncio.sleep(phases.POLL_S)
-
-    # ------------------------------------------------------------------ #
     # One direction, as calls for a sync or an async driver to run
     # ------------------------------------------------------------------ #
     def _direction(
         self,
         direction: Literal["to_rollout", "to_trainer"],
-        failure: _Failure | None = None,
-    ) -> Generator[_Call, object, SwitchReport]:
+        failure: Failure | None = None,
+    ) -> Generator[Call, object, SwitchReport]:
         """The stages of one direction; after a failure, only the sync points.
 
-        Yields each operation as a :class:`_Call`; the driver sends back its result
+        Yields each operation as a :class:`Call`; the driver sends back its result
         or throws its exception in. Ends with an ``end`` point where every rank
         learns whether any rank failed; then every rank recovers together.
         """
@@ -518,100 +339,24 @@ class HybridSwitch:
             stage = self._start_stage(name)
             try:
                 if operation is None:  # a sync point
-                    statuses = yield _Call(partial(self._exchange, name, failure), True, name)
+                    statuses = yield Call(partial(self._exchange, name, failure), True, name)
                     failure = failure or self._remote(cast("list[RankStatus]", statuses))
                 else:
-                    yield _Call(operation, name in _BLOCKING, name)
+                    yield Call(operation, name in BLOCKING, name)
             except BaseException as exc:
                 _timeline.end(stage.span, error=repr(exc))
-                failure = failure or _Failure(name, exc)
+                failure = failure or Failure(name, exc)
                 continue
             self._finish_stage(report, stage)
         try:
-            statuses = yield _Call(
-                partial(self._exchange, f"{direction}:end", failure), True, "end"
-            )
+            statuses = yield Call(partial(self._exchange, f"{direction}:end", failure), True, "end")
             failure = failure or self._remote(cast("list[RankStatus]", statuses))
         except BaseException as exc:
-            failure = failure or _Failure("end", exc)
+            failure = failure or Failure("end", exc)
         if failure is None:
             return self._finish(report)
         yield from self._recover(failure)
         raise AssertionError("unreachable: recovery raises")  # pragma: no cover
-
-    def _recover(self, failure: _Failure) -> Generator[_Call, object, None]:
-        """Back to the trainer phase with every rank, or say exactly what remains; raises."""
-        problems: list[str] = []
-        state = self._state
-        if state.weights or state.kv:
-            try:
-                yield _Call(self._sleep, False, "recover:sleep")
-            except Exception as error:
-                problems.append(self._still_awake(error))
-        while state.phases:
-            try:
-                yield _Call(partial(self._exit_phase, failure.error), False, "recover:phase")
-            except Exception as error:
-                problems.append(f"leaving a phase failed: {error!r}")
-        with contextlib.suppress(Exception):
-            yield _Call(self._release, False, "recover:release")
-        everyone_asleep = True
-        try:  # no rank reloads while another rank's engine may still hold memory
-            statuses = yield _Call(partial(self._exchange, "recover", failure), True, "recover")
-            awake = [s.rank for s in cast("list[RankStatus]", statuses) if not s.asleep]
-            everyone_asleep = not awake
-        except Exception as error:
-            awake, everyone_asleep = [], False
-            problems.append(f"the ranks could not agree on recovery: {error!r}")
-        if state.offloaded:
-            fits, free, need = self._room()
-            if state.weights or state.kv:
-                problems.append(
-                    "the trainer state is still offloaded (not reloaded: the engine is awake)"
-                )
-            elif not everyone_asleep:
-                ranks = ", ".join(map(str, awake)) or "some rank"
-                problems.append(
-                    f"the trainer state is still offloaded (not reloaded: the engine of rank "
-                    f"{ranks} is awake); call offloader.reload() once it sleeps"
-                )
-            elif not fits:
-                problems.append(
-                    f"the trainer state is still offloaded and intact: {self._no_room(free, need)}"
-                    "; call offloader.reload() once the memory is free"
-                )
-            else:
-                try:
-                    yield _Call(self._reload, True, "recover:reload")
-                except Exception as error:
-                    problems.append(
-                        f"the trainer state is still offloaded: reload failed: {error!r}"
-                    )
-        self._active = False
-        where = f"stage {failure.stage!r}"
-        if not problems and not failure.remote:
-            logger.warning(
-                "rank %d: switch failed at %s (%r); back in the trainer phase: engine asleep, "
-                "trainer state reloaded, allocator settings restored",
-                self.rank,
-                where,
-                failure.error,
-            )
-            raise failure.error
-        done = (
-            "could not restore everything: " + "; ".join(problems)
-            if problems
-            else ("every rank recovered: engine asleep, trainer state reloaded")
-        )
-        origin = f"{failure.error}" if failure.remote else f"failed at {where} ({failure.error!r})"
-        raise HybridSwitchError(
-            f"rank {self.rank}: the switch {origin}, and {done}. Allocator settings are restored."
-        ) from (None if failure.remote else failure.error)
-
-    def _still_awake(self, error: Exception) -> str:
-        on = (("weights", self._state.weights), ("kv_cache", self._state.kv))
-        awake = ", ".join(tag for tag, is_on in on if is_on)
-        return f"the engine is still awake ({awake}): sleep failed: {error!r}"
 
     # ------------------------------------------------------------------ #
     # Drivers
@@ -623,7 +368,7 @@ class HybridSwitch:
         self._heading = direction  # "adaptive": the gate compares like with like
         return [(name, None if op is None else getattr(self, op)) for name, op in STAGES[direction]]
 
-    def _start_stage(self, name: str) -> _Stage:
+    def _start_stage(self, name: str) -> Stage:
         info = self._memory()
         span = _timeline.begin(
             f"stage:{name}",
@@ -633,9 +378,9 @@ class HybridSwitch:
             memory=info,
             rank=self.rank,
         )
-        return _Stage(name, info, time.perf_counter(), time.time(), span)
+        return Stage(name, info, time.perf_counter(), time.time(), span)
 
-    def _finish_stage(self, report: SwitchReport, stage: _Stage) -> None:
+    def _finish_stage(self, report: SwitchReport, stage: Stage) -> None:
         info = self._memory()
         _timeline.end(stage.span, memory=info)
         seconds = time.perf_counter() - stage.clock
@@ -646,7 +391,7 @@ class HybridSwitch:
         logger.info("%s", report)
         return report
 
-    def _drive(self, steps: Generator[_Call, object, SwitchReport]) -> SwitchReport:
+    def _drive(self, steps: Generator[Call, object, SwitchReport]) -> SwitchReport:
         """Run a direction's calls in this thread."""
         self._async_mode = False
         try:
@@ -662,7 +407,7 @@ class HybridSwitch:
         except StopIteration as stop:
             return cast(SwitchReport, stop.value)
 
-    async def _adrive(self, steps: Generator[_Call, object, SwitchReport]) -> SwitchReport:
+    async def _adrive(self, steps: Generator[Call, object, SwitchReport]) -> SwitchReport:
         """Run a direction's calls on the event loop; blocking ones in a worker thread.
 
         A cancelled task still waits for a worker thread to finish (an offload
@@ -694,7 +439,7 @@ class HybridSwitch:
             raise RuntimeError(f"{self!r} is already in a rollout; switches do not nest")
         self._active = True
         self._cycle += 1
-        self._state = _State()
+        self._state = SwitchState()
 
     def to_rollout(self) -> SwitchReport:
         """Trainer -> rollout: offload, release, wake weights, sync, wake KV cache.
@@ -728,7 +473,7 @@ class HybridSwitch:
             # Back to the trainer with every rank: the other ranks meet this one at
             # the points of their way back, where they learn of the failure.
             try:
-                self._drive(self._direction("to_trainer", _Failure("rollout", exc)))
+                self._drive(self._direction("to_trainer", Failure("rollout", exc)))
             finally:
                 self._active = False
             raise  # pragma: no cover - recovery raises
@@ -742,7 +487,7 @@ class HybridSwitch:
             yield self
         except BaseException as exc:
             try:
-                await self._adrive(self._direction("to_trainer", _Failure("rollout", exc)))
+                await self._adrive(self._direction("to_trainer", Failure("rollout", exc)))
             finally:
                 self._active = False
             raise  # pragma: no cover - recovery raises

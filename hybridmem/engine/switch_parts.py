@@ -1,0 +1,119 @@
+"""What the hybrid switch is made of: its stages as data, the calls its drivers run, its state.
+
+Split out of :mod:`hybridmem.engine.switch` (issue #27) with the rank protocol
+(:mod:`~hybridmem.engine.switch_ranks`) and the recovery
+(:mod:`~hybridmem.engine.switch_recovery`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridmem._scope import ScopedContext
+from hybridmem.engine.backends.adapters import EngineAdapter
+from hybridmem.engine.backends.registry import BackendProfile
+from hybridmem.engine.ranks import SYNC_POINTS
+from hybridmem.observe.memory import MemoryInfo
+
+__all__ = [
+    "BLOCKING",
+    "STAGES",
+    "STAGE_PHASES",
+    "Call",
+    "Failure",
+    "Stage",
+    "SwitchState",
+    "adapter",
+]
+
+#: The stages of each direction, in order, as data: (stage, the method that runs it).
+#: None marks a sync point, which the drivers run as an exchange of every rank's
+#: status. Order: vLLM RFC #15254, verl #302 (see the module's docstring).
+STAGES: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "to_rollout": (
+        ("offload", "_offload"),
+        ("release", "_release"),
+        ("barrier", None),
+        ("wake_weights", "_wake_weights"),
+        ("weight_sync", "_sync"),
+        ("free_staging", "_free_staging"),
+        ("barrier_kv", None),
+        ("wake_kv", "_wake_kv"),
+        ("rollout", "_start_rollout"),
+    ),
+    "to_trainer": (
+        ("sleep", "_put_to_sleep"),
+        ("confirm", "_confirm"),
+        ("release", "_release"),
+        ("barrier_reload", None),
+        ("reload", "_reload"),
+    ),
+}
+# Stages that block the host for long (copies, collectives): run off the event loop.
+BLOCKING = frozenset({"offload", "reload"}) | SYNC_POINTS
+
+
+@dataclass
+class Failure:
+    """Where a switch failed and why (here, or on another rank)."""
+
+    stage: str
+    error: BaseException
+    remote: bool = False
+
+    def describe(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operation of a direction, for a driver to run (in a thread if ``blocking``)."""
+
+    fn: Callable[[], object]
+    blocking: bool
+    name: str
+
+
+def adapter(engine: object, profile: BackendProfile) -> EngineAdapter:
+    """The engine as an adapter: given as one, or wrapped by the profile's adapter."""
+    if isinstance(engine, EngineAdapter):
+        return engine
+    if profile.adapter is None:
+        raise TypeError(
+            f"wrap the engine in an adapter (hm.VLLMEngine, hm.SGLangEngine or an "
+            f"hm.EngineAdapter subclass); backend {profile.name!r} has no default adapter "
+            "(a BackendProfile names one with adapter=...)"
+        )
+    adapted = profile.adapter(engine)
+    if not isinstance(adapted, EngineAdapter):
+        raise TypeError(
+            f"backend {profile.name!r}: its adapter returned {adapted!r}, not an hm.EngineAdapter"
+        )
+    return adapted
+
+
+@dataclass
+class Stage:
+    """A stage in progress: its name, the memory reading and clocks at its start, its span."""
+
+    name: str
+    before: MemoryInfo
+    clock: float
+    wall: float
+    span: Any
+
+
+#: The phases a switch runs, in its stages' order.
+STAGE_PHASES = ("wake_up", "weight_sync", "rollout", "sleep")
+
+
+@dataclass
+class SwitchState:
+    """What is offloaded, what is awake, which phases are entered."""
+
+    offloaded: bool = False
+    weights: bool = False
+    kv: bool = False
+    phases: list[ScopedContext] = field(default_factory=list)

@@ -1,0 +1,75 @@
+"""The switch's rank protocol: every sync point carries each rank's status.
+
+Split out of :mod:`hybridmem.engine.switch` (issue #27). A mixin of
+:class:`~hybridmem.engine.switch.HybridSwitch`: it reads the switch's rank, cycle and
+state, declared here for the type checker only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridmem._errors import HybridSwitchError
+from hybridmem.engine.ranks import RankStatus, RankSync
+from hybridmem.engine.switch_parts import Failure, SwitchState
+
+__all__ = ["RankProtocol"]
+
+
+class RankProtocol:
+    """Exchange this rank's status at each point; learn whether another rank failed."""
+
+    if TYPE_CHECKING:  # the switch's, read here
+        rank: int
+        _cycle: int
+        _state: SwitchState
+        _ranks: RankSync | None
+        _out_of_step: bool
+
+    def _status(self, point: str, failure: Failure | None) -> RankStatus:
+        return RankStatus(
+            rank=self.rank,
+            cycle=self._cycle,
+            point=point,
+            ok=failure is None,
+            stage=None if failure is None else failure.stage,
+            error=None if failure is None else failure.describe(),
+            asleep=not (self._state.weights or self._state.kv),
+        )
+
+    def _exchange(self, point: str, failure: Failure | None) -> list[RankStatus]:
+        """Tell every rank this rank's status at ``point``; return every rank's.
+
+        A collective when the barrier is torch.distributed's: every rank passes the
+        same points in the same order, failed or not (a failed rank skips its
+        remaining work but never a point), so no point pairs with another.
+
+        Raises:
+            HybridSwitchError: the ranks are at different points (out of step).
+        """
+        status = self._status(point, failure)
+        if self._ranks is None or self._out_of_step:
+            return [status]
+        statuses = self._ranks.exchange(status)
+        where = {(s.cycle, s.point) for s in statuses}
+        if len(where) > 1:
+            self._out_of_step = True
+            listed = ", ".join(f"rank {s.rank} at {s.point!r} of cycle {s.cycle}" for s in statuses)
+            raise HybridSwitchError(
+                f"the ranks are out of step ({listed}): every rank must run the same "
+                "switches in the same order"
+            )
+        return statuses
+
+    def _remote(self, statuses: list[RankStatus]) -> Failure | None:
+        failed = [s for s in statuses if not s.ok and s.rank != self.rank]
+        if not failed:
+            return None
+        first = failed[0]
+        return Failure(
+            first.stage or "?",
+            HybridSwitchError(
+                "; ".join(f"rank {s.rank} failed at stage {s.stage!r} ({s.error})" for s in failed)
+            ),
+            remote=True,
+        )
