@@ -199,7 +199,7 @@ def test_the_pool_is_exactly_sized_huge_page_memory_pinned_once(
     import mmap
 
     from hybridmem._platform.host_memory import huge_page_region
-    from hybridmem.memory import offload
+    from hybridmem.memory import host_pool
 
     regions: list[mmap.mmap] = []
 
@@ -210,7 +210,7 @@ def test_the_pool_is_exactly_sized_huge_page_memory_pinned_once(
         return made
 
     offload_region = huge_page_region
-    monkeypatch.setattr(offload, "huge_page_region", region)
+    monkeypatch.setattr(host_pool, "huge_page_region", region)
     model, optimizer = make_model()
     before = snapshot(model, optimizer)
     off = hm.Offloader(model, optimizer)
@@ -223,7 +223,7 @@ def test_the_pool_is_exactly_sized_huge_page_memory_pinned_once(
     off.close()
     assert cpu_as_device.count(-1) == 1  # unpinned before it is unmapped
     # where no anonymous mapping can be made, an ordinary allocation serves
-    monkeypatch.setattr(offload, "huge_page_region", lambda nbytes: None)
+    monkeypatch.setattr(host_pool, "huge_page_region", lambda nbytes: None)
     other = hm.Offloader(model, optimizer)
     other.offload()
     other.reload()
@@ -659,17 +659,18 @@ class _Faults:
         @contextlib.contextmanager
         def patch() -> Iterator[None]:
             if self.point == "copy":
-                real_copy = off._copy_one
+                pool = off._host  # the pool's copies (hybridmem.memory.host_pool)
+                real_copy = pool.copy_one
 
-                def copy(slot: Any, *, to_host: bool) -> None:
+                def copy(slot: Any, device: Any, *, to_host: bool) -> None:
                     self._maybe_fail()
-                    real_copy(slot, to_host=to_host)
+                    real_copy(slot, device, to_host=to_host)
 
-                off._copy_one = copy  # type: ignore[method-assign]
+                pool.copy_one = copy  # type: ignore[method-assign]
                 try:
                     yield
                 finally:
-                    del off._copy_one
+                    del pool.copy_one
                 return
             real = getattr(_torch, self.point)
 

@@ -1,40 +1,35 @@
 """Move trainer state to pinned host memory and back, in place, at copy-engine speed.
 
 Before rollout the trainer moves parameters, gradients and optimizer state off the
-GPU; after rollout it brings them back. Done naively (``.to("cpu")``) this runs at
+GPU, after it brings them back. Done naively (``.to("cpu")``) this runs at
 pageable speed (measured on an H200: 13 GB/s device-to-host, 7 GB/s host-to-device,
 ~1 GB/s on the first touch of fresh host memory, against 55 GB/s pinned); pinning
 anew every step costs more, and ``.cpu().pin_memory()`` doubles host peak memory.
 
 :class:`Offloader` instead:
 
-- keeps **one persistent pinned pool**, sized exactly (``cudaHostRegister`` on one
-  host allocation, not torch's power-of-two pinned allocator), allocated on the
-  first offload and reused every cycle;
+- keeps **one persistent pinned pool** (:mod:`hybridmem.memory.host_pool`), sized
+  exactly, allocated on the first offload and reused every cycle;
 - frees and restores **device storage in place** (``storage.resize_``): every
   ``Parameter`` and tensor keeps its identity, shape and views, so optimizers,
   hooks and FSDP2/DTensor local shards keep working;
-- copies on a **side stream** ordered after the work that produced the data, and
-  synchronises so that the host never reads a copy in flight and the device never
-  uses a tensor before its reload finished (a non-blocking reload orders the
-  current stream after the copies instead of waiting on the host).
+- copies on a **side stream** ordered after the work that produced the data: the
+  host never reads a copy in flight, the device never uses a tensor before its
+  reload finished (a non-blocking reload orders the current stream after it).
 
-Scope: one CUDA device per Offloader (the one its tensors are on; never device 0 by
-assumption). Not thread-safe: drive one Offloader from one thread.
+Scope: one CUDA device per Offloader (its tensors', never device 0 by assumption);
+not thread-safe.
 
-Why this module is long: one transaction (free every storage or none, copy back
-on failure, reload in place) over one pinned pool; its steps share the pool, the
-slots and the per-group state, and each failure path must undo exactly the steps
-before it.
+Why this module is long: one transaction (free every storage or none, copy back on
+failure, reload in place) whose failure paths each undo exactly the steps before them;
+the pool, the report and the slots live in ``host_pool`` and ``offload_parts``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -46,8 +41,9 @@ from hybridmem._env import disabled
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
-from hybridmem._platform.host_memory import huge_page_region
 from hybridmem._scope import ScopedContext
+from hybridmem.memory.host_pool import HostPool
+from hybridmem.memory.offload_parts import OffloadReport, Slot, allocate, check_freeable
 from hybridmem.memory.targets import (
     GROUPS,
     Group,
@@ -65,72 +61,6 @@ _ALIGN = 512  # bytes; each storage starts on this boundary in the pinned pool
 # small ones (<= 1 MiB) to 512 B inside 2 MiB blocks, large ones to 2 MiB.
 _SMALL_SIZE, _SMALL_ROUND, _LARGE_ROUND = 1 << 20, 512, 2 << 20
 _HEADROOM = 20 << 20  # one large block for what rounding misses
-
-
-@dataclass(frozen=True)
-class OffloadReport:
-    """What one :meth:`Offloader.offload` or :meth:`Offloader.reload` moved.
-
-    Attributes:
-        direction: ``"offload"`` (device to host) or ``"reload"``.
-        groups: the groups moved.
-        nbytes: bytes copied.
-        tensors: storages copied (views and tied weights share one).
-        seconds: wall-clock time, including the wait for the copies (a
-            non-blocking reload only counts the time to queue them).
-        host_pool_bytes: size of the pinned pool.
-        device: the CUDA device.
-        dropped_grad_bytes: gradient bytes freed without copying (``grads="drop"``).
-    """
-
-    direction: Literal["offload", "reload"]
-    groups: tuple[str, ...]
-    nbytes: int
-    tensors: int
-    seconds: float
-    host_pool_bytes: int
-    device: str
-    dropped_grad_bytes: int = 0
-
-    @property
-    def gbps(self) -> float:
-        """Throughput in GB/s (10^9 bytes per second)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def __str__(self) -> str:
-        dropped = (
-            f", dropped {fmt_bytes(self.dropped_grad_bytes)} of gradients"
-            if self.dropped_grad_bytes
-            else ""
-        )
-        return (
-            f"{self.direction} {','.join(self.groups) or 'nothing'} on {self.device}: "
-            f"{fmt_bytes(self.nbytes)} in {self.tensors} storages, {self.seconds * 1e3:.1f} ms "
-            f"({self.gbps:.1f} GB/s), pinned pool {fmt_bytes(self.host_pool_bytes)}{dropped}"
-        )
-
-
-class _Slot:
-    """One device storage and its place in the pinned pool."""
-
-    __slots__ = ("group", "key", "name", "nbytes", "offloaded", "offset", "refill", "storage")
-
-    def __init__(self, storage: torch.UntypedStorage, name: str, group: Group) -> None:
-        self.storage = storage
-        self.key = _torch.storage_key(storage)
-        self.nbytes = storage.nbytes()
-        self.name = name
-        self.group = group
-        self.offset = 0
-        # The pool holds its only good copy: its device storage is freed, or refill.
-        self.offloaded = False
-        # This Offloader reallocated the storage and has not filled it yet: a retry
-        # may fill it, where a storage someone else reallocated is refused.
-        self.refill = False
-
-
-def _unpin(pool: torch.Tensor) -> None:
-    _torch.unpin_host_tensor(pool.data_ptr())
 
 
 class Offloader:
@@ -196,9 +126,8 @@ class Offloader:
         self.grads = grads
         self.max_host_bytes = max_host_bytes
         self._device = self._parse_device(device)
-        self._slots: list[_Slot] = []
-        self._pool: torch.Tensor | None = None
-        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._slots: list[Slot] = []
+        self._host = HostPool(pin_memory)
         self._stream: Any = None
         self._stream_device: torch.device | None = None
 
@@ -215,7 +144,7 @@ class Offloader:
     @property
     def host_bytes(self) -> int:
         """Bytes of the host pool (pinned unless ``pin_memory=False``); 0 before any offload."""
-        return 0 if self._pool is None else self._pool.numel()
+        return self._host.nbytes
 
     @property
     def offloaded_groups(self) -> frozenset[str]:
@@ -256,12 +185,12 @@ class Offloader:
         """Each distinct device storage of the targets (:func:`~.targets.device_storages`)."""
         return device_storages(self._targets, gradients=self.grads == "keep")
 
-    def _collect(self) -> list[_Slot]:
-        slots: list[_Slot] = []
+    def _collect(self) -> list[Slot]:
+        slots: list[Slot] = []
         devices: dict[torch.device, str] = {}
         for name, storage, group, device in self._storages():
             devices.setdefault(device, name)
-            slots.append(_Slot(storage, name, group))
+            slots.append(Slot(storage, name, group))
         if len(devices) > 1:
             listed = ", ".join(f"{d} ({n})" for d, n in devices.items())
             raise ValueError(
@@ -280,54 +209,20 @@ class Offloader:
         """Collect the storages and give each a place in the pool (nothing offloaded)."""
         slots = self._collect()
         layout = [(s.key, s.nbytes, s.group) for s in slots]
-        if self._pool is not None and layout == [(s.key, s.nbytes, s.group) for s in self._slots]:
+        if self._host.tensor is not None and layout == [
+            (s.key, s.nbytes, s.group) for s in self._slots
+        ]:
             return  # same storages, same sizes: the pool and offsets still fit
         offset = 0
         for slot in slots:
             slot.offset = offset
             offset += -(-slot.nbytes // _ALIGN) * _ALIGN
-        self._ensure_pool(offset)  # may refuse (max_host_bytes): keep the old plan then
+        self._host.ensure(
+            offset, self.max_host_bytes, release=self.close
+        )  # may refuse (max_host_bytes): keep the old plan then
         if self._slots:
             logger.info("Offloader: targets changed since the last offload; re-planned the pool")
         self._slots = slots
-
-    def _ensure_pool(self, nbytes: int) -> None:
-        if nbytes == 0 or (self._pool is not None and self._pool.numel() >= nbytes):
-            return
-        if self.max_host_bytes is not None and nbytes > self.max_host_bytes:
-            raise ValueError(
-                f"offloading these targets needs {fmt_bytes(nbytes)} of host memory, over "
-                f"max_host_bytes={self.max_host_bytes} ({fmt_bytes(self.max_host_bytes)}); "
-                "raise the limit, offload fewer targets, or use grads='drop'"
-            )
-        self.close()
-        start = time.perf_counter()
-        # Exactly nbytes (torch's pinned allocator would round up to a power of two),
-        # in pages advised as huge: pinned twice as fast (benchmarks/pinning.py).
-        region = huge_page_region(nbytes)
-        pool = (
-            torch.frombuffer(region, dtype=torch.uint8)
-            if region is not None
-            else torch.empty(nbytes, dtype=torch.uint8)
-        )
-        registered = self.pin_memory and _torch.pin_host_tensor(pool)
-        how = "pinned" if registered else "pageable"
-        if self.pin_memory and not registered:
-            info_once(
-                "offload-unpinned",
-                "Offloader: could not pin host memory; using a pageable pool (slower copies)",
-            )
-        if registered:
-            # The finalizer holds the pool, so the memory is unpinned before it is
-            # freed (unmapped), whether close() runs or the Offloader is collected.
-            self._finalizer = weakref.finalize(self, _unpin, pool)
-        self._pool = pool
-        logger.info(
-            "Offloader: %s host pool of %s allocated in %.2f s",
-            how,
-            fmt_bytes(pool.numel()),
-            time.perf_counter() - start,
-        )
 
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None or self._stream_device != device:
@@ -391,31 +286,19 @@ class Offloader:
                     )
             side, _ = self._copy(todo, to_host=True)
         _torch.synchronize_stream(side)  # no host read, no free, before the copies land
-        self._check_freeable(todo)  # the copies only wrote the pool: nothing is lost yet
+        check_freeable(todo)  # the copies only wrote the pool: nothing is lost yet
         self._free(todo)
         if release_cache:
             _torch.empty_cache()
         return self._report("offload", wanted, todo, start, dropped)
 
-    @staticmethod
-    def _check_freeable(slots: Sequence[_Slot]) -> None:
-        """Refuse, before anything is freed, storages torch cannot free in place."""
-        for slot in slots:
-            if not _torch.storage_resizable(slot.storage):
-                raise ValueError(
-                    f"Offloader cannot free {slot.name}: its memory is not this process's "
-                    "to free (imported through CUDA IPC or DLPack, or wrapping an external "
-                    "buffer), so torch cannot resize its storage. Leave it out of the "
-                    "targets, or clone it into memory this process owns; nothing was offloaded"
-                )
-
-    def _free(self, slots: Sequence[_Slot]) -> None:
+    def _free(self, slots: Sequence[Slot]) -> None:
         """Free the slots' device storage and mark them offloaded, all or none.
 
         A failure puts back those freed before it. If putting them back fails too,
         they stay offloaded (their data is in the pool), so that reload() finds them.
         """
-        freed: list[_Slot] = []
+        freed: list[Slot] = []
         try:
             for slot in slots:
                 _torch.resize_storage(slot.storage, 0)
@@ -444,22 +327,15 @@ class Offloader:
         for slot in slots:
             slot.offloaded = True
 
-    def _restore(self, slots: Sequence[_Slot]) -> None:
+    def _restore(self, slots: Sequence[Slot]) -> None:
         """Reallocate and refill freed storages from the pool (blocking)."""
         if not slots:
             return
         for slot in slots:
-            self._allocate(slot)
+            allocate(slot)
         self._copy_back(slots, blocking=True)
 
-    @staticmethod
-    def _allocate(slot: _Slot) -> None:
-        """Reallocate a freed storage, to be refilled (current stream)."""
-        if slot.storage.nbytes() == 0:
-            slot.refill = True  # before: a failing resize may have allocated already
-            _torch.resize_storage(slot.storage, slot.nbytes)
-
-    def _copy_back(self, slots: Sequence[_Slot], *, blocking: bool) -> None:
+    def _copy_back(self, slots: Sequence[Slot], *, blocking: bool) -> None:
         """Copy the pool into the slots' (reallocated) storage; device use waits for it."""
         side, current = self._copy(slots, to_host=False)
         _torch.wait_stream(current, side)
@@ -505,7 +381,7 @@ class Offloader:
                 )
         try:
             for slot in todo:  # allocated on the current stream, where the tensors are used
-                self._allocate(slot)
+                allocate(slot)
             self._copy_back(todo, blocking=not non_blocking)
         except BaseException as exc:
             self._unallocate(todo)
@@ -523,7 +399,7 @@ class Offloader:
             slot.offloaded = False
         return self._report("reload", wanted, todo, start)
 
-    def _unallocate(self, slots: Sequence[_Slot]) -> None:
+    def _unallocate(self, slots: Sequence[Slot]) -> None:
         """Free again the slots reallocated but not refilled, so a retry starts from freed.
 
         One that cannot be freed stays marked ``refill``: a retry fills it. It runs
@@ -542,7 +418,7 @@ class Offloader:
         with contextlib.suppress(BaseException):
             _torch.empty_cache()  # give the partial allocations back to the driver
 
-    def _stream_to_host(self, wanted: list[Group]) -> tuple[list[_Slot], Any] | None:
+    def _stream_to_host(self, wanted: list[Group]) -> tuple[list[Slot], Any] | None:
         """Copy to the pool while walking the targets, if they still match the plan.
 
         Every offload walks the targets (they may have changed since the last
@@ -556,12 +432,17 @@ class Offloader:
             ``(slots copied, side stream)``, or None (not planned yet, something
             is offloaded, or the targets changed).
         """
-        if self._pool is None or not self._slots or self.offloaded_groups or self._device is None:
+        if (
+            self._host.tensor is None
+            or not self._slots
+            or self.offloaded_groups
+            or self._device is None
+        ):
             return None
         side = self._side_stream(self._device)
         _torch.wait_stream(side, _torch.current_stream(self._device))
         planned = iter(self._slots)
-        todo: list[_Slot] = []
+        todo: list[Slot] = []
         try:
             with _torch.stream_scope(side):
                 for _, storage, group, _ in self._storages():
@@ -574,7 +455,7 @@ class Offloader:
                     ):
                         break
                     if group in wanted:
-                        self._copy_one(slot, to_host=True)
+                        self._host.copy_one(slot, self._device, to_host=True)
                         todo.append(slot)
                 else:
                     if next(planned, None) is None:
@@ -587,18 +468,7 @@ class Offloader:
         _torch.synchronize_stream(side)  # a re-plan may free the pool
         return None
 
-    def _copy_one(self, slot: _Slot, *, to_host: bool) -> None:
-        """Queue one copy between a storage and its place in the pool (current stream)."""
-        assert self._pool is not None, "planned before copying"
-        assert self._device is not None, "planned before copying"
-        device_bytes = _torch.storage_bytes(slot.storage, self._device)
-        host_bytes = self._pool[slot.offset : slot.offset + slot.nbytes]
-        if to_host:
-            host_bytes.copy_(device_bytes, non_blocking=True)
-        else:
-            device_bytes.copy_(host_bytes, non_blocking=True)
-
-    def _copy(self, slots: Sequence[_Slot], *, to_host: bool) -> tuple[Any, Any]:
+    def _copy(self, slots: Sequence[Slot], *, to_host: bool) -> tuple[Any, Any]:
         """Queue the copies between device storage and pool on the side stream.
 
         The side stream first waits for the work queued on the current stream, which
@@ -607,14 +477,14 @@ class Offloader:
         Returns:
             ``(side stream, current stream)``.
         """
-        assert self._pool is not None, "planned before copying"
+        assert self._host.tensor is not None, "planned before copying"
         assert self._device is not None, "planned before copying"
         side = self._side_stream(self._device)
         current = _torch.current_stream(self._device)
         _torch.wait_stream(side, current)
         with _torch.stream_scope(side):
             for slot in slots:
-                self._copy_one(slot, to_host=to_host)
+                self._host.copy_one(slot, self._device, to_host=to_host)
         return side, current
 
     def _drop_grads(self) -> int:
@@ -640,7 +510,7 @@ class Offloader:
         self,
         direction: Literal["offload", "reload"],
         groups: Sequence[str],
-        slots: Sequence[_Slot],
+        slots: Sequence[Slot],
         start: float,
         dropped: int = 0,
     ) -> OffloadReport:
@@ -664,10 +534,7 @@ class Offloader:
             raise RuntimeError(
                 f"cannot close: {sorted(self.offloaded_groups)} are offloaded; reload() them first"
             )
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
-        self._pool = None
+        self._host.close()
 
 
 class Offloaded(ScopedContext):

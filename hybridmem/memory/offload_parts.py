@@ -1,0 +1,99 @@
+"""What an offload moves: its report, and the slot of each storage in the host pool.
+
+Split out of :mod:`hybridmem.memory.offload` (issue #27).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from hybridmem import _torch
+from hybridmem._format import fmt_bytes
+from hybridmem.memory.targets import Group
+
+__all__ = ["OffloadReport", "Slot", "allocate", "check_freeable"]
+
+
+@dataclass(frozen=True)
+class OffloadReport:
+    """What one :meth:`Offloader.offload` or :meth:`Offloader.reload` moved.
+
+    Attributes:
+        direction: ``"offload"`` (device to host) or ``"reload"``.
+        groups: the groups moved.
+        nbytes: bytes copied.
+        tensors: storages copied (views and tied weights share one).
+        seconds: wall-clock time, including the wait for the copies (a
+            non-blocking reload only counts the time to queue them).
+        host_pool_bytes: size of the pinned pool.
+        device: the CUDA device.
+        dropped_grad_bytes: gradient bytes freed without copying (``grads="drop"``).
+    """
+
+    direction: Literal["offload", "reload"]
+    groups: tuple[str, ...]
+    nbytes: int
+    tensors: int
+    seconds: float
+    host_pool_bytes: int
+    device: str
+    dropped_grad_bytes: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        dropped = (
+            f", dropped {fmt_bytes(self.dropped_grad_bytes)} of gradients"
+            if self.dropped_grad_bytes
+            else ""
+        )
+        return (
+            f"{self.direction} {','.join(self.groups) or 'nothing'} on {self.device}: "
+            f"{fmt_bytes(self.nbytes)} in {self.tensors} storages, {self.seconds * 1e3:.1f} ms "
+            f"({self.gbps:.1f} GB/s), pinned pool {fmt_bytes(self.host_pool_bytes)}{dropped}"
+        )
+
+
+class Slot:
+    """One device storage and its place in the pinned pool."""
+
+    __slots__ = ("group", "key", "name", "nbytes", "offloaded", "offset", "refill", "storage")
+
+    def __init__(self, storage: torch.UntypedStorage, name: str, group: Group) -> None:
+        self.storage = storage
+        self.key = _torch.storage_key(storage)
+        self.nbytes = storage.nbytes()
+        self.name = name
+        self.group = group
+        self.offset = 0
+        # The pool holds its only good copy: its device storage is freed, or refill.
+        self.offloaded = False
+        # This Offloader reallocated the storage and has not filled it yet: a retry
+        # may fill it, where a storage someone else reallocated is refused.
+        self.refill = False
+
+
+def check_freeable(slots: Sequence[Slot]) -> None:
+    """Refuse, before anything is freed, storages torch cannot free in place."""
+    for slot in slots:
+        if not _torch.storage_resizable(slot.storage):
+            raise ValueError(
+                f"Offloader cannot free {slot.name}: its memory is not this process's "
+                "to free (imported through CUDA IPC or DLPack, or wrapping an external "
+                "buffer), so torch cannot resize its storage. Leave it out of the "
+                "targets, or clone it into memory this process owns; nothing was offloaded"
+            )
+
+
+def allocate(slot: Slot) -> None:
+    """Reallocate a freed storage, to be refilled (current stream)."""
+    if slot.storage.nbytes() == 0:
+        slot.refill = True  # before: a failing resize may have allocated already
+        _torch.resize_storage(slot.storage, slot.nbytes)
