@@ -711,16 +711,20 @@ def test_unlinking_after_a_receiver_untracked_the_name_prints_nothing() -> None:
     assert "leaked" not in result.stderr
 
 
-def test_send_takes_what_check_returned_without_checking_every_tensor_again() -> None:
+def test_send_takes_what_check_returned_without_checking_every_tensor_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hybridmem.ipc import tensor_checks
+
     with hm.WeightBucket(4096) as bucket:
         calls: list[str] = []
-        real = bucket._check_tensor
+        real = tensor_checks.check_tensor
 
-        def counted(name: str, tensor: object) -> torch.Tensor:
+        def counted(name: str, tensor: object, device: torch.device) -> torch.Tensor:
             calls.append(name)
-            return real(name, tensor)
+            return real(name, tensor, device)
 
-        bucket._check_tensor = counted  # type: ignore[method-assign]
+        monkeypatch.setattr(tensor_checks, "check_tensor", counted)  # the one per-tensor check
         items = bucket.check({"a": torch.ones(3), "b": torch.zeros(2, 2)})
         assert calls == ["a", "b"]
         receiver = hm.BucketReceiver(bucket.handle)

@@ -13,10 +13,12 @@ views are asked for.
 The wire format is in :mod:`hybridmem.ipc._wire`; the receiving side is
 :mod:`hybridmem.ipc.receiver`.
 
-Why this module is long: the producer's side of one protocol (plan, pack, send,
-wait for the receiver, reuse the buffers) with its transports (CUDA IPC, fd
-passing, host shared memory); the wire format and the batch plan are in ``_wire``
-and ``_plan``, the fd export in ``export``.
+Why this module is long: the producer's side of one protocol (send, wait for the
+receiver, reuse the buffers) with the allocation of its three transports (CUDA
+IPC, fd passing, host shared memory). Around it (issue #27): the wire format and
+the batch plan in ``_wire`` and ``_plan``, the tensors' checks in
+``tensor_checks``, the packing and fills in ``bucket_fill``, sizes, transports and
+the report in ``bucket_parts``, the fd export in ``export``.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ import dataclasses
 import os
 import time
 import weakref
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from multiprocessing import shared_memory
 from types import TracebackType
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
@@ -45,28 +46,32 @@ from hybridmem._platform import cuda_vmm
 from hybridmem._platform.stdlib import unlink_shared_memory
 from hybridmem.allocator.scopes import ExpandableSegments
 from hybridmem.allocator.state import ENGINE
-from hybridmem.ipc._plan import ALIGN, Batch, align_up, plan_batches
+from hybridmem.ipc._plan import align_up
 from hybridmem.ipc._wire import (
     CPU,
     DEFAULT_TIMEOUT_S,
-    UNITS,
     BucketHandle,
     Channel,
-    Entry,
     Peer,
     PeerAborted,
-    byte_offset,
     check_timeout,
     drop_host_buffers,
-    flat_words,
     host_buffer,
     recv_within,
     send_to,
-    word_unit,
+)
+from hybridmem.ipc.bucket_fill import Filler
+from hybridmem.ipc.bucket_parts import (
+    MAX_BUFFERS,
+    SyncReport,
+    TransportChoice,
+    auto_size,
+    check_transport,
 )
 from hybridmem.ipc.capabilities import ipc_capabilities
 from hybridmem.ipc.export import TensorHandle, ipc_export
 from hybridmem.ipc.shareable import Fallback, IpcSafe, Transport, check_fallback, choose_transport
+from hybridmem.ipc.tensor_checks import Checked, NamedTensors, validate
 from hybridmem.memory.release import release_cache
 from hybridmem.observe import timeline as _timeline
 
@@ -76,72 +81,6 @@ __all__ = [
     "TransportChoice",
     "WeightBucket",
 ]  # BucketHandle: what .handle is
-
-MAX_BUFFERS = 8
-# WeightBucket.for_tensors: half the model, within these bounds (issue #25's runs).
-_AUTO_MIN, _AUTO_MAX, _AUTO_STEP = 256 << 20, 1 << 30, 64 << 20
-
-
-def auto_size(total: int) -> tuple[int, int]:
-    """``(bytes per buffer, buffers)`` for a model of ``total`` bytes (see ``for_tensors``)."""
-    size = min(_AUTO_MAX, max(_AUTO_MIN, align_up(-(-total // 2), _AUTO_STEP)))
-    return size, 3 if total >= 8 * size else 2
-
-
-#: What ``WeightBucket(transport=...)`` accepts.
-TransportChoice = Literal["auto", "cuda", "fd", "host"]
-_CHOICES: tuple[str, ...] = get_args(TransportChoice)
-
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    """What one :meth:`WeightBucket.send` did."""
-
-    tensors: int
-    nbytes: int
-    batches: int
-    seconds: float
-    transport: Transport
-
-    @property
-    def gbps(self) -> float:
-        """Tensor bytes per second, in GB/s (1e9)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def __str__(self) -> str:
-        return (
-            f"synced {self.tensors} tensors ({fmt_bytes(self.nbytes)}) in {self.batches} "
-            f"batches over {self.transport} in {self.seconds * 1e3:.1f} ms ({self.gbps:.1f} GB/s)"
-        )
-
-
-class _Checked(list[tuple[str, torch.Tensor]]):
-    """What :meth:`WeightBucket.check` returned: pairs that passed every check."""
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How one list of (name, dtype, shape) is packed: batches and their messages."""
-
-    batches: tuple[Batch, ...]
-    entries: tuple[tuple[Entry, ...], ...]
-    units: tuple[tuple[int, torch.dtype], ...]  # per tensor
-    batch_units: tuple[tuple[int, torch.dtype], ...]  # per batch: the narrowest of its tensors
-
-
-def _check_transport(transport: object, fallback: Fallback) -> str:
-    if not isinstance(transport, str) or transport not in _CHOICES:
-        raise ValueError(
-            f"transport must be one of {', '.join(map(repr, _CHOICES))}; got {transport!r}"
-        )
-    if transport == "fd" and fallback == "host":
-        raise ValueError(
-            "transport='fd' with fallback='host' contradict each other (fallback='host' "
-            "always uses host memory); pass fallback='auto' or 'raise', or transport='host'"
-        )
-    return transport
 
 
 class WeightBucket:
@@ -204,7 +143,7 @@ class WeightBucket:
             check_number("buffers", buffers, integer=True, minimum=1, maximum=MAX_BUFFERS)
         )
         self.fallback = check_fallback(fallback)
-        choice = _check_transport(transport, self.fallback)
+        choice = check_transport(transport, self.fallback)
         self._index = device_index(device)
         self.nbytes = size
         self.transport = self._choose(choice)
@@ -216,10 +155,7 @@ class WeightBucket:
         self._seq = 0
         self._sync = 0
         self._closed = False
-        self._plan_key: tuple[Any, ...] | None = None
-        self._plan: _Plan | None = None
-        self._word_views: list[dict[torch.dtype, torch.Tensor]] = []
-        self._pads: dict[torch.dtype, torch.Tensor] = {}
+        self._filler = Filler(self._views, size, self.device)  # the plan and the fills
         self._filled: list[Any] = []  # interprocess events, recorded after each fill
         self._drained: list[Any] | None = None  # the receiver's, once it sent them
         self._peer = Peer(None, "receiver")  # learnt from its hello
@@ -435,26 +371,6 @@ class WeightBucket:
     # ------------------------------------------------------------------ #
     # Sending
     # ------------------------------------------------------------------ #
-    def _validate(self, named: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-        if isinstance(named, _Checked):  # check()'s result: every tensor checked already
-            return named
-        if isinstance(named, torch.Tensor):
-            raise TypeError("send() takes named tensors (a dict or (name, tensor) pairs)")
-        pairs = list(named.items()) if isinstance(named, Mapping) else list(named)
-        seen: set[str] = set()
-        items: list[tuple[str, torch.Tensor]] = []
-        for pair in pairs:
-            if not (isinstance(pair, tuple) and len(pair) == 2):
-                raise TypeError(f"expected (name, tensor) pairs, got {pair!r}")
-            name, tensor = pair
-            if not isinstance(name, str):
-                raise TypeError(f"tensor names must be str, got {name!r}")
-            if name in seen:
-                raise ValueError(f"tensor name {name!r} appears twice; names must be unique")
-            seen.add(name)
-            items.append((name, self._check_tensor(name, tensor)))
-        return items
-
     def check(self, named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         """Check named tensors as :meth:`send` would, without sending anything.
 
@@ -474,51 +390,7 @@ class WeightBucket:
             >>> items = bucket.check(model.state_dict())   # doctest: +SKIP
             >>> bucket.send(items, conn)
         """
-        return _Checked(self._validate(named_tensors))
-
-    def _check_tensor(self, name: str, tensor: object) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if callable(getattr(tensor, "to_local", None)):
-            raise TypeError(
-                f"{name!r} is a DTensor; send tensor.full_tensor() (or the local shard, "
-                "tensor.to_local(), under a per-shard name)"
-            )
-        # Without CUDA the bucket is host memory on the CPU and ships CPU tensors (a
-        # trainer and an engine without GPUs: vLLM on CPU, tests).
-        on_cpu = self.device.type == "cpu" and tensor.device.type == "cpu"
-        if not _torch.is_device_tensor(tensor) and not on_cpu:
-            raise ValueError(
-                f"{name!r} is on {tensor.device}; WeightBucket ships device tensors: move it "
-                f"with .to('{self.device}') first"
-            )
-        if tensor.device != self.device and self.device.type == "cuda":
-            raise ValueError(
-                f"{name!r} is on {tensor.device} but this bucket is for {self.device}; "
-                "use one bucket per device"
-            )
-        if tensor.layout != torch.strided:
-            raise ValueError(f"{name!r} has layout {tensor.layout}; only dense tensors ship")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name!r} is not contiguous; pass tensor.contiguous() instead")
-        if tensor.is_quantized:
-            raise TypeError(
-                f"{name!r} is a quantized tensor; send tensor.int_repr() and its scale and "
-                "zero point as tensors of their own"
-            )
-        if tensor.is_conj() or tensor.is_neg():
-            raise TypeError(
-                f"{name!r} is a lazily conjugated or negated view; send tensor.resolve_conj() "
-                "(or .resolve_neg()) instead"
-            )
-        # Any contiguous tensor ships, wherever it starts in its storage (a bf16 view at
-        # an odd element of a flat parameter buffer moves as int16 words); this checks
-        # here, before anything is sent, that it can be read as such words.
-        try:
-            flat_words(tensor, word_unit(tensor.nbytes, byte_offset(tensor))[1])
-        except RuntimeError as exc:
-            raise TypeError(f"{name!r} cannot be read as raw bytes ({exc}); send a copy") from None
-        return tensor
+        return Checked(validate(named_tensors, self.device))
 
     def _side_stream(self) -> Any:
         if self._stream is None:
@@ -546,92 +418,6 @@ class WeightBucket:
             else:
                 raise RuntimeError(f"unexpected message from the receiver: {message!r}")
 
-    def _make_plan(self, items: list[tuple[str, torch.Tensor]]) -> _Plan:
-        """Pack the tensors' layout; cached while names, dtypes and shapes repeat."""
-        key = tuple((name, t.dtype, t.shape, byte_offset(t) % 8) for name, t in items)
-        if self._plan is not None and key == self._plan_key:
-            return self._plan
-        sizes = [t.nbytes for _, t in items]
-        batches = tuple(plan_batches(sizes, self.nbytes, ALIGN))
-        entries = tuple(
-            tuple(
-                (
-                    items[p.index][0],
-                    str(items[p.index][1].dtype),
-                    tuple(items[p.index][1].shape),
-                    p.start,
-                    p.nbytes,
-                    p.offset,
-                    sizes[p.index],
-                )
-                for p in batch.pieces
-            )
-            for batch in batches
-        )
-        units = tuple(word_unit(t.nbytes, byte_offset(t)) for _, t in items)
-        batch_units = tuple(
-            min((units[p.index] for p in batch.pieces), default=UNITS[-1]) for batch in batches
-        )
-        self._plan = _Plan(batches, entries, units, batch_units)
-        self._plan_key = key
-        return self._plan
-
-    def _buffer_words(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
-        while len(self._word_views) <= buffer:
-            self._word_views.append({})
-        views = self._word_views[buffer]
-        if dtype not in views:
-            views[dtype] = self._views[buffer].view(dtype)
-        return views[dtype]
-
-    def _fill(
-        self,
-        buffer: int,
-        number: int,
-        plan: _Plan,
-        items: list[tuple[str, torch.Tensor]],
-        flats: dict[int, torch.Tensor],
-    ) -> None:
-        """Copy batch ``number`` into ``buffer`` (asynchronously, on the current stream).
-
-        One ``torch.cat`` into the buffer, alignment gaps filled from a small zero
-        tensor: a handful of launches however many tensors the batch holds (one
-        ``copy_`` per piece is launch-bound: a 24 MiB copy takes less GPU time than
-        its launch).
-        """
-        batch = plan.batches[number]
-        size, dtype = plan.batch_units[number]
-        pad = self._pad(dtype)
-        words = self._buffer_words(buffer, dtype)
-        parts: list[torch.Tensor] = []
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        cursor = 0
-        for piece in batch.pieces:
-            if not piece.nbytes:
-                continue
-            if piece.offset > cursor:
-                parts.append(pad[: (piece.offset - cursor) // size])
-            flat = flats.get(piece.index)
-            if flat is None:  # made here, batch by batch: host work overlaps the copies
-                flat = flats[piece.index] = flat_words(
-                    items[piece.index][1], plan.units[piece.index][1]
-                )
-            if flat.dtype != dtype:
-                flat = flat.view(dtype)
-            if piece.start or piece.nbytes != flat.numel() * size:
-                flat = flat[piece.start // size : (piece.start + piece.nbytes) // size]
-            parts.append(flat)
-            srcs.append(flat)
-            dsts.append(words[piece.offset // size : (piece.offset + piece.nbytes) // size])
-            cursor = piece.offset + piece.nbytes
-        if not srcs:
-            return
-        if words.device == srcs[0].device:
-            torch.cat(parts, out=words[: cursor // size])
-        else:  # host transport: device-to-host copies into the pinned buffer
-            _torch.copy_many(dsts, srcs)
-
     def _forget_receiver(self, caller: Any, stream: Any) -> None:
         """After a failed sync: wait for this side's copies, and expect a fresh receiver.
 
@@ -646,12 +432,6 @@ class WeightBucket:
         self._peer.close()
         self._peer = Peer(None, "receiver")  # the next receiver says hello anew
 
-    def _pad(self, dtype: torch.dtype) -> torch.Tensor:
-        pad = self._pads.get(dtype)
-        if pad is None:
-            pad = self._pads[dtype] = torch.zeros(ALIGN, dtype=dtype, device=self.device)
-        return pad
-
     def _send(
         self,
         items: list[tuple[str, torch.Tensor]],
@@ -662,7 +442,7 @@ class WeightBucket:
         if self._closed:
             raise RuntimeError("this WeightBucket is closed")
         started = time.perf_counter()
-        plan = self._make_plan(items)
+        plan = self._filler.make_plan(items)
         flats: dict[int, torch.Tensor] = {}
         stream = self._side_stream()
         _torch.wait_stream(stream, caller)  # the tensors are written on the caller's stream
@@ -678,7 +458,7 @@ class WeightBucket:
                 if self._drained is not None:  # the receiver's copies out of it come first
                     _torch.wait_event(stream, self._drained[buffer])
                 with _torch.stream_scope(stream):
-                    self._fill(buffer, number, plan, items, flats)
+                    self._filler.fill(buffer, number, plan, items, flats)
                 # The data is complete before the hand-off: on the device through the
                 # buffer's event (CUDA), or by waiting here (host memory).
                 if self._filled:
@@ -758,7 +538,7 @@ class WeightBucket:
             RuntimeError: the receiver aborted or answered out of protocol.
         """
         wait = check_timeout(timeout)
-        items = self._validate(named_tensors)
+        items = validate(named_tensors, self.device)
         return self._send(items, channel, _torch.current_stream(self.device), wait)
 
     async def asend(
@@ -770,7 +550,7 @@ class WeightBucket:
     ) -> SyncReport:
         """Async :meth:`send`: the blocking waits run in a worker thread, not the loop."""
         wait = check_timeout(timeout)
-        items = self._validate(named_tensors)
+        items = validate(named_tensors, self.device)
         caller = _torch.current_stream(self.device)
         return await asyncio.to_thread(self._send, items, channel, caller, wait)
 
@@ -788,7 +568,7 @@ class WeightBucket:
         self._closed = True
         self._withdraw_minted()
         self._views.clear()
-        self._word_views.clear()
+        self._filler.clear()
         self._peer.close()
         self._release_host()  # drop_host_buffers, once
         if self.transport in ("cuda", "fd") and _torch.cuda_initialized():

@@ -1,0 +1,91 @@
+"""What a WeightBucket ships: the checks every tensor passes before anything is sent.
+
+Split out of :mod:`hybridmem.ipc.bucket` (issue #27). A bad tensor is refused here,
+naming it, before a byte is sent (and before a control-plane call is made, through
+:meth:`~hybridmem.ipc.bucket.WeightBucket.check`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from hybridmem import _torch
+from hybridmem.ipc._wire import byte_offset, flat_words, word_unit
+
+__all__ = ["Checked", "NamedTensors", "check_tensor", "validate"]
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class Checked(list[tuple[str, torch.Tensor]]):
+    """What :meth:`WeightBucket.check` returned: pairs that passed every check."""
+
+
+def validate(named: NamedTensors, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs, each checked (``Checked``: once already, taken as is)."""
+    if isinstance(named, Checked):  # check()'s result: every tensor checked already
+        return named
+    if isinstance(named, torch.Tensor):
+        raise TypeError("send() takes named tensors (a dict or (name, tensor) pairs)")
+    pairs = list(named.items()) if isinstance(named, Mapping) else list(named)
+    seen: set[str] = set()
+    items: list[tuple[str, torch.Tensor]] = []
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(f"expected (name, tensor) pairs, got {pair!r}")
+        name, tensor = pair
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {name!r}")
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} appears twice; names must be unique")
+        seen.add(name)
+        items.append((name, check_tensor(name, tensor, device)))
+    return items
+
+
+def check_tensor(name: str, tensor: object, device: torch.device) -> torch.Tensor:
+    """Return ``tensor`` if a bucket on ``device`` can ship it, else raise naming it."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    if callable(getattr(tensor, "to_local", None)):
+        raise TypeError(
+            f"{name!r} is a DTensor; send tensor.full_tensor() (or the local shard, "
+            "tensor.to_local(), under a per-shard name)"
+        )
+    # Without CUDA the bucket is host memory on the CPU and ships CPU tensors (a
+    # trainer and an engine without GPUs: vLLM on CPU, tests).
+    on_cpu = device.type == "cpu" and tensor.device.type == "cpu"
+    if not _torch.is_device_tensor(tensor) and not on_cpu:
+        raise ValueError(
+            f"{name!r} is on {tensor.device}; WeightBucket ships device tensors: move it "
+            f"with .to('{device}') first"
+        )
+    if tensor.device != device and device.type == "cuda":
+        raise ValueError(
+            f"{name!r} is on {tensor.device} but this bucket is for {device}; "
+            "use one bucket per device"
+        )
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name!r} has layout {tensor.layout}; only dense tensors ship")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name!r} is not contiguous; pass tensor.contiguous() instead")
+    if tensor.is_quantized:
+        raise TypeError(
+            f"{name!r} is a quantized tensor; send tensor.int_repr() and its scale and "
+            "zero point as tensors of their own"
+        )
+    if tensor.is_conj() or tensor.is_neg():
+        raise TypeError(
+            f"{name!r} is a lazily conjugated or negated view; send tensor.resolve_conj() "
+            "(or .resolve_neg()) instead"
+        )
+    # Any contiguous tensor ships, wherever it starts in its storage (a bf16 view at
+    # an odd element of a flat parameter buffer moves as int16 words); this checks
+    # here, before anything is sent, that it can be read as such words.
+    try:
+        flat_words(tensor, word_unit(tensor.nbytes, byte_offset(tensor))[1])
+    except RuntimeError as exc:
+        raise TypeError(f"{name!r} cannot be read as raw bytes ({exc}); send a copy") from None
+    return tensor
