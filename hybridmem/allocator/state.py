@@ -38,7 +38,8 @@ from hybridmem import _torch
 from hybridmem._errors import AllocatorSettingsError
 from hybridmem._log import logger, warn_once, warn_user
 from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Effective, Setting
-from hybridmem.allocator.grammar import KEYS, format_settings
+from hybridmem.allocator.grammar import format_settings
+from hybridmem.allocator.layers import Layer, expandable, overlay
 from hybridmem.allocator.rules import (
     CUDA_ALLOC_CONF,
     Outcome,
@@ -51,49 +52,6 @@ __all__ = [
     "allocator_state",
     "drop_cached_blocks",
 ]
-
-
-class _Layer:
-    """One active change: a scope, with the effective settings once it applies."""
-
-    __slots__ = ("changes", "effective", "label", "thread")
-
-    def __init__(self, changes: dict[str, str], label: str, effective: Effective) -> None:
-        self.changes = changes
-        self.label = label
-        self.thread = threading.get_ident()
-        self.effective = effective
-
-
-def _same(base: Effective, key: str, value: str) -> bool:
-    setting = base.get(key)
-    if setting is None:
-        spec = KEYS.get(key)
-        return spec is not None and spec.default == value
-    return setting.value == value
-
-
-_MAX_CHILDREN = 64
-
-
-def _overlay(base: Effective, changes: Mapping[str, str], origin: str) -> Effective:
-    for key, value in changes.items():
-        if not _same(base, key, value):
-            break
-    else:
-        return base  # unchanged: share, so "no change" costs no copy and no setter call
-    cache_key = (tuple(changes.items()), origin)
-    merged = base.children.get(cache_key)
-    if merged is not None:
-        return merged
-    merged = Effective(base)
-    for key, value in changes.items():
-        merged.pop(key, None)  # moves to the end: a later setting is written later
-        merged[key] = Setting(key, value, "runtime", origin)
-    if len(base.children) >= _MAX_CHILDREN:
-        base.children.clear()
-    base.children[cache_key] = merged
-    return merged
 
 
 _SIZE_KEYS = frozenset(
@@ -158,7 +116,7 @@ class SettingsEngine:
             self._env_expandable_false: str | None = None
             self._torch_env_text = ""  # what torch 2.12+'s getter says before any change
             self._defaults: Effective | None = None  # set_allocator_defaults / external
-            self._layers: list[_Layer] = []
+            self._layers: list[Layer] = []
             self._applied: str | None = None
             self._current: Effective | None = None  # what torch has; None = env state
             self._can_apply_cache: bool | None = None
@@ -266,7 +224,7 @@ class SettingsEngine:
     def _recompute(self, start: int = 0) -> None:
         base = self._layers[start - 1].effective if start > 0 else self._base()
         for layer in self._layers[start:]:
-            layer.effective = _overlay(base, layer.changes, layer.label)
+            layer.effective = overlay(base, layer.changes, layer.label)
             base = layer.effective
 
     def env_expandable_false(self) -> str | None:
@@ -297,7 +255,7 @@ class SettingsEngine:
                 "exported with cudaIpcGetMemHandle"
             )
         with self.lock:
-            expandable_now = _expandable(self._top())
+            expandable_now = expandable(self._top())
         if expandable_now and _torch.settings_setter_name() is None:
             return (
                 f"expandable segments are on and torch "
@@ -364,7 +322,7 @@ class SettingsEngine:
             last,
         )
         external = [(k, v) for k, v in outcome.items if k != "backend"]
-        self._defaults = _overlay(self._base(), dict(external), "set outside hybridmem")
+        self._defaults = overlay(self._base(), dict(external), "set outside hybridmem")
         # Model what torch now has: the keys it resets went back to their defaults,
         # the string's keys are set, every other key kept its value.
         model = Effective({k: v for k, v in current.items() if k not in rules.reset_keys})
@@ -436,7 +394,7 @@ class SettingsEngine:
         if (
             release_cache
             and _torch.cuda_initialized()
-            and _expandable(current) != _expandable(target)
+            and expandable(current) != expandable(target)
         ):
             # Cached free blocks of the old kind would be reused by new tensors.
             drop_cached_blocks(_torch.initialized_devices())
@@ -505,12 +463,12 @@ class SettingsEngine:
             return False
         return True
 
-    def push(self, changes: dict[str, str], label: str, *, release_cache: bool) -> _Layer:
+    def push(self, changes: dict[str, str], label: str, *, release_cache: bool) -> Layer:
         with self.lock:
             self._adopt_external()
             layers = self._layers
             top = layers[-1].effective if layers else self._base()
-            layer = _Layer(changes, label, _overlay(top, changes, label))
+            layer = Layer(changes, label, overlay(top, changes, label))
             if layer.effective is not top:
                 rules = self.rules()
                 # Refuse what torch would refuse, before anything is applied...
@@ -528,7 +486,7 @@ class SettingsEngine:
                 raise
             return layer
 
-    def pop(self, layer: _Layer, *, release_cache: bool) -> None:
+    def pop(self, layer: Layer, *, release_cache: bool) -> None:
         with self.lock:
             layers = self._layers
             if layers and layers[-1] is layer:  # the usual, LIFO case
@@ -560,7 +518,7 @@ class SettingsEngine:
         with self.lock:
             self._adopt_external()
             previous = self._defaults
-            self._defaults = _overlay(self._base(), changes, "set_allocator_defaults")
+            self._defaults = overlay(self._base(), changes, "set_allocator_defaults")
             try:
                 self._defaults.state(self.rules())
                 self._recompute()
@@ -569,11 +527,6 @@ class SettingsEngine:
                 self._defaults = previous
                 self._recompute()
                 raise
-
-
-def _expandable(effective: Effective) -> bool:
-    setting = effective.get("expandable_segments")
-    return setting is not None and setting.value == "True"
 
 
 ENGINE = SettingsEngine()
