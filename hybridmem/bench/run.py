@@ -17,8 +17,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hybridmem._files import FileProblem, check_writable, describe
 from hybridmem._moved import moved_attribute_error
+from hybridmem.bench.outputs import (
+    NO_MATPLOTLIB,
+    has_matplotlib,
+    load_results,
+    outputs_problem,
+    report,
+)
 from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, choose_strategies, plan
 from hybridmem.bench.report import format_table, plot_results, verdicts
 from hybridmem.observe import timeline as _timeline
@@ -338,6 +344,62 @@ def child_run(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a bench run starts from: the device's size, the engine, the strategies."""
+
+    total: int
+    engine: str
+    strategies: list[str]
+
+
+def prepare(
+    *,
+    json_path: str | None,
+    plot_path: str | None,
+    timeline: str | None,
+    engine: str,
+    strategies: list[str] | None,
+) -> Setup | None:
+    """Check everything a bench run needs before it starts (``bench`` and ``bench --scale``).
+
+    Returns:
+        The :class:`Setup`, or None once one line on stderr said what is missing (no
+        matplotlib for ``--plot``, an unwritable path, no GPU, an engine or strategy
+        that cannot run here): the caller exits 2, before a run of minutes.
+    """
+    from hybridmem import _torch
+
+    if plot_path and not has_matplotlib():
+        print(NO_MATPLOTLIB, file=sys.stderr)
+        return None
+    problem = outputs_problem(json_path, plot_path, timeline)
+    if problem:
+        print(f"hybridmem bench: {problem}", file=sys.stderr)
+        return None
+    if not _torch.cuda_available():
+        print("hybridmem bench needs a CUDA GPU (none is visible here)", file=sys.stderr)
+        return None
+    import torch
+
+    from hybridmem._devices import device_index
+    from hybridmem.bench.engine_memory import available, preload_library, resolve
+
+    # The device's size without creating a context here (the children do the work).
+    total = torch.cuda.get_device_properties(device_index(None)).total_memory
+    try:
+        engine_kind = resolve(engine)
+        chosen, skipped = choose_strategies(
+            strategies, tms=available() and preload_library() is not None
+        )
+    except (RuntimeError, ValueError) as exc:
+        print(f"hybridmem bench: {exc}", file=sys.stderr)
+        return None
+    if skipped:
+        print(f"bench: {skipped}", file=sys.stderr)
+    return Setup(int(total), engine_kind, chosen)
+
+
 def bench(
     *,
     quick: bool,
@@ -367,42 +429,16 @@ def bench(
             where installed).
         anatomy: record what each process's cache is made of at every KV wake.
     """
-    from hybridmem import _torch
-
-    if plot_path and not has_matplotlib():
-        print(NO_MATPLOTLIB, file=sys.stderr)
+    setup = prepare(
+        json_path=json_path,
+        plot_path=plot_path,
+        timeline=timeline,
+        engine=engine,
+        strategies=strategies,
+    )
+    if setup is None:
         return 2
-    problem = outputs_problem(json_path, plot_path, timeline)
-    if problem:  # before a run of minutes, not after it
-        print(f"hybridmem bench: {problem}", file=sys.stderr)
-        return 2
-    if not _torch.cuda_available():
-        print("hybridmem bench needs a CUDA GPU (none is visible here)", file=sys.stderr)
-        return 2
-    import torch
-
-    from hybridmem._devices import device_index
-
-    # The device's size without creating a context here (the children do the work).
-    total = torch.cuda.get_device_properties(device_index(None)).total_memory
-    from hybridmem.bench.engine_memory import resolve
-
-    try:
-        engine_kind = resolve(engine)
-    except (RuntimeError, ValueError) as exc:
-        print(f"hybridmem bench: {exc}", file=sys.stderr)
-        return 2
-    from hybridmem.bench.engine_memory import available, preload_library
-
-    try:
-        strategies, skipped = choose_strategies(
-            strategies, tms=available() and preload_library() is not None
-        )
-    except ValueError as exc:
-        print(f"hybridmem bench: {exc}", file=sys.stderr)
-        return 2
-    if skipped:
-        print(f"bench: {skipped}", file=sys.stderr)
+    total, engine_kind, strategies = setup.total, setup.engine, setup.strategies
     p = plan(int(total), quick=quick, cycles=cycles, model=model, engine=engine_kind)
     if anatomy:
         p = dataclasses.replace(p, anatomy=True)
@@ -425,109 +461,6 @@ def bench(
         )
     if plot_path:
         plot_results(rows, plot_path)
-    return 0
-
-
-def load_results(path: str) -> dict[str, Any]:
-    """Read results saved with ``hybridmem bench --json``.
-
-    Raises:
-        FileProblem: the file cannot be read, is not JSON, or is not bench results
-            (the message names the file and what is missing).
-    """
-    try:
-        saved = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise FileProblem(f"cannot read results from {path}: {describe(exc)}") from None
-    except ValueError as exc:  # not JSON (a PNG, a JSON-lines timeline, ...)
-        raise FileProblem(
-            f"{path} is not saved bench results (hybridmem bench --json writes them): {exc}"
-        ) from None
-    found = saved.get("results") if isinstance(saved, dict) else None
-    if not (
-        isinstance(found, dict)
-        and found
-        and all(isinstance(r, dict) and isinstance(r.get("summary"), dict) for r in found.values())
-    ):
-        raise FileProblem(
-            f"{path} is not saved bench results: it has no 'results' with a 'summary' per "
-            "strategy (hybridmem bench --json writes them; a timeline goes to hybridmem plot)"
-        )
-    result: dict[str, Any] = saved
-    return result
-
-
-def outputs_problem(json_path: str | None, plot_path: str | None, timeline: str | None) -> str:
-    """What is wrong with the output paths, checked before any work ('' if nothing)."""
-    try:
-        if json_path:
-            check_writable(json_path, "--json")
-        if plot_path:
-            check_writable(plot_path, "--plot")
-        if timeline:
-            check_writable(f"{timeline}.hybridmem.jsonl", "--timeline")
-    except FileProblem as exc:
-        return str(exc)
-    return ""
-
-
-NO_MATPLOTLIB = (
-    "--plot needs matplotlib: pip install 'hybridmem[plot]' (or save --json here and "
-    "draw it elsewhere with `hybridmem bench --from-json FILE --plot out.png`)"
-)
-
-
-def has_matplotlib() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("matplotlib") is not None
-
-
-def report(paths: list[str], *, json_path: str | None, plot_path: str | None) -> int:
-    """``hybridmem bench --from-json``: the table, verdicts and plot of saved results.
-
-    Several files merge (a strategy in a later file replaces an earlier one), so
-    strategies run separately, e.g. with different ``--cycles``, compare in one table.
-    No GPU needed.
-    """
-    if plot_path and not has_matplotlib():
-        print(NO_MATPLOTLIB, file=sys.stderr)
-        return 2
-    problem = outputs_problem(json_path, plot_path, None)
-    if problem:
-        print(f"hybridmem bench: {problem}", file=sys.stderr)
-        return 2
-    results: dict[str, Any] = {}
-    plans: dict[str, Any] = {}
-    for path in paths:
-        try:
-            saved = load_results(path)
-        except FileProblem as exc:
-            print(f"hybridmem bench: {exc}", file=sys.stderr)
-            return 2
-        for name, result in saved["results"].items():
-            results[name] = result
-            plans[name] = saved.get("plan")
-    rows = {name: results[name]["summary"] for name in STRATEGIES if name in results}
-    for name, row in rows.items():
-        p = plans.get(name) or {}
-        model = f", {row['model']}" if row.get("model") else ""
-        engine = f", engine {row['engine']}" if row.get("engine") else ""
-        print(
-            f"{name}: {row.get('cycles')} cycles, {p.get('params', 0) / 1e6:.0f} M parameters"
-            + model
-            + engine
-        )
-    judged = verdicts(rows, {name: results[name].get("raw") for name in rows})
-    print("\n" + "\n".join(format_table(rows)))
-    print("\n" + "\n".join(judged))
-    if json_path:
-        Path(json_path).write_text(
-            json.dumps({"plans": plans, "results": results, "verdicts": judged}, indent=2)
-        )
-    if plot_path:
-        plot_results(rows, plot_path)
-        print(f"wrote {plot_path}")
     return 0
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridmem.bench.plan import SCALE_GIB, choose_strategies, scale_plan
+from hybridmem.bench.plan import SCALE_GIB, scale_plan
 from hybridmem.bench.report import format_scale_table, plot_scale, scale_verdicts
 
 __all__ = ["bench_scale"]
@@ -51,39 +51,26 @@ def bench_scale(
         >>> bench_scale(sizes=[8], json_path="scale.json", plot_path=None,
         ...             strategies=None)  # doctest: +SKIP
     """
-    from hybridmem import _torch
-    from hybridmem.bench.run import NO_MATPLOTLIB, child_run, has_matplotlib, outputs_problem
+    from hybridmem.bench.run import child_run, prepare
 
-    if plot_path and not has_matplotlib():
-        print(NO_MATPLOTLIB, file=sys.stderr)
+    setup = prepare(
+        json_path=json_path,
+        plot_path=plot_path,
+        timeline=None,
+        engine=engine,
+        strategies=strategies,
+    )
+    if setup is None:
         return 2
-    problem = outputs_problem(json_path, plot_path, None)
-    if problem:
-        print(f"hybridmem bench: {problem}", file=sys.stderr)
-        return 2
-    if not _torch.cuda_available():
-        print("hybridmem bench needs a CUDA GPU (none is visible here)", file=sys.stderr)
-        return 2
-    import torch
-
-    from hybridmem._devices import device_index
-    from hybridmem.bench.engine_memory import available, preload_library, resolve
-
-    total = torch.cuda.get_device_properties(device_index(None)).total_memory
+    engine_kind, chosen = setup.engine, setup.strategies
     try:
-        engine_kind = resolve(engine)
-        chosen, skipped = choose_strategies(
-            strategies, tms=available() and preload_library() is not None
-        )
         plans = [
-            (g, scale_plan(int(total), g, cycles=cycles, model=model, engine=engine_kind))
+            (g, scale_plan(setup.total, g, cycles=cycles, model=model, engine=engine_kind))
             for g in (sizes or list(SCALE_GIB))
         ]
-    except (RuntimeError, ValueError) as exc:  # before a run of many minutes, not after
+    except ValueError as exc:  # before a run of many minutes, not after
         print(f"hybridmem bench: {exc}", file=sys.stderr)
         return 2
-    if skipped:
-        print(f"bench: {skipped}", file=sys.stderr)
     started = time.perf_counter()
     measured: list[dict[str, Any]] = []
     for gib, p in plans:

@@ -1,0 +1,121 @@
+"""What a bench run writes and reads: its output paths checked first, its saved results.
+
+Split out of :mod:`hybridmem.bench.run` (issue #27): ``hybridmem bench --from-json``
+(:func:`report`) needs no GPU and no run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hybridmem._files import FileProblem, check_writable, describe
+from hybridmem.bench.plan import STRATEGIES
+from hybridmem.bench.report import format_table, plot_results, verdicts
+
+__all__ = ["NO_MATPLOTLIB", "has_matplotlib", "load_results", "outputs_problem", "report"]
+
+
+def load_results(path: str) -> dict[str, Any]:
+    """Read results saved with ``hybridmem bench --json``.
+
+    Raises:
+        FileProblem: the file cannot be read, is not JSON, or is not bench results
+            (the message names the file and what is missing).
+    """
+    try:
+        saved = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise FileProblem(f"cannot read results from {path}: {describe(exc)}") from None
+    except ValueError as exc:  # not JSON (a PNG, a JSON-lines timeline, ...)
+        raise FileProblem(
+            f"{path} is not saved bench results (hybridmem bench --json writes them): {exc}"
+        ) from None
+    found = saved.get("results") if isinstance(saved, dict) else None
+    if not (
+        isinstance(found, dict)
+        and found
+        and all(isinstance(r, dict) and isinstance(r.get("summary"), dict) for r in found.values())
+    ):
+        raise FileProblem(
+            f"{path} is not saved bench results: it has no 'results' with a 'summary' per "
+            "strategy (hybridmem bench --json writes them; a timeline goes to hybridmem plot)"
+        )
+    result: dict[str, Any] = saved
+    return result
+
+
+def outputs_problem(json_path: str | None, plot_path: str | None, timeline: str | None) -> str:
+    """What is wrong with the output paths, checked before any work ('' if nothing)."""
+    try:
+        if json_path:
+            check_writable(json_path, "--json")
+        if plot_path:
+            check_writable(plot_path, "--plot")
+        if timeline:
+            check_writable(f"{timeline}.hybridmem.jsonl", "--timeline")
+    except FileProblem as exc:
+        return str(exc)
+    return ""
+
+
+NO_MATPLOTLIB = (
+    "--plot needs matplotlib: pip install 'hybridmem[plot]' (or save --json here and "
+    "draw it elsewhere with `hybridmem bench --from-json FILE --plot out.png`)"
+)
+
+
+def has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def report(paths: list[str], *, json_path: str | None, plot_path: str | None) -> int:
+    """``hybridmem bench --from-json``: the table, verdicts and plot of saved results.
+
+    Several files merge (a strategy in a later file replaces an earlier one), so
+    strategies run separately, e.g. with different ``--cycles``, compare in one table.
+    No GPU needed.
+    """
+    if plot_path and not has_matplotlib():
+        print(NO_MATPLOTLIB, file=sys.stderr)
+        return 2
+    problem = outputs_problem(json_path, plot_path, None)
+    if problem:
+        print(f"hybridmem bench: {problem}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {}
+    plans: dict[str, Any] = {}
+    for path in paths:
+        try:
+            saved = load_results(path)
+        except FileProblem as exc:
+            print(f"hybridmem bench: {exc}", file=sys.stderr)
+            return 2
+        for name, result in saved["results"].items():
+            results[name] = result
+            plans[name] = saved.get("plan")
+    rows = {name: results[name]["summary"] for name in STRATEGIES if name in results}
+    for name, row in rows.items():
+        p = plans.get(name) or {}
+        model = f", {row['model']}" if row.get("model") else ""
+        engine = f", engine {row['engine']}" if row.get("engine") else ""
+        print(
+            f"{name}: {row.get('cycles')} cycles, {p.get('params', 0) / 1e6:.0f} M parameters"
+            + model
+            + engine
+        )
+    judged = verdicts(rows, {name: results[name].get("raw") for name in rows})
+    print("\n" + "\n".join(format_table(rows)))
+    print("\n" + "\n".join(judged))
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps({"plans": plans, "results": results, "verdicts": judged}, indent=2)
+        )
+    if plot_path:
+        plot_results(rows, plot_path)
+        print(f"wrote {plot_path}")
+    return 0
