@@ -76,49 +76,55 @@ def _patch_level(scope: Scope, cls: type, stacks: _InstanceStacks, *, force: boo
                 setattr(cls, name, _wrapped(scope, method, stacks, protocol, name, is_async))
 
 
-def _entering(
-    scope: Scope, stacks: _InstanceStacks, instance: Any, kind: str, _exc: tuple[Any, ...]
+def _outermost(
+    protocol: Callable[..., _Protocol],
+    scope: Scope,
+    stacks: _InstanceStacks,
+    instance: Any,
+    kind: str,
+    exc: tuple[Any, ...],
 ) -> _Protocol:
-    """Enter a fresh copy of the scope, then the class's own ``__enter__``."""
-    if not stacks.begin_call(instance, kind):  # inside a super() chain: pass through
-        try:
-            return (yield (_CALL,))
-        finally:
-            stacks.end_call(instance, kind)
+    """``protocol`` for the outermost call of ``kind`` on ``instance``; else pass through.
+
+    A subclass's ``__enter__`` calling ``super().__enter__()`` runs two wrapped levels
+    in one call: only the outermost enters (or exits) the scope.
+    """
+    outermost = stacks.begin_call(instance, kind)
     try:
-        ctx = scope._recreate()
-        yield (_ENTER, ctx)
-        try:
-            result = yield (_CALL,)
-        except BaseException as exc:
-            yield (_EXIT, ctx, type(exc), exc, exc.__traceback__)
-            raise
-        stacks.push(instance, ctx)
-        return result
+        if not outermost:  # inside a super() chain
+            return (yield (_CALL,))
+        return (yield from protocol(scope, stacks, instance, exc))
     finally:
         stacks.end_call(instance, kind)
+
+
+def _entering(
+    scope: Scope, stacks: _InstanceStacks, instance: Any, _exc: tuple[Any, ...]
+) -> _Protocol:
+    """Enter a fresh copy of the scope, then the class's own ``__enter__``."""
+    ctx = scope._recreate()
+    yield (_ENTER, ctx)
+    try:
+        result = yield (_CALL,)
+    except BaseException as exc:
+        yield (_EXIT, ctx, type(exc), exc, exc.__traceback__)
+        raise
+    stacks.push(instance, ctx)
+    return result
 
 
 def _exiting(
-    scope: Scope, stacks: _InstanceStacks, instance: Any, kind: str, exc: tuple[Any, ...]
+    scope: Scope, stacks: _InstanceStacks, instance: Any, exc: tuple[Any, ...]
 ) -> _Protocol:
     """The class's own ``__exit__``, then the scope's (told of a suppressed exception)."""
-    if not stacks.begin_call(instance, kind):
-        try:
-            return (yield (_CALL,))
-        finally:
-            stacks.end_call(instance, kind)
+    ctx = stacks.pop(instance)
     try:
-        ctx = stacks.pop(instance)
-        try:
-            suppress = yield (_CALL,)
-        except BaseException as raised:
-            yield (_EXIT, ctx, type(raised), raised, raised.__traceback__)
-            raise
-        yield (_EXIT, ctx, None, None, None) if suppress else (_EXIT, ctx, *exc)
-        return suppress
-    finally:
-        stacks.end_call(instance, kind)
+        suppress = yield (_CALL,)
+    except BaseException as raised:
+        yield (_EXIT, ctx, type(raised), raised, raised.__traceback__)
+        raise
+    yield (_EXIT, ctx, None, None, None) if suppress else (_EXIT, ctx, *exc)
+    return suppress
 
 
 def _run(protocol: _Protocol, call: Callable[[], Any]) -> Any:
@@ -184,14 +190,14 @@ def _wrapped(
 
         @functools.wraps(original)
         async def wrapper(instance: Any, *exc: Any) -> Any:
-            steps = protocol(scope, stacks, instance, kind, exc)
+            steps = _outermost(protocol, scope, stacks, instance, kind, exc)
             return await _arun(steps, lambda: original(instance, *exc))
 
     else:
 
         @functools.wraps(original)
         def wrapper(instance: Any, *exc: Any) -> Any:
-            steps = protocol(scope, stacks, instance, kind, exc)
+            steps = _outermost(protocol, scope, stacks, instance, kind, exc)
             return _run(steps, lambda: original(instance, *exc))
 
     wrapper.__hybridmem_scope__ = stacks
