@@ -256,6 +256,12 @@ def _scale_rows(size: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: r["summary"] for name, r in size["results"].items()}
 
 
+def _size_ceiling(size: dict[str, Any]) -> float | None:
+    """The median of the strategies' ceilings at one size (each measured its own)."""
+    ceilings = sorted(r["ceiling_s"] for r in _scale_rows(size).values() if r.get("ceiling_s"))
+    return ceilings[len(ceilings) // 2] if ceilings else None
+
+
 def format_scale_table(sizes: list[dict[str, Any]]) -> list[str]:
     """Per trainer-state size, each strategy's switch times against the ceiling.
 
@@ -270,8 +276,7 @@ def format_scale_table(sizes: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     for size in sizes:
         rows = _scale_rows(size)
-        ceilings = [r["ceiling_s"] for r in rows.values() if r.get("ceiling_s")]
-        ceiling = sorted(ceilings)[len(ceilings) // 2] if ceilings else None
+        ceiling = _size_ceiling(size)
         lines.append(
             f"== {size['state_gib']:g} GiB of trainer state; ceiling "
             f"{cell(ceiling, '.3f')} s each way (the state at the pinned copy rate)"
@@ -340,13 +345,11 @@ def plot_scale(sizes: list[dict[str, Any]], path: str) -> None:
             xs = [x for x, y in points if isinstance(y, float | int)]
             ys = [y for _, y in points if isinstance(y, float | int)]
             ax.plot(xs, ys, marker="o", label=name, color=_COLOURS.get(name, "#888888"))
-        ceilings = []
-        for g, size in zip(gib, sizes, strict=True):
-            values = sorted(
-                r["ceiling_s"] for r in _scale_rows(size).values() if r.get("ceiling_s")
-            )
-            if values:
-                ceilings.append((g, values[len(values) // 2]))
+        ceilings = [
+            (g, ceiling)
+            for g, size in zip(gib, sizes, strict=True)
+            if (ceiling := _size_ceiling(size)) is not None
+        ]
         if ceilings:
             ax.plot(
                 [c[0] for c in ceilings],
