@@ -120,6 +120,7 @@ class _Prepared:
         self.step = step
         args = dict(step.args)
         self.args = args
+        self.timeout_s = args.get("timeout_s", 5.0)  # an await_free step's bound
         self.scope: ScopedContext | None = None
         try:
             if step.when == "scope":
@@ -138,7 +139,7 @@ class _Prepared:
                     args.get("ipc_collect", True),
                 )
             elif step.action == "await_free":
-                check_wait(args.get("timeout_s", 5.0))
+                check_wait(self.timeout_s)
         except (TypeError, ValueError) as exc:  # say which phase and step, keep the type
             # "phase('sleep', backend='vllm'): release_cache.collect_garbage must be ..."
             raise type(exc)(f"{where}: {step.name}.{exc}") from None
@@ -156,7 +157,7 @@ class _Prepared:
                 ipc_collect=args.get("ipc_collect", True),
             )
         elif action == "await_free":
-            await_free(args.get("device"), timeout_s=args.get("timeout_s", 5.0))
+            await_free(args.get("device"), timeout_s=self.timeout_s)
         else:
             offloader = args.get("offloader")
             if offloader is None:
@@ -255,9 +256,9 @@ class Phase(ScopedContext):
             logger.warning("%s: an exit step failed too: %r", self._label, failure)
 
     async def _aexit(self, token: object, exc: BaseException | None) -> None:
-        for step in reversed(self.steps):  # the waits first, polling without blocking
-            if step.when == "exit" and step.action == "await_free":
-                await await_free_async(step.args.get("device"), step.args.get("timeout_s", 5.0))
+        for prepared in reversed(self._prepared):  # the waits first, polling without blocking
+            if prepared.step.when == "exit" and prepared.step.action == "await_free":
+                await await_free_async(prepared.args.get("device"), prepared.timeout_s)
         self._leave(token, exc, skip_waits=True)
 
 
