@@ -289,6 +289,26 @@ def test_a_silent_trainer_times_out_and_its_exit_is_noticed_while_idle() -> None
         child.close()
 
 
+def test_a_trainer_gone_before_the_token_is_sent_is_a_sync_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's first send (the token) to a closed link says the trainer exited."""
+    import socket
+
+    from hybridmem._platform import unix_socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.close()  # the trainer's end: gone before the worker says anything
+    monkeypatch.setattr(unix_socket, "connect", lambda *a, **k: ours)  # the module engine uses
+    with TrainerLink(4096, transport="host", timeout=2) as link:
+        info = link.init_info()
+    with pytest.raises(
+        SyncError, match=r"end of the channel is closed .* sent the token: it exited"
+    ):
+        EngineLink(info, CPU)
+    assert ours.fileno() == -1  # the worker closed its end too
+
+
 def test_every_wait_is_bounded_and_strangers_are_refused() -> None:
     with pytest.raises(TypeError, match="timeout must be a number of seconds > 0"):
         TrainerLink(4096, transport="host", timeout=None)  # type: ignore[arg-type]

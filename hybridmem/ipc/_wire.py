@@ -291,7 +291,7 @@ def recv_within(channel: Channel, timeout: float | None, peer: Peer, waiting_for
         ) from exc
 
 
-def send_to(channel: Channel, message: Any, peer: Peer, what: str) -> None:
+def send_to(channel: Channel, message: Any, peer: Peer, what: str, *, raw: bool = False) -> None:
     """``channel.send(message)``, turning a closed channel into a SyncError that says why.
 
     A peer that exited leaves its end closed: the send then fails with
@@ -305,12 +305,18 @@ def send_to(channel: Channel, message: Any, peer: Peer, what: str) -> None:
         message: any picklable object.
         peer: the other process (for the error).
         what: what the message is, for the error ("the ack of batch 3").
+        raw: ``message`` is bytes, sent unpickled (``send_bytes``: a one-time token
+            proven before anything is unpickled).
 
     Raises:
         SyncError: the channel is closed (the peer exited or closed it).
     """
     try:
-        channel.send(message)
+        if raw:
+            channel_bytes: Any = channel  # a Connection: send_bytes is not in Channel
+            channel_bytes.send_bytes(message)
+        else:
+            channel.send(message)
     except (EOFError, OSError) as exc:
         raise SyncError(
             f"the {peer.what}'s end of the channel is closed ({exc!r}) while this side sent "

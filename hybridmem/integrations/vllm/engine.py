@@ -73,13 +73,7 @@ class EngineLink:
         peer = Peer(trainer_pid, "trainer")
         receiver: BucketReceiver | None = None
         try:
-            try:
-                conn.send_bytes(token)
-            except OSError as exc:
-                raise SyncError(
-                    f"the trainer's hybridmem link closed before the token was sent ({exc!r}): "
-                    "it exited"
-                ) from exc
+            send_to(conn, token, peer, "the token", raw=True)
             message = recv_within(conn, self.timeout, peer, "the bucket")
             if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "bucket"):
                 raise SyncError(f"unexpected first message from the trainer: {message!r}")
