@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
+from hybridmem.ipc import tensor_checks
 from hybridmem.ipc.bucket import BucketHandle, SyncReport
 from tests.channels import FaultyChannel, ScriptedChannel, acking
 from tests.helpers import LoopTicker, run_python
@@ -139,6 +140,46 @@ def test_receive_into_existing_tensors(
         thread.join()
     assert all(result["value"])
     assert all(torch.equal(out[n], t) for n, t in tensors.items())
+
+
+def test_views_made_once_follow_new_values_new_tensors_and_new_layouts(
+    cpu_as_device: list[int], pipe: tuple[Connection, Connection]
+) -> None:
+    """Issue #25: both sides keep views of their buffers across syncs, never of the user's.
+
+    Each sync must still read the producer's tensors of that sync and write the
+    receiver's ``out`` tensors of that sync, whatever was replaced in between.
+    """
+    tensors = model_tensors()
+    out = {name: torch.zeros_like(t) for name, t in tensors.items()}
+    replaced = {name: torch.zeros_like(t) for name, t in tensors.items()}
+    changed = {"w": torch.arange(40, dtype=torch.float32).view(5, 8), "b": torch.ones(3)}
+    steps = [
+        (tensors, out),  # the first sync: the views are made
+        ({n: t * 2 if t.dtype != torch.bool else ~t for n, t in tensors.items()}, out),
+        (tensors, replaced),  # new `out` tensors, the same layout
+        (changed, {"w": torch.zeros(5, 8), "b": torch.zeros(3)}),  # another layout
+        (tensors, out),  # and back
+    ]
+    with hm.WeightBucket(4 * KiB) as bucket:
+
+        def body(receiver: hm.BucketReceiver) -> list[tuple[bool, dict[str, torch.Tensor]]]:
+            seen = []
+            for _, into in steps:
+                got = list(receiver.receive(pipe[1], out=into))
+                same = all(t is into[name] for name, t in got)
+                seen.append((same, {name: t.clone() for name, t in got}))
+            return seen
+
+        thread, result = run_receiver(bucket.handle, pipe[1], body)
+        for sources, _ in steps:
+            bucket.send(sources, pipe[0])
+        thread.join()
+    assert "error" not in result, result.get("error")
+    for (sources, _), (same, got) in zip(steps, result["value"], strict=True):
+        assert same  # every tensor written in place, into that sync's `out`
+        assert_same_tensors(got, sources)
+    assert_same_tensors(replaced, tensors)
 
 
 def test_dtype_mismatch_on_receive_aborts_both_sides(
@@ -578,6 +619,36 @@ def test_tensors_that_cannot_ship_as_is_are_refused_before_anything_is_sent(
             with pytest.raises(TypeError, match=match):
                 bucket.send({"ok": torch.ones(3), name: tensor}, channel)
         assert channel.sent == []  # nothing went out: the channel is as it was
+
+
+class _Opaque(torch.Tensor):
+    """A tensor class whose bytes cannot be viewed (as some wrapper subclasses)."""
+
+
+def test_a_tensor_class_that_cannot_be_read_as_bytes_is_refused_and_each_kind_tried_once(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tried: list[type] = []
+    real = tensor_checks.flat_words  # type: ignore[attr-defined]
+
+    def flat_words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        tried.append(type(tensor))
+        if isinstance(tensor, _Opaque):
+            raise RuntimeError("no byte view of this class")
+        return real(tensor, dtype)
+
+    monkeypatch.setattr(tensor_checks, "flat_words", flat_words)
+    monkeypatch.setattr(tensor_checks, "_BYTE_VIEWABLE", set())
+    channel = ScriptedChannel()
+    opaque = torch.ones(4).as_subclass(_Opaque)
+    with hm.WeightBucket(4 * KiB) as bucket:
+        for _ in range(2):
+            with pytest.raises(TypeError, match="'odd' cannot be read as raw bytes"):
+                bucket.check({"a": torch.ones(3), "b": torch.zeros(5), "odd": opaque})
+    assert channel.sent == []
+    # float32 tensors were tried once (two of them, two checks); the refused class twice
+    assert tried.count(torch.Tensor) == 1
+    assert tried.count(_Opaque) == 2
 
 
 def test_a_lost_batch_fails_the_sync_on_the_receiver(cpu_as_device: list[int]) -> None:

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
-from hybridmem._platform import cuda_vmm, linux, unix_socket
+from hybridmem._platform import cuda_driver, cuda_vmm, linux, unix_socket
 from hybridmem._platform.stdlib import forking_reducer
 from hybridmem._torch import dlpack
 from hybridmem.ipc import capabilities, fd_reducer, fd_server
@@ -537,6 +537,8 @@ def test_a_failing_callback_is_logged_not_raised(caplog: pytest.LogCaptureFixtur
 
 def test_driver_calls_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda_vmm, "libcuda", lambda: None)
+    monkeypatch.setattr(cuda_driver, "libcuda", lambda: None)  # what every call binds from
+    monkeypatch.setattr(cuda_driver, "_bound", {})
     assert not cuda_vmm.has_vmm()
     with pytest.raises(KeyError):
         cuda_vmm.allocation_range(0x1000)

@@ -1,8 +1,11 @@
 """The CUDA driver library (``libcuda.so.1``), loaded once, without torch.
 
-hybridmem asks the driver what torch does not expose: a pointer's attributes. The
-IPC probe asks in a child that must not pay for more than it needs, so this module
-imports only the standard library.
+hybridmem asks the driver what torch does not expose: a pointer's attributes, and
+(through :mod:`~hybridmem._platform.cuda_vmm` and
+:mod:`~hybridmem._platform.cuda_streams`) memory mappings and single streams. The IPC
+probe asks in a child that must not pay for more than it needs, so this module
+imports only the standard library. :func:`function` binds one driver call and
+:func:`check` turns its ``CUresult`` into a :class:`DriverError`.
 
 Scope: process-global; thread-safe (the library is loaded once under a lock).
 """
@@ -11,10 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
+from typing import Any
 
 __all__ = [
     "POINTER_ALLOWED_HANDLE_TYPES",
     "POINTER_IS_LEGACY_CUDA_IPC_CAPABLE",
+    "DriverError",
+    "check",
+    "error_name",
+    "function",
     "libcuda",
     "pointer_attribute",
 ]
@@ -66,3 +75,51 @@ def pointer_attribute(pointer: int, attribute: int) -> int | None:
     if lib.cuPointerGetAttribute(ctypes.byref(value), attribute, pointer) != 0:
         return None
     return int(value.value)
+
+
+class DriverError(OSError):
+    """A CUDA driver call failed; ``code`` is its ``CUresult`` and ``call`` its name."""
+
+    def __init__(self, call: str, code: int, name: str) -> None:
+        super().__init__(f"{call} failed with {name} ({code})")
+        self.call = call
+        self.code = code
+        self.result_name = name
+
+
+_lock = threading.Lock()
+_bound: dict[str, object] = {}
+
+
+def function(name: str) -> Any:
+    """One driver function, its return type set once (KeyError: the driver lacks it).
+
+    Example:
+        >>> check("cuCtxSynchronize", function("cuCtxSynchronize")())   # doctest: +SKIP
+    """
+    lib = libcuda()
+    if lib is None or not hasattr(lib, name):
+        raise KeyError(name)
+    with _lock:
+        if name not in _bound:
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            _bound[name] = fn
+    return _bound[name]
+
+
+def error_name(code: int) -> str:
+    """The driver's name of a ``CUresult`` (``CUDA_ERROR_INVALID_VALUE``)."""
+    text = ctypes.c_char_p()
+    try:
+        if function("cuGetErrorName")(code, ctypes.byref(text)) == 0 and text.value:
+            return text.value.decode()
+    except KeyError:
+        pass
+    return f"CUresult {code}"
+
+
+def check(call: str, code: int) -> None:
+    """Raise :class:`DriverError` naming ``call`` unless ``code`` is ``CUDA_SUCCESS``."""
+    if code != 0:
+        raise DriverError(call, code, error_name(code))

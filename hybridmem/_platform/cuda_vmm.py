@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from hybridmem._platform.cuda_driver import (
     POINTER_ALLOWED_HANDLE_TYPES,
+    DriverError,
+    error_name,
     libcuda,
     pointer_attribute,
 )
+from hybridmem._platform.cuda_driver import check as _check
+from hybridmem._platform.cuda_driver import function as _fn
 
 __all__ = [
     "HANDLE_TYPE_FABRIC",
@@ -90,33 +92,6 @@ class _AccessDesc(ctypes.Structure):
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
 
 
-class DriverError(OSError):
-    """A CUDA driver call failed; ``code`` is its ``CUresult`` and ``call`` its name."""
-
-    def __init__(self, call: str, code: int, name: str) -> None:
-        super().__init__(f"{call} failed with {name} ({code})")
-        self.call = call
-        self.code = code
-        self.result_name = name
-
-
-_lock = threading.Lock()
-_bound: dict[str, object] = {}
-
-
-def _fn(name: str) -> Any:
-    """One driver function, its argument types set once (KeyError: the driver lacks it)."""
-    lib = libcuda()
-    if lib is None or not hasattr(lib, name):
-        raise KeyError(name)
-    with _lock:
-        if name not in _bound:
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            _bound[name] = fn
-    return _bound[name]
-
-
 def has_vmm() -> bool:
     """Return whether the driver has every call this module needs (CUDA 10.2+).
 
@@ -126,21 +101,6 @@ def has_vmm() -> bool:
     """
     lib = libcuda()
     return lib is not None and all(hasattr(lib, name) for name in _SYMBOLS)
-
-
-def _error_name(code: int) -> str:
-    text = ctypes.c_char_p()
-    try:
-        if _fn("cuGetErrorName")(code, ctypes.byref(text)) == 0 and text.value:
-            return text.value.decode()
-    except KeyError:
-        pass
-    return f"CUresult {code}"
-
-
-def _check(call: str, code: int) -> None:
-    if code != 0:
-        raise DriverError(call, code, _error_name(code))
 
 
 def allowed_handle_types(address: int) -> int | None:
@@ -270,7 +230,7 @@ def _unmap(address: int, sizes: Sequence[int], *, check: bool = False) -> None:
     for size in sizes:
         code = _fn("cuMemUnmap")(_u64(address + offset), _size(size))
         if code != 0 and first is None:
-            first = DriverError("cuMemUnmap", code, _error_name(code))
+            first = DriverError("cuMemUnmap", code, error_name(code))
         offset += size
     if check and first is not None:
         raise first

@@ -9,11 +9,13 @@ from typing import Any, cast
 import torch
 
 from hybridmem._format import first_line
+from hybridmem._platform import cuda_streams
 from hybridmem._torch.device import cuda_available
 
 # torch ships these without annotations; typed aliases keep mypy --strict honest.
 _CUDART: Callable[[], Any] = torch.cuda.cudart
 _CUDA_STREAM = cast(Callable[..., Any], torch.cuda.Stream)
+_EXTERNAL_STREAM = cast(Callable[..., Any], torch.cuda.ExternalStream)
 
 
 def is_device_tensor(tensor: torch.Tensor) -> bool:
@@ -108,9 +110,52 @@ def dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
     raise TypeError(f"tensors with layout {layout} cannot be offloaded in place")
 
 
+#: Per device, driver streams whose owners closed: handed out again, never destroyed.
+_SPARE_STREAMS: dict[int, list[int]] = {}
+#: The driver streams :func:`new_stream` handed out and not yet released.
+_LENT_STREAMS: set[int] = set()
+
+
 def new_stream(device: torch.device) -> Any:
-    """Return a new CUDA stream on ``device`` (None for non-CUDA devices)."""
-    return _CUDA_STREAM(device=device) if device.type == "cuda" else None
+    """Return a new CUDA stream on ``device`` (None for non-CUDA devices).
+
+    One stream made with the driver (``cuStreamCreate``) and wrapped in
+    ``torch.cuda.ExternalStream`` (torch 1.9+): ``torch.cuda.Stream()`` would fill
+    torch's stream pool on first use, 70 MiB of device memory on an H200 that is
+    never given back (issue #25). Where the driver cannot make one, torch's pool
+    serves. Its owner hands it back with :func:`release_stream` when it closes.
+
+    A stream is never destroyed, as torch never destroys its pool's: torch may still
+    name it (its allocator keeps the stream a block was made on). Nor is it released
+    by a finalizer on the wrapper: on the H200, one such finalizer running at exit
+    crashed the process (``weakref.finalize`` on ``ExternalStream``, issue #25).
+
+    Scope: process-global per device; thread-safe (list and set operations are
+    atomic).
+    """
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    spare = _SPARE_STREAMS.setdefault(index, [])
+    try:
+        handle: int | None = spare.pop()
+    except IndexError:
+        handle = cuda_streams.create_stream(index)
+    if handle is None:
+        return _CUDA_STREAM(device=device)
+    _LENT_STREAMS.add(handle)
+    return _EXTERNAL_STREAM(handle, device=torch.device("cuda", index))
+
+
+def release_stream(stream: Any) -> None:
+    """Hand a stream of :func:`new_stream` back for the next caller (others: ignored).
+
+    The next owner's work is queued after whatever is still queued on it.
+    """
+    handle = getattr(stream, "cuda_stream", None)
+    if handle in _LENT_STREAMS:
+        _LENT_STREAMS.discard(handle)
+        _SPARE_STREAMS.setdefault(stream.device.index, []).append(handle)
 
 
 def current_stream(device: torch.device) -> Any:
@@ -164,7 +209,7 @@ FOREACH_MAX_BYTES = 1 << 20
 
 
 def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy ``srcs[i]`` into ``dsts[i]`` (flat, same dtype) for every i, quickly.
+    """Copy ``srcs[i]`` into ``dsts[i]`` (same shape and dtype) for every i, quickly.
 
     Large pieces go through ``copy_`` (a memcpy each); small same-device pieces of
     one dtype are batched with ``torch._foreach_copy_`` (torch 2.1+). Copies are

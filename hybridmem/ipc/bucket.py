@@ -570,6 +570,8 @@ class WeightBucket:
         self._views.clear()
         self._filler.clear()
         self._peer.close()
+        _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
+        self._stream = None
         self._release_host()  # drop_host_buffers, once
         if self.transport in ("cuda", "fd") and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)

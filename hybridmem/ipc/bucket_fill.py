@@ -2,8 +2,8 @@
 
 Split out of :mod:`hybridmem.ipc.bucket` (issue #27). The plan packs the tensors at
 256-byte-aligned offsets, splitting those larger than a buffer; a batch is filled
-with one ``torch.cat`` into the buffer's words (alignment gaps from a small zero
-tensor), or with batched copies into a host buffer.
+by copying each tensor as it is into a view of the buffer with its dtype and shape
+(small ones batched), the views made once per plan.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from hybridmem import _torch
 from hybridmem.ipc._plan import ALIGN, Batch, plan_batches
-from hybridmem.ipc._wire import UNITS, Entry, byte_offset, flat_words, word_unit
+from hybridmem.ipc._wire import Entry, byte_offset, flat_words, word_unit
 
 __all__ = ["Filler", "Plan"]
 
@@ -26,12 +26,11 @@ class Plan:
 
     batches: tuple[Batch, ...]
     entries: tuple[tuple[Entry, ...], ...]
-    units: tuple[tuple[int, torch.dtype], ...]  # per tensor
-    batch_units: tuple[tuple[int, torch.dtype], ...]  # per batch: the narrowest of its tensors
+    units: tuple[tuple[int, torch.dtype], ...]  # per tensor: the words its split pieces move as
 
 
 class Filler:
-    """A bucket's buffers as words of each width, its padding, and its cached plan.
+    """A bucket's buffers as typed views and words, and its cached plan.
 
     Args:
         views: the buffers, as flat uint8 tensors.
@@ -46,18 +45,19 @@ class Filler:
         self._plan_key: tuple[Any, ...] | None = None
         self._plan: Plan | None = None
         self._word_views: list[dict[torch.dtype, torch.Tensor]] = []
-        self._pads: dict[torch.dtype, torch.Tensor] = {}
+        self._target_views: dict[tuple[int, int], tuple[torch.Tensor | None, ...]] = {}
 
     def clear(self) -> None:
         """Forget the views (the bucket is closing)."""
         self._word_views.clear()
-        self._pads.clear()
+        self._target_views.clear()
 
     def make_plan(self, items: list[tuple[str, torch.Tensor]]) -> Plan:
         """Pack the tensors' layout; cached while names, dtypes and shapes repeat."""
         key = tuple((name, t.dtype, t.shape, byte_offset(t) % 8) for name, t in items)
         if self._plan is not None and key == self._plan_key:
             return self._plan
+        self._target_views.clear()  # they follow the plan
         sizes = [t.nbytes for _, t in items]
         batches = tuple(plan_batches(sizes, self.nbytes, ALIGN))
         entries = tuple(
@@ -76,10 +76,7 @@ class Filler:
             for batch in batches
         )
         units = tuple(word_unit(t.nbytes, byte_offset(t)) for _, t in items)
-        batch_units = tuple(
-            min((units[p.index] for p in batch.pieces), default=UNITS[-1]) for batch in batches
-        )
-        self._plan = Plan(batches, entries, units, batch_units)
+        self._plan = Plan(batches, entries, units)
         self._plan_key = key
         return self._plan
 
@@ -91,6 +88,35 @@ class Filler:
             views[dtype] = self._views[buffer].view(dtype)
         return views[dtype]
 
+    def _targets(
+        self, buffer: int, number: int, plan: Plan, items: list[tuple[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Where each piece of batch ``number`` goes in ``buffer``; made once per plan.
+
+        A whole tensor's place is a view of the buffer with the tensor's own dtype
+        and shape, so that the fill copies the tensor as it is, with no view of it
+        made per sync; a piece of a split tensor's place is a slice of the buffer's
+        words. The views hold the bucket's own buffers only.
+        """
+        key = (buffer, number)
+        targets = self._target_views.get(key)
+        if targets is not None:
+            return targets
+        made: list[torch.Tensor | None] = []
+        for piece in plan.batches[number].pieces:
+            tensor = items[piece.index][1]
+            if not piece.nbytes:
+                made.append(None)
+            elif piece.start == 0 and piece.nbytes == tensor.nbytes:
+                place = self._views[buffer][piece.offset : piece.offset + piece.nbytes]
+                made.append(place.view(tensor.dtype).view(tensor.shape))
+            else:
+                size, unit = plan.units[piece.index]
+                words = self._buffer_words(buffer, unit)
+                made.append(words[piece.offset // size : (piece.offset + piece.nbytes) // size])
+        targets = self._target_views[key] = tuple(made)
+        return targets
+
     def fill(
         self,
         buffer: int,
@@ -101,46 +127,29 @@ class Filler:
     ) -> None:
         """Copy batch ``number`` into ``buffer`` (asynchronously, on the current stream).
 
-        One ``torch.cat`` into the buffer, alignment gaps filled from a small zero
-        tensor: a handful of launches however many tensors the batch holds (one
-        ``copy_`` per piece is launch-bound: a 24 MiB copy takes less GPU time than
-        its launch).
+        Each whole tensor is copied as it is into a view of the buffer with its own
+        dtype and shape (made once per plan); small ones of one dtype together, in one
+        ``torch._foreach_copy_``. Per tensor and sync that is one copy to launch and
+        no view to make: view making was most of a sync's host time (issue #25,
+        ``benchmarks/sync_anatomy.py``). Pieces of a split tensor go as words.
         """
         batch = plan.batches[number]
-        size, dtype = plan.batch_units[number]
-        pad = self._pad(dtype)
-        words = self._buffer_words(buffer, dtype)
-        parts: list[torch.Tensor] = []
+        targets = self._targets(buffer, number, plan, items)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        cursor = 0
-        for piece in batch.pieces:
-            if not piece.nbytes:
+        for piece, target in zip(batch.pieces, targets, strict=True):
+            if target is None:
                 continue
-            if piece.offset > cursor:
-                parts.append(pad[: (piece.offset - cursor) // size])
-            flat = flats.get(piece.index)
-            if flat is None:  # made here, batch by batch: host work overlaps the copies
-                flat = flats[piece.index] = flat_words(
-                    items[piece.index][1], plan.units[piece.index][1]
-                )
-            if flat.dtype != dtype:
-                flat = flat.view(dtype)
-            if piece.start or piece.nbytes != flat.numel() * size:
-                flat = flat[piece.start // size : (piece.start + piece.nbytes) // size]
-            parts.append(flat)
-            srcs.append(flat)
-            dsts.append(words[piece.offset // size : (piece.offset + piece.nbytes) // size])
-            cursor = piece.offset + piece.nbytes
-        if not srcs:
-            return
-        if words.device == srcs[0].device:
-            torch.cat(parts, out=words[: cursor // size])
-        else:  # host transport: device-to-host copies into the pinned buffer
-            _torch.copy_many(dsts, srcs)
-
-    def _pad(self, dtype: torch.dtype) -> torch.Tensor:
-        pad = self._pads.get(dtype)
-        if pad is None:
-            pad = self._pads[dtype] = torch.zeros(ALIGN, dtype=dtype, device=self.device)
-        return pad
+            tensor = items[piece.index][1]
+            if piece.start == 0 and piece.nbytes == tensor.nbytes:
+                srcs.append(tensor)
+            else:
+                size, unit = plan.units[piece.index]
+                flat = flats.get(piece.index)
+                if flat is None:  # made once per sync, for the pieces that follow
+                    flat = flats[piece.index] = flat_words(tensor, unit)
+                srcs.append(flat[piece.start // size : (piece.start + piece.nbytes) // size])
+            dsts.append(target)
+        if srcs:
+            with torch.no_grad():  # parameters may require grad; the copies are not autograd's
+                _torch.copy_many(dsts, srcs)

@@ -38,6 +38,8 @@ from hybridmem.ipc._wire import (
 __all__ = ["BucketReceiver"]
 
 _END = object()
+#: How many batch layouts a receiver keeps typed views of (see ``_typed_sources``).
+_TYPED_LAYOUTS = 256
 
 
 class BucketReceiver:
@@ -77,6 +79,7 @@ class BucketReceiver:
         self._pinned: list[int] = []
         self._buffers: list[torch.Tensor] = []
         self._word_views: dict[int, dict[torch.dtype, torch.Tensor]] = {}
+        self._typed: dict[tuple[int, tuple[Entry, ...]], tuple[torch.Tensor | None, ...]] = {}
         self._stream: Any = None
         self._closed = False
         self._filled: list[Any] = []  # the producer's events, one per buffer
@@ -146,6 +149,29 @@ class BucketReceiver:
             views[dtype] = self._buffers[buffer].view(dtype)
         return views[dtype]
 
+    def _typed_sources(
+        self, buffer: int, entries: tuple[Entry, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Each whole entry's bytes in ``buffer`` as its dtype and shape; made once per layout.
+
+        A producer sends the same entries every sync while its model keeps its shapes,
+        so the views are kept by ``(buffer, entries)`` (a few hundred layouts at most:
+        the cache is emptied beyond that). They hold this receiver's buffers only.
+        """
+        key = (buffer, entries)
+        cached = self._typed.get(key)
+        if cached is None:
+            if len(self._typed) >= _TYPED_LAYOUTS:
+                self._typed.clear()
+            raw = self._buffers[buffer]
+            cached = self._typed[key] = tuple(
+                raw[offset : offset + nbytes].view(dtype_named(dtype)).view(shape)
+                if start == 0 and nbytes == total and nbytes
+                else None
+                for _, dtype, shape, start, nbytes, offset, total in entries
+            )
+        return cached
+
     def _target(
         self, entry: Entry, out: Mapping[str, torch.Tensor] | None, dtype: torch.dtype
     ) -> torch.Tensor:
@@ -192,10 +218,21 @@ class BucketReceiver:
             block = torch.empty(used, dtype=torch.uint8, device=self.device)
             with _torch.stream_scope(stream):
                 block.copy_(source[:used], non_blocking=True)
-        for entry in entries:
+        typed = self._typed_sources(buffer, entries) if out is not None else None
+        for index, entry in enumerate(entries):
             name, dtype_name, shape, start, nbytes, offset, total = entry
-            dtype = dtype_named(dtype_name)
             whole = start == 0 and nbytes == total
+            if typed is not None and whole:
+                # Into `out` as it is, from a view of the buffer made once: no view of
+                # the user's tensor per sync (issue #25).
+                source_view = typed[index]
+                target = self._target(entry, out, dtype_named(dtype_name))
+                if source_view is not None:
+                    srcs.append(source_view)
+                    dsts.append(target)
+                ready.append((name, target))
+                continue
+            dtype = dtype_named(dtype_name)
             if whole and block is not None:
                 ready.append((name, block[offset : offset + nbytes].view(dtype).view(shape)))
                 continue
@@ -384,7 +421,10 @@ class BucketReceiver:
         self._closed = True
         self._buffers.clear()
         self._word_views.clear()
+        self._typed.clear()  # views of the buffers: they would keep them mapped
         self._peer.close()
+        _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
+        self._stream = None
         drop_host_buffers(self._pinned, self._shms, unlink=False)
 
     def __enter__(self) -> BucketReceiver:

@@ -18,6 +18,9 @@ __all__ = ["Checked", "NamedTensors", "check_tensor", "validate"]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
+#: (tensor class, dtype) pairs whose tensors were read as words once: all of them can.
+_BYTE_VIEWABLE: set[tuple[type, torch.dtype]] = set()
+
 
 class Checked(list[tuple[str, torch.Tensor]]):
     """What :meth:`WeightBucket.check` returned: pairs that passed every check."""
@@ -83,9 +86,15 @@ def check_tensor(name: str, tensor: object, device: torch.device) -> torch.Tenso
         )
     # Any contiguous tensor ships, wherever it starts in its storage (a bf16 view at
     # an odd element of a flat parameter buffer moves as int16 words); this checks
-    # here, before anything is sent, that it can be read as such words.
-    try:
-        flat_words(tensor, word_unit(tensor.nbytes, byte_offset(tensor))[1])
-    except RuntimeError as exc:
-        raise TypeError(f"{name!r} cannot be read as raw bytes ({exc}); send a copy") from None
+    # here, before anything is sent, that it can be read as such words. Whether it
+    # can depends on the tensor's class and dtype alone (the word width is chosen to
+    # divide its size and offset), so each pair is tried once per process: the try
+    # was half of a sync's checks (issue #25).
+    kind = (type(tensor), tensor.dtype)
+    if kind not in _BYTE_VIEWABLE:
+        try:
+            flat_words(tensor, word_unit(tensor.nbytes, byte_offset(tensor))[1])
+        except RuntimeError as exc:
+            raise TypeError(f"{name!r} cannot be read as raw bytes ({exc}); send a copy") from None
+        _BYTE_VIEWABLE.add(kind)
     return tensor

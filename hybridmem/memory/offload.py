@@ -1,10 +1,9 @@
 """Move trainer state to pinned host memory and back, in place, at copy-engine speed.
 
 Before rollout the trainer moves parameters, gradients and optimizer state off the
-GPU, after it brings them back. Done naively (``.to("cpu")``) this runs at
-pageable speed (measured on an H200: 13 GB/s device-to-host, 7 GB/s host-to-device,
-~1 GB/s on the first touch of fresh host memory, against 55 GB/s pinned); pinning
-anew every step costs more, and ``.cpu().pin_memory()`` doubles host peak memory.
+GPU, after it brings them back. ``.to("cpu")`` runs at pageable speed (H200: 13 GB/s
+D2H, 7 GB/s H2D, ~1 GB/s on fresh host memory, against 55 GB/s pinned); pinning anew
+every step costs more, and ``.cpu().pin_memory()`` doubles host peak memory.
 
 :class:`Offloader` instead:
 
@@ -13,16 +12,14 @@ anew every step costs more, and ``.cpu().pin_memory()`` doubles host peak memory
 - frees and restores **device storage in place** (``storage.resize_``): every
   ``Parameter`` and tensor keeps its identity, shape and views, so optimizers,
   hooks and FSDP2/DTensor local shards keep working;
-- copies on a **side stream** ordered after the work that produced the data: the
-  host never reads a copy in flight, the device never uses a tensor before its
-  reload finished (a non-blocking reload orders the current stream after it).
+- copies on a **side stream** (the driver's, not torch's pool) after the work that
+  made the data: the host never reads a copy in flight, the device never uses a
+  tensor before its reload (a non-blocking one orders the current stream after it).
 
-Scope: one CUDA device per Offloader (its tensors', never device 0 by assumption);
-not thread-safe.
+Scope: one CUDA device per Offloader (its tensors', not device 0); not thread-safe.
 
-Why this module is long: one transaction (free every storage or none, copy back on
-failure, reload in place) whose failure paths each undo exactly the steps before them;
-the pool, the report and the slots live in ``host_pool`` and ``offload_parts``.
+Why this module is long: one transaction (free all storages or none, reload in
+place) whose failure paths each undo the steps before; pool and slots live apart.
 """
 
 from __future__ import annotations
@@ -226,6 +223,7 @@ class Offloader:
 
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None or self._stream_device != device:
+            _torch.release_stream(self._stream)
             self._stream = _torch.new_stream(device)
             self._stream_device = device
         return self._stream
@@ -535,6 +533,8 @@ class Offloader:
                 f"cannot close: {sorted(self.offloaded_groups)} are offloaded; reload() them first"
             )
         self._host.close()
+        _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
+        self._stream = None
 
 
 class Offloaded(ScopedContext):

@@ -473,6 +473,57 @@ def compact() -> dict[str, Any]:
     }
 
 
+def _outside_allocators() -> int:
+    """Device memory in use that this process's allocator does not count (its context)."""
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
+def side_streams() -> dict[str, Any]:
+    """Issue #25: hybridmem's side streams cost no stream pool; copies on them are ordered."""
+    torch.zeros(1, device="cuda")
+    a = torch.randn(1024, 1024, device="cuda")
+    (a @ a).sum().item()  # the context's usual first growth, before the baseline
+    before = _outside_allocators()
+    state = [torch.randn(64 * MiB // 4, device="cuda") for _ in range(4)]
+    expected = [t.clone() for t in state]
+    off = hm.Offloader(state)
+    for _ in range(3):
+        off.offload()
+        off.reload()
+    streams = [_torch.new_stream(torch.device("cuda", 0)) for _ in range(3)]
+    # one copy through each, ordered after the current stream and back
+    copies = []
+    for stream, t in zip(streams, state, strict=False):
+        _torch.wait_stream(stream, _torch.current_stream(t.device))
+        with _torch.stream_scope(stream):
+            copies.append(t * 1)
+        _torch.wait_stream(_torch.current_stream(t.device), stream)
+    ours = _outside_allocators() - before
+    equal = all(torch.equal(a, b) for a, b in zip(state, expected, strict=True))
+    copied = all(torch.equal(c, t) for c, t in zip(copies, state, strict=False))
+    kinds = sorted({type(s).__name__ for s in streams} | {type(off._stream).__name__})
+    handles = {s.cuda_stream for s in streams}
+    for stream in streams:
+        _torch.release_stream(stream)
+    # Released streams serve the next owners: no new one is made.
+    again = [_torch.new_stream(torch.device("cuda", 0)) for _ in range(3)]
+    reused = {s.cuda_stream for s in again} == handles
+    off.close()  # its stream too goes back
+    start_pool = _outside_allocators()
+    torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch's pool, for comparison
+    pool = _outside_allocators() - start_pool
+    return {
+        "ours": ours,
+        "pool": pool,
+        "equal": equal,
+        "copied": copied,
+        "kinds": kinds,
+        "reused": reused,
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "compact": compact,
     "segments": segments,
@@ -485,6 +536,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "offload_training": offload_training,
     "offload_fsdp2": offload_fsdp2,
     "offload_faults": offload_faults,
+    "side_streams": side_streams,
 }
 
 if __name__ == "__main__":

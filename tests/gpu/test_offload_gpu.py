@@ -82,3 +82,18 @@ def test_compact_returns_the_cache_resident_weights_keep() -> None:
     assert facts["forward_equal"]
     assert facts["again_moved"] == 0
     assert facts["stepped"]
+
+
+def test_side_streams_cost_no_stream_pool() -> None:
+    """Issue #25: torch's stream pool grew the context by 70 MiB; a driver stream does not."""
+    facts = run_scenario("side_streams")
+    print(
+        f"\nside streams: Offloader + 3 streams grew the context "
+        f"{facts['ours'] / MiB:.1f} MiB; torch's pool then {facts['pool'] / MiB:.1f} MiB"
+    )
+    assert facts["kinds"] == ["ExternalStream"]
+    assert facts["reused"]  # and the process exited cleanly (run_scenario checks)
+    assert facts["equal"]
+    assert facts["copied"]
+    assert facts["ours"] <= 8 * MiB
+    assert facts["pool"] >= 4 * max(facts["ours"], 2 * MiB)  # what was avoided
