@@ -113,8 +113,7 @@ TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("allocator/state.py", "_check_can_apply#2"): _async_backend,
     ("allocator/state.py", "pop"): _out_of_order,
     ("engine/backends/registry.py", "_load_entry_points"): _broken_plugin,
-    ("ipc/bucket.py", "_choose"): _bucket_fd_fallback,
-    ("ipc/shareable.py", "choose_transport"): _ipc_host_fallback,
+    ("ipc/transports/choice.py", "choose_transport"): _bucket_fd_fallback,
     ("observe/leakwatch.py", "observe"): _leak,
     # observe/timeline.py _start_from_env runs at import: tested in a fresh process below
 }
@@ -160,7 +159,7 @@ def test_the_warning_names_the_users_line(
     site: tuple[str, str], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     # The bucket asks the real torch whether CUDA is there; the others a fake seam.
-    fake = None if site[0] == "ipc/bucket.py" else request.getfixturevalue("fake")
+    fake = None if TRIGGERS[site] is _bucket_fd_fallback else request.getfixturevalue("fake")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         TRIGGERS[site](monkeypatch, fake)
@@ -170,6 +169,16 @@ def test_the_warning_names_the_users_line(
         assert Path(warning.filename) == Path(__file__), (
             f"{warning.message} points at {warning.filename}:{warning.lineno}"
         )
+
+
+def test_ipc_safes_fallback_to_host_names_the_users_line(fake: FakeTorch) -> None:
+    """The same call site as the bucket's fd fallback, reached from ``ipc_safe``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _ipc_host_fallback(pytest.MonkeyPatch(), fake)
+    ours = [w for w in caught if issubclass(w.category, hm.HybridMemWarning)]
+    assert ours
+    assert all(Path(w.filename) == Path(__file__) for w in ours), ours[0].filename
 
 
 _IMPORT_SCRIPT = """\

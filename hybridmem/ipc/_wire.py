@@ -29,16 +29,13 @@ import os
 import select
 import time
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from hybridmem import _torch
 from hybridmem._checks import check_number
 from hybridmem._errors import SyncError
-from hybridmem._platform.stdlib import unlink_shared_memory
-from hybridmem.ipc.shareable import Transport
+from hybridmem.ipc.transports.base import TransportName
 
 __all__ = [
     "CPU",
@@ -52,10 +49,8 @@ __all__ = [
     "PeerAborted",
     "byte_offset",
     "check_timeout",
-    "drop_host_buffers",
     "dtype_named",
     "flat_words",
-    "host_buffer",
     "recv_within",
     "send_to",
     "word_unit",
@@ -91,21 +86,24 @@ class BucketHandle:
     """Everything a receiver needs to open a bucket; picklable, sent once.
 
     Attributes:
-        transport: ``"cuda"`` (CUDA IPC of classic segments) or ``"host"`` (POSIX
-            shared memory).
+        transport: the name of the transport that opens it
+            (:mod:`hybridmem.ipc.transports`): ``"cuda"`` (CUDA IPC of classic
+            segments), ``"fd"`` (expandable segments, fds passed over a Unix socket)
+            or ``"host"`` (POSIX shared memory).
         nbytes: bytes per buffer.
         buffers: number of buffers (2 = double buffering).
         device_uuid: the producer's GPU, by UUID (indices differ between processes
             with different ``CUDA_VISIBLE_DEVICES``); None without CUDA.
-        exports: per buffer, a CUDA IPC export (``"cuda"``) or a shared-memory name.
+        exports: per buffer, a CUDA IPC export (``"cuda"``), a one-time
+            :class:`~hybridmem.TensorHandle` (``"fd"``) or a shared-memory name.
         producer_pid: the producer's process id (for error messages).
         events: per buffer, an interprocess CUDA event the producer records once the
-            buffer is filled (``"cuda"`` only): the receiver's stream waits for it on
+            buffer is filled (``"cuda"`` and ``"fd"``): the receiver's stream waits for it on
             the device, no host round trip.
         protocol: message-protocol version.
     """
 
-    transport: Transport
+    transport: TransportName
     nbytes: int
     buffers: int
     device_uuid: str | None
@@ -167,31 +165,11 @@ def dtype_named(name: str) -> torch.dtype:
     return dtype
 
 
-def host_buffer(shm: shared_memory.SharedMemory, nbytes: int) -> tuple[torch.Tensor, bool]:
-    tensor = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
-    return tensor, _torch.pin_host_tensor(tensor)
-
-
 CPU = torch.device("cpu")
 
 
 class PeerAborted(RuntimeError):
     """The other side sent ``abort`` (so there is no need to tell it)."""
-
-
-def drop_host_buffers(
-    pinned: list[int], shms: list[shared_memory.SharedMemory], *, unlink: bool
-) -> None:
-    """Unpin and unmap host buffers (and unlink them: the producer owns them)."""
-    for ptr in pinned:
-        _torch.unpin_host_tensor(ptr)
-    pinned.clear()
-    for shm in shms:
-        if unlink:
-            unlink_shared_memory(shm)
-        with contextlib.suppress(BufferError):  # a tensor still maps it: freed at exit
-            shm.close()
-    shms.clear()
 
 
 def check_timeout(timeout: object) -> float | None:

@@ -14,11 +14,11 @@ The wire format is in :mod:`hybridmem.ipc._wire`; the receiving side is
 :mod:`hybridmem.ipc.receiver`.
 
 Why this module is long: the producer's side of one protocol (send, wait for the
-receiver, reuse the buffers) with the allocation of its three transports (CUDA
-IPC, fd passing, host shared memory). Around it (issue #27): the wire format and
-the batch plan in ``_wire`` and ``_plan``, the tensors' checks in
-``tensor_checks``, the packing and fills in ``bucket_fill``, sizes, transports and
-the report in ``bucket_parts``, the fd export in ``export``.
+receiver, reuse the buffers). Around it (issue #27): the wire format and the batch
+plan in ``_wire`` and ``_plan``, the tensors' checks in ``tensor_checks``, the
+packing and fills in ``bucket_fill``, sizes and the report in ``bucket_parts``, and
+the transports (their choice, allocation, export, open and teardown) in
+``transports``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import os
 import time
 import weakref
 from collections.abc import Mapping
-from multiprocessing import shared_memory
 from types import TracebackType
 from typing import Any
 
@@ -39,13 +38,9 @@ import torch
 from hybridmem import _torch
 from hybridmem._checks import check_number
 from hybridmem._devices import DeviceArg, device_index
-from hybridmem._errors import IpcUnavailableError
 from hybridmem._format import fmt_bytes
-from hybridmem._log import logger, warn_once
-from hybridmem._platform import cuda_vmm
+from hybridmem._log import logger
 from hybridmem._platform.stdlib import unlink_shared_memory
-from hybridmem.allocator.scopes import ExpandableSegments
-from hybridmem.allocator.state import ENGINE
 from hybridmem.ipc._plan import align_up
 from hybridmem.ipc._wire import (
     CPU,
@@ -55,8 +50,6 @@ from hybridmem.ipc._wire import (
     Peer,
     PeerAborted,
     check_timeout,
-    drop_host_buffers,
-    host_buffer,
     recv_within,
     send_to,
 )
@@ -68,10 +61,9 @@ from hybridmem.ipc.bucket_parts import (
     auto_size,
     check_transport,
 )
-from hybridmem.ipc.capabilities import ipc_capabilities
-from hybridmem.ipc.export import TensorHandle, ipc_export
-from hybridmem.ipc.shareable import Fallback, IpcSafe, Transport, check_fallback, choose_transport
 from hybridmem.ipc.tensor_checks import Checked, NamedTensors, validate
+from hybridmem.ipc.transports.base import Buffers, Fallback, TransportName, check_fallback
+from hybridmem.ipc.transports.choice import choose_transport
 from hybridmem.memory.release import release_cache
 from hybridmem.observe import timeline as _timeline
 
@@ -146,33 +138,37 @@ class WeightBucket:
         choice = check_transport(transport, self.fallback)
         self._index = device_index(device)
         self.nbytes = size
-        self.transport = self._choose(choice)
-        self._shms: list[shared_memory.SharedMemory] = []
-        self._pinned: list[int] = []
-        self._views: list[torch.Tensor] = []
+        # The transport is chosen once, here, and asked from then on (issue #27).
+        self._transport = choose_transport(
+            choice,
+            self.fallback,
+            self._index,
+            who="WeightBucket",
+            probe="run" if self.fallback == "auto" else "off",
+            host_without_cuda=True,  # CPU processes share host memory by design
+        )
+        self._held = Buffers()
+        self._views = self._held.views
         self._stream: Any = None
         self._acked = 0
         self._seq = 0
         self._sync = 0
         self._closed = False
         self._filler = Filler(self._views, size, self.device)  # the plan and the fills
-        self._filled: list[Any] = []  # interprocess events, recorded after each fill
+        self._filled = self._held.events  # interprocess events, recorded after each fill
         self._drained: list[Any] | None = None  # the receiver's, once it sent them
         self._peer = Peer(None, "receiver")  # learnt from its hello
-        self._minted: list[TensorHandle] = []  # "fd": exports of the last handle read
         # A bucket dropped without close() (or whose set-up failed midway) still
         # unlinks its host segments: torch's resource tracker would otherwise report
         # them leaked at exit, and they would outlive the process in /dev/shm (#22).
-        self._release_host = weakref.finalize(
-            self, drop_host_buffers, self._pinned, self._shms, unlink=True
-        )
-        exports = self._allocate()
+        self._release_host = weakref.finalize(self, self._held.release, unlink=True)
+        self._transport.allocate(size, self._buffers_count, self._index, self._held)
         self._handle = BucketHandle(
-            transport=self.transport,
+            transport=self._transport.name,
             nbytes=size,
             buffers=self._buffers_count,
             device_uuid=_torch.device_uuid(self._index) if _torch.cuda_available() else None,
-            exports=tuple(exports),
+            exports=tuple(self._held.exports),
             producer_pid=os.getpid(),
             events=tuple(_torch.ipc_event_handle(e) for e in self._filled),
         )
@@ -191,15 +187,18 @@ class WeightBucket:
     def handle(self) -> BucketHandle:
         """What a :class:`BucketReceiver` opens; picklable, send it once.
 
-        For the ``"fd"`` transport each read makes fresh one-time exports of the
-        buffers (one receiver per read) and withdraws the unopened ones of the
-        read before.
+        The transport says what it carries: for ``"fd"`` each read makes fresh
+        one-time exports of the buffers (one receiver per read) and withdraws the
+        unopened ones of the read before.
         """
-        if self.transport != "fd" or self._closed:
+        if self._closed:
             return self._handle
-        self._withdraw_minted()
-        self._minted = [ipc_export(buffer, timeout=None) for buffer in self._views]
-        return dataclasses.replace(self._handle, exports=tuple(self._minted))
+        return dataclasses.replace(self._handle, exports=self._transport.exports(self._held))
+
+    @property
+    def transport(self) -> TransportName:
+        """The transport's name: ``"cuda"``, ``"fd"`` or ``"host"`` (chosen at construction)."""
+        return self._transport.name
 
     def unlink_shared_names(self) -> int:
         """Remove the host buffers' names from ``/dev/shm`` once every receiver opened them.
@@ -220,27 +219,10 @@ class WeightBucket:
             >>> assert conn.recv() == "opened"     # the receiver attached
             >>> bucket.unlink_shared_names()
         """
-        removed = sum(unlink_shared_memory(shm) for shm in self._shms)
+        removed = sum(unlink_shared_memory(shm) for shm in self._held.shms)
         if removed:
             logger.debug("WeightBucket: %d host buffer names unlinked", removed)
         return removed
-
-    def _withdraw_minted(self) -> None:
-        for minted in self._minted:
-            minted.withdraw()
-        self._minted = []
-
-    def _fd_blocker(self) -> str | None:
-        """Why buffers in expandable segments cannot be exported by fd here (None: they can)."""
-        if not _torch.cuda_available():
-            return "no CUDA device is visible"
-        if ENGINE.backend() == "cudaMallocAsync":
-            return "the allocator backend is cudaMallocAsync (its pools are not exportable)"
-        if _torch.settings_setter_name() is None:
-            return "this torch cannot switch expandable segments on at run time"
-        if not cuda_vmm.has_vmm():
-            return "the CUDA driver lacks the virtual memory API (CUDA 10.2+)"
-        return None
 
     @classmethod
     def for_tensors(
@@ -301,72 +283,10 @@ class WeightBucket:
         """How many buffers of :attr:`nbytes` the bucket holds."""
         return self._buffers_count
 
-    def _choose(self, choice: str) -> Transport:
-        if choice == "host":
-            return "host"
-        if choice == "fd":
-            blocker = self._fd_blocker()
-            if blocker is None:
-                return "fd"
-            if self.fallback == "raise":
-                raise IpcUnavailableError(
-                    f"WeightBucket(transport='fd'): {blocker}; use transport='cuda' "
-                    "(classic segments) or 'host'"
-                )
-            warn_once(
-                f"bucket-fd:{blocker}",
-                f"WeightBucket(transport='fd') is not possible here ({blocker}); "
-                "using classic-segment CUDA IPC",
-            )
-        if self.fallback == "host":
-            return "host"
-        if not _torch.cuda_available():
-            if self.fallback == "raise":
-                raise IpcUnavailableError(
-                    "WeightBucket(fallback='raise'): no CUDA device is visible; pass "
-                    "fallback='host' (or 'auto') to use host shared memory"
-                )
-            return "host"
-        probed = ipc_capabilities(self._index).classic_ipc if self.fallback == "auto" else None
-        return choose_transport(self.fallback, self._index, probed=probed)
-
     @property
     def device(self) -> torch.device:
         """Where the tensors to send live (and, for ``"cuda"``, the buffers)."""
         return torch.device("cuda", self._index) if _torch.cuda_available() else CPU
-
-    def _allocate(self) -> list[Any]:
-        exports: list[Any] = []
-        if self.transport == "fd":
-            # Buffers in expandable segments; the handle exports them by fd when read.
-            with ExpandableSegments(True), torch.cuda.device(self._index):
-                for _ in range(self._buffers_count):
-                    buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-                    self._views.append(buffer)
-                    self._filled.append(_torch.new_ipc_event(self._index))
-            return exports
-        if self.transport == "cuda":
-            with IpcSafe(fallback="raise"), torch.cuda.device(self._index):
-                for _ in range(self._buffers_count):
-                    buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-                    if _torch.is_legacy_ipc_capable(buffer) is False:
-                        raise IpcUnavailableError(
-                            "the staging buffer did not land in a classic segment; pass "
-                            "fallback='host'"
-                        )
-                    self._views.append(buffer)
-                    exports.append(_torch.export_cuda_tensor(buffer))
-                    self._filled.append(_torch.new_ipc_event(self._index))
-            return exports
-        for _ in range(self._buffers_count):
-            shm = shared_memory.SharedMemory(create=True, size=self.nbytes)
-            self._shms.append(shm)
-            tensor, pinned = host_buffer(shm, self.nbytes)
-            if pinned:
-                self._pinned.append(tensor.data_ptr())
-            self._views.append(tensor)
-            exports.append(shm.name)
-        return exports
 
     # ------------------------------------------------------------------ #
     # Sending
@@ -495,7 +415,7 @@ class WeightBucket:
             nbytes=total,
             batches=len(plan.batches),
             seconds=time.perf_counter() - started,
-            transport=self.transport,
+            transport=self._transport.name,
         )
         logger.debug("WeightBucket: %s", report)
         return report
@@ -566,14 +486,13 @@ class WeightBucket:
         if self._closed:
             return
         self._closed = True
-        self._withdraw_minted()
-        self._views.clear()
+        self._transport.withdraw()
         self._filler.clear()
         self._peer.close()
         _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
         self._stream = None
-        self._release_host()  # drop_host_buffers, once
-        if self.transport in ("cuda", "fd") and _torch.cuda_initialized():
+        self._release_host()  # the views dropped, host buffers unpinned and unlinked, once
+        if self._transport.on_device and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)
 
     def __enter__(self) -> WeightBucket:

@@ -10,7 +10,7 @@ from typing import Literal, get_args
 
 from hybridmem._format import fmt_bytes
 from hybridmem.ipc._plan import align_up
-from hybridmem.ipc.shareable import Fallback, Transport
+from hybridmem.ipc.transports.base import Fallback, TransportName
 
 __all__ = [
     "MAX_BUFFERS",
@@ -44,7 +44,7 @@ class SyncReport:
     nbytes: int
     batches: int
     seconds: float
-    transport: Transport
+    transport: TransportName
 
     @property
     def gbps(self) -> float:

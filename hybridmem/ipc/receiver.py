@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Generator, Mapping
-from multiprocessing import shared_memory
 from types import TracebackType
 from typing import Any
 
@@ -14,8 +13,7 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._devices import DeviceArg, device_index
-from hybridmem._errors import IpcUnavailableError, SyncError
-from hybridmem._platform.stdlib import attach_shared_memory
+from hybridmem._errors import SyncError
 from hybridmem.ipc._wire import (
     CPU,
     DEFAULT_TIMEOUT_S,
@@ -26,14 +24,14 @@ from hybridmem.ipc._wire import (
     Peer,
     byte_offset,
     check_timeout,
-    drop_host_buffers,
     dtype_named,
     flat_words,
-    host_buffer,
     recv_within,
     send_to,
     word_unit,
 )
+from hybridmem.ipc.transports.base import Buffers
+from hybridmem.ipc.transports.choice import transport_named
 
 __all__ = ["BucketReceiver"]
 
@@ -74,10 +72,10 @@ class BucketReceiver:
                 "run the same hybridmem version on both sides"
             )
         self.handle = handle
+        transport = transport_named(handle.transport)  # the producer's, asked from here on
         self._peer = Peer(handle.producer_pid, "producer")
-        self._shms: list[shared_memory.SharedMemory] = []
-        self._pinned: list[int] = []
-        self._buffers: list[torch.Tensor] = []
+        self._held = Buffers()
+        self._buffers = self._held.views
         self._word_views: dict[int, dict[torch.dtype, torch.Tensor]] = {}
         self._typed: dict[tuple[int, tuple[Entry, ...]], tuple[torch.Tensor | None, ...]] = {}
         self._stream: Any = None
@@ -85,21 +83,22 @@ class BucketReceiver:
         self._filled: list[Any] = []  # the producer's events, one per buffer
         self._drained: list[Any] = []  # ours, recorded once a buffer is read
         self._events_sent = False
-        if handle.transport in ("cuda", "fd"):
+        if transport.on_device:
             source = self._source_device(handle)
             self.device = torch.device(
                 "cuda", device_index(device) if device is not None else source
             )
-            self._open_cuda(handle, source)
+        else:
+            source = -1  # host memory: no source device
+            self.device = (
+                torch.device("cuda", device_index(device)) if _torch.cuda_available() else CPU
+            )
+        transport.open(handle.exports, handle.nbytes, handle.producer_pid, source, self._held)
+        if transport.on_device:
             self._filled = [_torch.open_ipc_event(source, h) for h in handle.events]
             if self._filled and self.device.index == source:
                 # Hand-offs on the device both ways: no host round trip per batch.
                 self._drained = [_torch.new_ipc_event(source) for _ in handle.exports]
-        else:
-            self.device = (
-                torch.device("cuda", device_index(device)) if _torch.cuda_available() else CPU
-            )
-            self._open_host(handle)
 
     @staticmethod
     def _source_device(handle: BucketHandle) -> int:
@@ -113,30 +112,6 @@ class BucketReceiver:
                 "includes it, or use WeightBucket(fallback='host')"
             )
         return index
-
-    def _open_cuda(self, handle: BucketHandle, source: int) -> None:
-        if handle.transport == "fd":  # one-time exports, opened by fd passing
-            for export in handle.exports:
-                self._buffers.append(export.open())
-            return
-        for rebuild, args in handle.exports:
-            try:
-                self._buffers.append(_torch.import_cuda_tensor(rebuild, args, source))
-            except RuntimeError as exc:
-                raise IpcUnavailableError(
-                    f"cannot open the producer's (pid {handle.producer_pid}) CUDA buffer: "
-                    f"{exc}. See hm.ipc_capabilities() here; WeightBucket(fallback='host') "
-                    "avoids CUDA IPC"
-                ) from exc
-
-    def _open_host(self, handle: BucketHandle) -> None:
-        for name in handle.exports:
-            shm = attach_shared_memory(str(name), own_process=handle.producer_pid == os.getpid())
-            self._shms.append(shm)
-            tensor, pinned = host_buffer(shm, handle.nbytes)
-            if pinned:
-                self._pinned.append(tensor.data_ptr())
-            self._buffers.append(tensor)
 
     def _side_stream(self) -> Any:
         if self._stream is None:
@@ -419,13 +394,12 @@ class BucketReceiver:
         if self._closed:
             return
         self._closed = True
-        self._buffers.clear()
         self._word_views.clear()
         self._typed.clear()  # views of the buffers: they would keep them mapped
         self._peer.close()
         _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
         self._stream = None
-        drop_host_buffers(self._pinned, self._shms, unlink=False)
+        self._held.release(unlink=False)  # the producer owns the names
 
     def __enter__(self) -> BucketReceiver:
         return self

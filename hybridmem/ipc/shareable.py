@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Literal, get_args
 
 import torch
 
@@ -20,87 +19,24 @@ from hybridmem import _torch
 from hybridmem._checks import check_bool
 from hybridmem._env import disabled
 from hybridmem._errors import IpcUnavailableError
-from hybridmem._log import info_once, logger, warn_once
+from hybridmem._log import info_once, logger
 from hybridmem._platform import linux as _linux
 from hybridmem.allocator.scopes import AllocatorScope
 from hybridmem.allocator.state import ENGINE, drop_cached_blocks
-from hybridmem.ipc.capabilities import cached_capabilities
+from hybridmem.ipc.transports.base import Fallback, TransportName, check_fallback
+from hybridmem.ipc.transports.choice import choose_transport
 
 __all__ = [
     "Fallback",
     "IpcSafe",
-    "Transport",
     "allow_ptrace_from_any",
     "check_fallback",
-    "choose_transport",
     "ipc_safe",
     "ipc_shareable",
 ]
 
-#: What to do when CUDA IPC cannot be used: ``"auto"`` falls back to host memory
-#: with one warning, ``"host"`` always uses host memory, ``"raise"`` raises
-#: :class:`~hybridmem.IpcUnavailableError`.
-Fallback = Literal["auto", "host", "raise"]
-#: How tensors cross the process boundary: CUDA IPC or host shared memory.
-Transport = Literal["cuda", "fd", "host"]
-
-_FALLBACKS: tuple[str, ...] = get_args(Fallback)
 _ptracer_lock = threading.Lock()
 _ptracer_set = False
-
-
-def check_fallback(fallback: object) -> Fallback:
-    """Return ``fallback`` if valid, else raise naming the allowed values."""
-    if not isinstance(fallback, str):
-        raise TypeError(
-            f"fallback must be one of {', '.join(map(repr, _FALLBACKS))}; got {fallback!r} "
-            f"({type(fallback).__name__})"
-        )
-    if fallback not in _FALLBACKS:
-        raise ValueError(
-            f"fallback must be one of {', '.join(map(repr, _FALLBACKS))}; got {fallback!r}"
-        )
-    return fallback  # type: ignore[return-value]
-
-
-def choose_transport(fallback: Fallback, device: int, *, probed: bool | None) -> Transport:
-    """Decide between CUDA IPC and host memory for ``device``.
-
-    CUDA IPC needs allocations in classic segments (not possible under the
-    ``cudaMallocAsync`` backend, say) and a machine where classic IPC works (a
-    probe result, when one exists: ``probed`` is its ``classic_ipc``; None when
-    not probed, which is taken as "works").
-
-    Raises:
-        IpcUnavailableError: CUDA IPC cannot be used and ``fallback="raise"``.
-    """
-    if fallback == "host":
-        return "host"
-    blocker = None
-    if not _torch.cuda_available():
-        # No GPU here (or a CPU build): "cuda" would be a promise nothing can keep (#22).
-        blocker = (
-            "no CUDA device is visible"
-            if _torch.cuda_built()
-            else "this torch is built without CUDA"
-        )
-    blocker = blocker or ENGINE.classic_blocker()
-    if blocker is None and probed is False:
-        caps = cached_capabilities(device)
-        blocker = f"the IPC probe found CUDA IPC broken here ({caps.reason if caps else '?'})"
-    if blocker is None:
-        return "cuda"
-    if fallback == "raise":
-        raise IpcUnavailableError(
-            f"CUDA IPC cannot be used on device {device}: {blocker}. Pass fallback='host' "
-            "(or 'auto') to ship tensors through host shared memory instead."
-        )
-    warn_once(
-        f"ipc-host:{blocker}",
-        f"CUDA IPC cannot be used on device {device} ({blocker}); falling back to host "
-        "shared memory, which costs a device-to-host and a host-to-device copy",
-    )
-    return "host"
 
 
 class IpcSafe(AllocatorScope):
@@ -113,16 +49,15 @@ class IpcSafe(AllocatorScope):
         self._release_cache = check_bool("release_cache", release_cache)
         self._force = False
         self._label = f"ipc_safe(fallback={fallback!r})"
-        self.transport: Transport = "cuda"
+        self.transport: TransportName = "cuda"
 
     def _enter(self) -> object:
         device = _torch.current_device()
         index = 0 if device is None else device
-        caps = cached_capabilities(index)
-        # Decided before the switch: "raise" must leave the allocator untouched.
-        self.transport = choose_transport(
-            self.fallback, index, probed=None if caps is None else caps.classic_ipc
-        )
+        # Decided before the switch: "raise" must leave the allocator untouched. The
+        # transports decide (issue #27); the scope keeps the chosen one's name.
+        chosen = choose_transport("cuda", self.fallback, index, who="ipc_safe", probe="cached")
+        self.transport = chosen.name
         return super()._enter()
 
 
