@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from hybridmem._errors import SyncError
-from hybridmem.integrations.vllm.engine import EngineLink
+from hybridmem.integrations.vllm.engine import EngineLink, _receiver_device
 from hybridmem.integrations.vllm.link import Weights, parse_init_info
 from hybridmem.integrations.vllm.schema import check_weights, checkpoint_schema
 from hybridmem.integrations.vllm.trainer import TrainerLink
+from hybridmem.ipc._wire import BucketHandle
 from tests import link_trainer
 from tests.helpers import run_python
 
@@ -406,3 +407,16 @@ def _installed(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.parametrize("transport", ["cuda", "fd", "host"])
+def test_a_worker_without_a_gpu_takes_only_a_host_bucket(transport: Any) -> None:
+    """The transport, not a compared name, says whether its buffers are device memory."""
+    handle = BucketHandle(
+        transport=transport, nbytes=256, buffers=2, device_uuid=None, exports=(), producer_pid=1
+    )
+    if transport == "host":
+        assert _receiver_device(torch.device("cpu"), handle) is None
+    else:
+        with pytest.raises(ValueError, match=rf"bucket is '{transport}' \(device memory\)"):
+            _receiver_device(torch.device("cpu"), handle)

@@ -21,6 +21,7 @@ from hybridmem.integrations.vllm.link import Weights, parse_init_info
 from hybridmem.integrations.vllm.schema import Schema, check_weights
 from hybridmem.ipc._wire import BucketHandle, Peer, recv_within, send_to
 from hybridmem.ipc.receiver import BucketReceiver
+from hybridmem.ipc.transports.choice import transport_named
 from hybridmem.memory.release import release_cache
 
 __all__ = ["EngineLink"]
@@ -227,7 +228,7 @@ def _receiver_device(device: torch.device, handle: BucketHandle) -> int | None:
     """The receiver's device index: the worker's GPU, or None (host buckets without CUDA)."""
     if device.type == "cuda":
         return device.index if device.index is not None else torch.cuda.current_device()
-    if handle.transport != "host":
+    if transport_named(handle.transport).on_device:  # the transport says (issue #27)
         raise ValueError(
             f"the trainer's bucket is {handle.transport!r} (device memory) but this worker "
             f"runs on {device}: start the trainer with transport='host'"
