@@ -62,7 +62,13 @@ from hybridmem.ipc.bucket_parts import (
     check_transport,
 )
 from hybridmem.ipc.tensor_checks import Checked, NamedTensors, validate
-from hybridmem.ipc.transports.base import Buffers, Fallback, TransportName, check_fallback
+from hybridmem.ipc.transports.base import (
+    Buffers,
+    Fallback,
+    TransportName,
+    check_fallback,
+    drop_host_buffers,
+)
 from hybridmem.ipc.transports.choice import choose_transport
 from hybridmem.memory.release import release_cache
 from hybridmem.observe import timeline as _timeline
@@ -161,7 +167,10 @@ class WeightBucket:
         # A bucket dropped without close() (or whose set-up failed midway) still
         # unlinks its host segments: torch's resource tracker would otherwise report
         # them leaked at exit, and they would outlive the process in /dev/shm (#22).
-        self._release_host = weakref.finalize(self, self._held.release, unlink=True)
+        # The host part of Buffers.release only: at exit, device tensors are left alone.
+        self._release_host = weakref.finalize(
+            self, drop_host_buffers, self._held.pinned, self._held.shms, unlink=True
+        )
         self._transport.allocate(size, self._buffers_count, self._index, self._held)
         self._handle = BucketHandle(
             transport=self._transport.name,
@@ -487,11 +496,12 @@ class WeightBucket:
             return
         self._closed = True
         self._transport.withdraw()
+        self._views.clear()
         self._filler.clear()
         self._peer.close()
         _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
         self._stream = None
-        self._release_host()  # the views dropped, host buffers unpinned and unlinked, once
+        self._release_host()  # host buffers unpinned, unmapped and unlinked, once
         if self._transport.on_device and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)
 
