@@ -248,10 +248,10 @@ class WeightBucket:
         Buffers of half the model, between 256 MiB and 1 GiB (rounded up to
         64 MiB); 3 of them once the model fills eight, else 2. Each batch costs a
         GPU hand-off between the processes (~0.5 ms on the H200), so big buckets
-        win: at 8 GiB (190 tensors of an 8B model) 1 GiB x 3 took 10.4 ms per sync,
-        78% of the two-copy ceiling, against 16.4 ms with 256 MiB x 2; at 1 GiB,
-        512 MiB x 2 took 4.6 ms against 5.1 ms (benchmarks/weight_sync.py, issue
-        #25). The price is device memory: up to 3 GiB while the bucket lives.
+        win: at 8 GiB (190 tensors of an 8B model) 1 GiB x 2 took 10.3 ms per sync,
+        79% of the two-copy ceiling, against 14.1 ms with 256 MiB x 2; at 1 GiB,
+        512 MiB x 2 took 1.4 ms (76%) against 1.7 ms (benchmarks/weight_sync.py, run
+        3 of issue #25). The price is device memory: up to 3 GiB while the bucket lives.
 
         Args:
             named_tensors: what will be sent, a mapping or a list of pairs (only
