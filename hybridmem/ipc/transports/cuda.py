@@ -19,32 +19,11 @@ from hybridmem.allocator.state import ENGINE
 from hybridmem.ipc.capabilities import cached_capabilities, ipc_capabilities
 from hybridmem.ipc.transports.base import Buffers, Probe, Transport
 
-__all__ = ["CudaTransport", "cuda_blocker"]
-
-
-def cuda_blocker(device: int, *, probed: bool | None = None) -> str | None:
-    """Why classic-segment CUDA IPC cannot be used for ``device`` (None: it can).
-
-    Args:
-        device: the CUDA device index.
-        probed: the IPC probe's ``classic_ipc`` where one ran (None: not probed,
-            taken as "works").
-    """
-    if not _torch.cuda_available():
-        # No GPU here (or a CPU build): "cuda" would be a promise nothing can keep (#22).
-        return (
-            "no CUDA device is visible"
-            if _torch.cuda_built()
-            else "this torch is built without CUDA"
-        )
-    blocker = ENGINE.classic_blocker()
-    if blocker is None and probed is False:
-        caps = cached_capabilities(device)
-        blocker = f"the IPC probe found CUDA IPC broken here ({caps.reason if caps else '?'})"
-    return blocker
+__all__ = ["CudaTransport"]
 
 
 def _probed(device: int, probe: Probe) -> bool | None:
+    """The IPC probe's ``classic_ipc`` (None: not asked, or no cached result)."""
     if probe == "run":
         return ipc_capabilities(device).classic_ipc
     caps = cached_capabilities(device) if probe == "cached" else None
@@ -60,9 +39,15 @@ class CudaTransport(Transport):
 
     @staticmethod
     def blocker(device: int, probe: Probe = "off") -> str | None:
-        blocker = cuda_blocker(device)
-        if blocker is None and probe != "off":  # the probe runs only where nothing says no
-            blocker = cuda_blocker(device, probed=_probed(device, probe))
+        if not _torch.cuda_available():
+            # No GPU here (or a CPU build): "cuda" would be a promise nothing can keep (#22).
+            built = _torch.cuda_built()
+            return "no CUDA device is visible" if built else "this torch is built without CUDA"
+        blocker = ENGINE.classic_blocker()
+        # The probe runs only where nothing else says no; its verdict None means "works".
+        if blocker is None and _probed(device, probe) is False:
+            caps = cached_capabilities(device)
+            blocker = f"the IPC probe found CUDA IPC broken here ({caps.reason if caps else '?'})"
         return blocker
 
     @classmethod
