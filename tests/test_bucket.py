@@ -344,6 +344,20 @@ def test_closed_bucket_refuses(cpu_as_device: list[int]) -> None:
         bucket.send({"w": torch.ones(2)}, mp.Pipe()[0])
 
 
+def test_close_unpins_unlinks_and_drops_the_buffers_once(cpu_as_device: list[int]) -> None:
+    bucket = hm.WeightBucket(4096, buffers=2)
+    names = [str(n) for n in bucket.handle.exports]
+    assert cpu_as_device == [4096, 4096]  # both buffers pinned
+    assert all(Path("/dev/shm", n).exists() for n in names)
+    bucket.close()
+    assert cpu_as_device == [4096, 4096, -1, -1]  # both unpinned
+    assert not any(Path("/dev/shm", n).exists() for n in names)
+    assert bucket._views == []
+    bucket.close()  # nothing more, and no finalizer left to run at exit
+    assert cpu_as_device == [4096, 4096, -1, -1]
+    assert not bucket._release_host.alive
+
+
 def test_receiver_rejects_bad_handles() -> None:
     with pytest.raises(TypeError, match=r"takes a WeightBucket\.handle"):
         hm.BucketReceiver("handle")  # type: ignore[arg-type]

@@ -496,12 +496,13 @@ class WeightBucket:
             return
         self._closed = True
         self._transport.withdraw()
-        self._views.clear()
         self._filler.clear()
         self._peer.close()
         _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
         self._stream = None
-        self._release_host()  # host buffers unpinned, unmapped and unlinked, once
+        # The receiver's teardown too; the finalizer (host buffers only) is not needed now.
+        self._release_host.detach()
+        self._held.release(unlink=True)
         if self._transport.on_device and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)
 
