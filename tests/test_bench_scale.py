@@ -14,7 +14,7 @@ import pytest
 
 from hybridmem import _torch
 from hybridmem.bench import run as bench_run
-from hybridmem.bench.plan import SCALE_GIB, BenchPlan, scale_plan
+from hybridmem.bench.plan import SCALE_GIB, BenchPlan, moved_bytes_of, resummarise, scale_plan
 from hybridmem.bench.report import format_scale_table, plot_scale, scale_verdicts
 from hybridmem.cli import main
 from tests.test_bench import figures
@@ -44,13 +44,35 @@ def test_a_scale_the_device_cannot_hold_is_refused_with_the_largest_that_fits() 
 
 
 def test_the_summary_puts_each_switch_against_the_ceiling_of_its_own_run() -> None:
-    row = figures("hybridmem", state_bytes=54 * 10**9 // 2, pinned_gbps=54.0).summary()
+    row = figures(
+        "hybridmem", state_bytes=81 * 10**9 // 2, moved_bytes=54 * 10**9 // 2, pinned_gbps=54.0
+    ).summary()
+    # The ceiling is the bytes moved over the host link (the optimizer state), not the
+    # state on the device: the parameters stay there.
     assert row["ceiling_s"] == pytest.approx(0.5)  # 27 GB at 54 GB/s
     assert row["to_rollout_over_ceiling"] == pytest.approx(1.0)  # 0.5 s
     assert row["to_trainer_over_ceiling"] == pytest.approx(0.6)  # 0.3 s
-    unknown = figures("naive").summary()  # no state measured: no ratio, not a crash
+    assert (row["state_gib"], row["moved_gib"]) == pytest.approx((40.5e9 / GiB, 27e9 / GiB))
+    unknown = figures("naive", state_bytes=GiB).summary()  # nothing moved known: no ratio
     assert unknown["ceiling_s"] is None
     assert unknown["to_rollout_over_ceiling"] is None
+
+
+def test_results_saved_before_moved_bytes_are_judged_by_the_optimizer_state() -> None:
+    # The scale runs of 2026-12-02 saved state_bytes (fp32 parameters + AdamW moments,
+    # 12 B a parameter) and a ceiling from it; their optimizer state is 8 B a parameter.
+    params = 10**9
+    old = figures("hybridmem", state_bytes=12 * params, pinned_gbps=54.0)
+    raw = {k: v for k, v in old.__dict__.items() if k != "moved_bytes"}
+    plan = {"params": params}
+    assert moved_bytes_of(raw, plan) == 8 * params
+    assert moved_bytes_of({**raw, "moved_bytes": 5}, plan) == 5  # saved: taken as saved
+    assert moved_bytes_of(raw, None) == 0  # cannot be known
+    stale = {"summary": {"ceiling_s": 12 * params / 54e9}, "raw": raw}
+    again = resummarise(stale, plan)["summary"]
+    assert again["ceiling_s"] == pytest.approx(8 * params / 54e9)
+    assert again["to_rollout_over_ceiling"] == pytest.approx(0.5 / (8 * params / 54e9))
+    assert resummarise({"summary": {"x": 1}, "raw": {}}, plan) == {"summary": {"x": 1}, "raw": {}}
 
 
 def _size(gib: float, slow: float) -> dict[str, Any]:
@@ -61,7 +83,8 @@ def _size(gib: float, slow: float) -> dict[str, Any]:
         name: {
             "summary": figures(
                 name,
-                state_bytes=state,
+                state_bytes=state * 3 // 2,
+                moved_bytes=state,
                 to_rollout_s=[ceiling * factor] * 4,
                 to_trainer_s=[ceiling * factor] * 4,
             ).summary()
@@ -74,7 +97,10 @@ def _size(gib: float, slow: float) -> dict[str, Any]:
 def test_the_table_and_verdicts_say_which_sizes_meet_the_target() -> None:
     sizes = [_size(8, 1.05), _size(64, 1.3)]
     table = "\n".join(format_scale_table(sizes))
-    assert "== 8 GiB of trainer state; ceiling 0.159 s each way" in table
+    assert (
+        "== 8 GiB of trainer state; ceiling 0.159 s each way (its 8.0 GiB of optimizer "
+        "state at the pinned copy rate)"
+    ) in table
     assert "handrolled" in table
     assert "2.00" in table  # handrolled: twice the ceiling
     judged = scale_verdicts(sizes)
@@ -154,3 +180,58 @@ def test_scale_without_a_gpu_says_so(
     monkeypatch.setattr(_torch, "cuda_available", lambda: False)
     assert main(["bench", "--scale"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def _saved_scale(tmp_path: Path, name: str, sizes: dict[float, dict[str, float]]) -> str:
+    """A scale file: at each size, each strategy's to-rollout seconds (raw figures kept)."""
+    measured = []
+    for gib, strategies in sizes.items():
+        params = int(gib * GiB) // 16
+        results = {}
+        for strategy, seconds in strategies.items():
+            raw = figures(
+                strategy, state_bytes=12 * params, moved_bytes=8 * params, to_rollout_s=[seconds]
+            )
+            results[strategy] = {"summary": raw.summary(), "raw": raw.__dict__}
+        measured.append({"state_gib": gib, "plan": {"params": params}, "results": results})
+    path = tmp_path / name
+    path.write_text(json.dumps({"scale": measured, "verdicts": []}))
+    return str(path)
+
+
+def test_scale_results_saved_apart_merge_by_size_without_a_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = _saved_scale(tmp_path, "a.json", {32: {"naive": 9.0, "hybridmem": 0.4}})
+    second = _saved_scale(tmp_path, "b.json", {64: {"naive": 20.0, "hybridmem": 0.8}})
+    again = _saved_scale(tmp_path, "c.json", {32: {"hybridmem": 0.35}})  # one strategy re-run
+    merged = tmp_path / "merged.json"
+    argv = ["bench", "--from-json", second, first, again, "--json", str(merged)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.index("== 32 GiB") < out.index("== 64 GiB")  # by size, not by file
+    data = json.loads(merged.read_text())
+    assert [size["state_gib"] for size in data["scale"]] == [32, 64]
+    at_32 = data["scale"][0]["results"]
+    assert sorted(at_32) == ["hybridmem", "naive"]  # the re-run replaced only itself
+    assert at_32["hybridmem"]["summary"]["to_rollout_s"] == 0.35
+    assert any(v.startswith("64 GiB to rollout") for v in data["verdicts"])
+
+
+def test_scale_and_bench_results_do_not_mix_and_bad_scale_files_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_bench import saved
+
+    scale = _saved_scale(tmp_path, "scale.json", {8: {"hybridmem": 0.1}})
+    quick = saved(tmp_path, "quick.json", "hybridmem")
+    assert main(["bench", "--from-json", scale, quick]) == 2
+    assert "quick.json: not scale results, and the others are" in capsys.readouterr().err
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"scale": []}))
+    assert main(["bench", "--from-json", str(empty)]) == 2
+    assert "empty.json is not saved scale results" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"scale": [{"state_gib": 8, "results": {}}]}))
+    assert main(["bench", "--from-json", str(broken)]) == 2
+    assert "broken.json (8 GiB) is not saved bench results" in capsys.readouterr().err

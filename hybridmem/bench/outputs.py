@@ -12,10 +12,41 @@ from pathlib import Path
 from typing import Any
 
 from hybridmem._files import FileProblem, check_writable, describe
-from hybridmem.bench.plan import STRATEGIES
-from hybridmem.bench.report import format_table, plot_results, verdicts
+from hybridmem.bench.plan import STRATEGIES, resummarise
+from hybridmem.bench.report import (
+    format_scale_table,
+    format_table,
+    plot_results,
+    plot_scale,
+    scale_verdicts,
+    verdicts,
+)
 
-__all__ = ["NO_MATPLOTLIB", "has_matplotlib", "load_results", "outputs_problem", "report"]
+__all__ = [
+    "NO_MATPLOTLIB",
+    "has_matplotlib",
+    "load_results",
+    "load_scale",
+    "merge_scale",
+    "outputs_problem",
+    "report",
+    "write_scale",
+]
+
+
+def _read(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise FileProblem(f"cannot read results from {path}: {describe(exc)}") from None
+    except ValueError as exc:  # not JSON (a PNG, a JSON-lines timeline, ...)
+        raise FileProblem(
+            f"{path} is not saved bench results (hybridmem bench --json writes them): {exc}"
+        ) from None
+
+
+def _is_scale(saved: Any) -> bool:
+    return isinstance(saved, dict) and "scale" in saved
 
 
 def load_results(path: str) -> dict[str, Any]:
@@ -25,14 +56,35 @@ def load_results(path: str) -> dict[str, Any]:
         FileProblem: the file cannot be read, is not JSON, or is not bench results
             (the message names the file and what is missing).
     """
-    try:
-        saved = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise FileProblem(f"cannot read results from {path}: {describe(exc)}") from None
-    except ValueError as exc:  # not JSON (a PNG, a JSON-lines timeline, ...)
+    return _checked_results(path, _read(path))
+
+
+def load_scale(path: str) -> list[dict[str, Any]]:
+    """Read the sizes saved with ``hybridmem bench --scale --json``.
+
+    Returns:
+        ``[{"state_gib", "plan", "results"}, ...]`` as saved.
+
+    Raises:
+        FileProblem: the file cannot be read, is not JSON, or is not scale results.
+    """
+    saved = _read(path)
+    sizes = saved.get("scale") if isinstance(saved, dict) else None
+    if not (
+        isinstance(sizes, list)
+        and sizes
+        and all(isinstance(size, dict) and "state_gib" in size for size in sizes)
+    ):
         raise FileProblem(
-            f"{path} is not saved bench results (hybridmem bench --json writes them): {exc}"
-        ) from None
+            f"{path} is not saved scale results: it has no 'scale' list of sizes "
+            "(hybridmem bench --scale --json writes them)"
+        )
+    for size in sizes:
+        _checked_results(f"{path} ({size['state_gib']:g} GiB)", size)
+    return list(sizes)
+
+
+def _checked_results(path: str, saved: Any) -> dict[str, Any]:
     found = saved.get("results") if isinstance(saved, dict) else None
     if not (
         isinstance(found, dict)
@@ -87,6 +139,22 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
     if problem:
         print(f"hybridmem bench: {problem}", file=sys.stderr)
         return 2
+    try:
+        scale = [_is_scale(_read(path)) for path in paths]
+    except FileProblem as exc:
+        print(f"hybridmem bench: {exc}", file=sys.stderr)
+        return 2
+    if any(scale):
+        if not all(scale):
+            mixed = ", ".join(p for p, s in zip(paths, scale, strict=True) if not s)
+            print(
+                f"hybridmem bench: {mixed}: not scale results, and the others are "
+                "(bench --scale's and bench's results make different tables: pass "
+                "one kind at a time)",
+                file=sys.stderr,
+            )
+            return 2
+        return _report_scale(paths, json_path=json_path, plot_path=plot_path)
     results: dict[str, Any] = {}
     plans: dict[str, Any] = {}
     for path in paths:
@@ -118,4 +186,54 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
     if plot_path:
         plot_results(rows, plot_path)
         print(f"wrote {plot_path}")
+    return 0
+
+
+def merge_scale(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Sizes from several scale runs as one list, by size; each summary computed again.
+
+    A strategy at a size in a later run replaces the earlier one's (so one strategy
+    run again, at one size, replaces only itself). Each summary is computed again
+    from its raw figures (:func:`~hybridmem.bench.plan.resummarise`), so results
+    saved by an older bench are judged by today's ceiling.
+
+    Example:
+        >>> merge_scale([[{"state_gib": 8, "plan": {}, "results": {}}]])
+        [{'state_gib': 8, 'plan': {}, 'results': {}}]
+    """
+    merged: dict[float, dict[str, Any]] = {}
+    for sizes in runs:
+        for size in sizes:
+            into = merged.setdefault(
+                float(size["state_gib"]),
+                {"state_gib": size["state_gib"], "plan": size.get("plan"), "results": {}},
+            )
+            for name, result in size["results"].items():
+                into["results"][name] = resummarise(result, size.get("plan"))
+    return [merged[gib] for gib in sorted(merged)]
+
+
+def write_scale(
+    sizes: list[dict[str, Any]], *, json_path: str | None, plot_path: str | None
+) -> None:
+    """Print the scale table and verdicts; save them (``--json``) and draw them (``--plot``)."""
+    judged = scale_verdicts(sizes)
+    print("\n" + "\n".join(format_scale_table(sizes)))
+    print("\n" + "\n".join(judged))
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps({"scale": sizes, "verdicts": judged}, indent=2, default=str)
+        )
+    if plot_path:
+        plot_scale(sizes, plot_path)
+        print(f"wrote {plot_path}")
+
+
+def _report_scale(paths: list[str], *, json_path: str | None, plot_path: str | None) -> int:
+    try:
+        runs = [load_scale(path) for path in paths]
+    except FileProblem as exc:
+        print(f"hybridmem bench: {exc}", file=sys.stderr)
+        return 2
+    write_scale(merge_scale(runs), json_path=json_path, plot_path=plot_path)
     return 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from hybridmem._checks import check_number
@@ -16,7 +16,9 @@ __all__ = [
     "Figures",
     "choose_strategies",
     "handback_ratio",
+    "moved_bytes_of",
     "plan",
+    "resummarise",
     "scale_plan",
 ]
 
@@ -263,9 +265,17 @@ class Figures:
     anatomy: list[dict[str, Any]] = field(default_factory=list)
     #: per cycle, bytes the engine kept cached once asleep (outside paused regions).
     engine_cached_after_sleep: list[int] = field(default_factory=list)
-    #: the trainer state handed over each switch (parameters and optimizer state),
-    #: the ceiling's bytes: moving them at ``pinned_gbps`` is the fastest a switch is.
+    #: the trainer state on the device at each switch: parameters and optimizer state
+    #: (the gradients are dropped before it).
     state_bytes: int = 0
+    #: the bytes each switch copies over the host link in each direction, the
+    #: ceiling's bytes: the optimizer state, which every strategy offloads and
+    #: reloads. The parameters stay on the device (the engine gets them by weight
+    #: sync, a device-to-device copy), so they are not in the ceiling: counting
+    #: them, as the first scale runs did, made it 1.5x too long (fp32 parameters
+    #: beside two fp32 AdamW moments). 0 in results saved before (then see
+    #: :func:`moved_bytes_of`).
+    moved_bytes: int = 0
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
@@ -277,8 +287,8 @@ class Figures:
         ratios = [r / a for r, a in zip(self.peak_reserved, self.peak_allocated, strict=True) if a]
         # One direction's bytes at the pinned copy rate measured in the same process.
         ceiling = (
-            self.state_bytes / (self.pinned_gbps * 1e9)
-            if self.state_bytes and self.pinned_gbps
+            self.moved_bytes / (self.pinned_gbps * 1e9)
+            if self.moved_bytes and self.pinned_gbps
             else None
         )
         ratio = median(ratios)
@@ -304,6 +314,7 @@ class Figures:
             else None,
             "overhead_s": median(self.overhead_s),
             "state_gib": self.state_bytes / GiB,
+            "moved_gib": self.moved_bytes / GiB,
             "ceiling_s": ceiling,
             "to_rollout_over_ceiling": _over(median(self.to_rollout_s), ceiling),
             "to_trainer_over_ceiling": _over(median(self.to_trainer_s), ceiling),
@@ -325,6 +336,52 @@ class Figures:
             },
             "errors": self.errors,
         }
+
+
+def moved_bytes_of(raw: dict[str, Any], plan: dict[str, Any] | None) -> int:
+    """The ceiling's bytes of saved raw figures, also of results saved without them.
+
+    Results saved before :attr:`Figures.moved_bytes` existed (the scale runs of
+    2026-12-02) hold ``state_bytes``, parameters and optimizer state; the bench's
+    parameters are fp32, so the optimizer state is ``state_bytes - 4 * params``.
+
+    Args:
+        raw: a strategy's ``"raw"`` figures as saved.
+        plan: the plan saved beside them (its ``params``), or None.
+
+    Returns:
+        The bytes, or 0 when they cannot be known.
+
+    Example:
+        >>> moved_bytes_of({"state_bytes": 12_000}, {"params": 1_000})
+        8000
+    """
+    moved = int(raw.get("moved_bytes") or 0)
+    if moved:
+        return moved
+    state, params = int(raw.get("state_bytes") or 0), int((plan or {}).get("params") or 0)
+    return max(0, state - 4 * params) if state and params else 0
+
+
+def resummarise(result: dict[str, Any], plan: dict[str, Any] | None) -> dict[str, Any]:
+    """A saved strategy result with its summary computed again from its raw figures.
+
+    So that results saved by an older bench are judged by today's definitions (the
+    ceiling's bytes above all). A result without (complete) raw figures is returned
+    as saved.
+
+    Example:
+        >>> resummarise({"summary": {"strategy": "naive"}}, None)["summary"]
+        {'strategy': 'naive'}
+    """
+    raw = result.get("raw")
+    every = fields(Figures)
+    needed = {f.name for f in every if f.default is MISSING and f.default_factory is MISSING}
+    if not (isinstance(raw, dict) and needed <= raw.keys()):
+        return result
+    figures = Figures(**{f.name: raw[f.name] for f in every if f.name in raw})
+    figures.moved_bytes = moved_bytes_of(raw, plan)
+    return {**result, "summary": figures.summary()}
 
 
 def _over(seconds: float | None, ceiling: float | None) -> float | None:

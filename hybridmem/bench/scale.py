@@ -2,22 +2,22 @@
 
 Each size runs every strategy (each in its own process, as ``hybridmem bench`` does)
 with :func:`hybridmem.bench.plan.scale_plan`, and reports its to-rollout and
-to-trainer seconds against the ceiling measured in the same process (the state's
-bytes at the pinned copy rate), the hand-back and the drift (issue #25).
+to-trainer seconds against the ceiling measured in the same process (the bytes each
+switch copies over the host link, the optimizer state, at the pinned copy rate), the
+hand-back and the drift (issue #25). ``hybridmem bench --from-json`` merges the
+files of several scale runs (sizes run apart, a strategy run again).
 
 Scope: starts processes on the current device, one at a time; needs a GPU.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from hybridmem.bench.outputs import write_scale
 from hybridmem.bench.plan import SCALE_GIB, scale_plan
-from hybridmem.bench.report import format_scale_table, plot_scale, scale_verdicts
 
 __all__ = ["bench_scale"]
 
@@ -80,15 +80,6 @@ def bench_scale(
         )
         results = {name: child_run(name, p, None) for name in chosen}
         measured.append({"state_gib": gib, "plan": p.as_dict(), "results": results})
-    judged = scale_verdicts(measured)
-    print("\n" + "\n".join(format_scale_table(measured)))
-    print("\n" + "\n".join(judged))
     print(f"\nbench --scale took {time.perf_counter() - started:.0f} s")
-    if json_path:
-        Path(json_path).write_text(
-            json.dumps({"scale": measured, "verdicts": judged}, indent=2, default=str)
-        )
-    if plot_path:
-        plot_scale(measured, plot_path)
-        print(f"wrote {plot_path}")
+    write_scale(measured, json_path=json_path, plot_path=plot_path)
     return 0
