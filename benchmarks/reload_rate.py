@@ -1,0 +1,143 @@
+"""Why a reload copies at half the offload's rate: the Offloader's reload, case by case.
+
+Issue #25: in ``hybridmem bench``'s timeline a 2.95 GB reload took 110-119 ms (25-27
+GB/s) where its offload took 55 ms (53 GB/s), and the pool copies host to device at
+53-54 GB/s (``benchmarks/pinning.py``). Allocating in chunks while copying did not
+help (docs/benchmarks.md), so allocation is not the cause. This script reloads the
+same state in three situations, each a few times, and prints each reload's GB/s
+against a plain host-to-device copy from a pinned buffer into memory already mapped,
+measured in the same process:
+
+- ``cached``: offload without releasing the cache: the reload reuses memory torch
+  still holds (mapped, this process's own);
+- ``released``: offload, ``hm.release_cache()``: the reload maps memory this process
+  gave back to the driver a moment before;
+- ``after-peer``: offload and release, then another process (the engine's stand-in)
+  takes most of the device, writes it and frees it: the reload maps memory another
+  process just let go (the driver must clear it before handing it over).
+
+Run on a GPU: ``python benchmarks/reload_rate.py [--gib 3] [--peer-gib 60] [--json F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+GiB = 1 << 30
+CASES = ("cached", "released", "after-peer")
+
+# The engine's stand-in: takes and frees device memory on command (stdin), so the
+# trainer's reload follows a release by another live process, as after a sleep.
+PEER = """
+import sys, torch
+torch.zeros(1, device="cuda")
+print("ready", flush=True)
+held = None
+for line in sys.stdin:
+    if line.startswith("take"):
+        held = torch.empty(int(line.split()[1]), dtype=torch.uint8, device="cuda")
+        held.fill_(1)
+        torch.cuda.synchronize()
+        held = None
+        torch.cuda.empty_cache()
+        print("done", flush=True)
+"""
+
+
+def _plain_h2d(nbytes: int) -> float:
+    """GB/s of one pinned host-to-device copy into memory already mapped (best of 3)."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = 0.0
+    for _ in range(3):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, nbytes / (time.perf_counter() - started) / 1e9)
+    del host, device
+    torch.cuda.empty_cache()
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=3.0, help="the state reloaded")
+    parser.add_argument("--peer-gib", type=float, default=60.0, help="what the peer takes")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args()
+
+    import torch
+
+    import hybridmem as hm
+
+    if not torch.cuda.is_available():
+        print("reload_rate.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    nbytes = int(args.gib * GiB)
+    ceiling = _plain_h2d(nbytes)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert peer.stdin is not None
+    assert peer.stdout is not None
+    if peer.stdout.readline().strip() != "ready":
+        print("the peer process did not start", file=sys.stderr)
+        return 1
+    rows: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
+    try:
+        with hm.expandable_segments(True):  # the trainer's phase: its state expandable
+            state = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+            off = hm.Offloader(state)
+            off.offload()  # pins the pool once
+            off.reload()
+            for case in CASES:
+                for _ in range(args.repeats):
+                    off.offload()
+                    if case != "cached":
+                        hm.release_cache()
+                    if case == "after-peer":
+                        peer.stdin.write(f"take {int(args.peer_gib * GiB)}\n")
+                        peer.stdin.flush()
+                        if peer.stdout.readline().strip() != "done":
+                            raise RuntimeError("the peer process did not answer")
+                    free_before = torch.cuda.mem_get_info()[0]
+                    report = off.reload()
+                    rows[case].append(
+                        {"gbps": report.gbps, "seconds": report.seconds, "free": free_before}
+                    )
+            assert bool((state == 1).all()), "the state came back changed"
+            off.close()
+    finally:
+        peer.stdin.close()
+        peer.wait(timeout=60)
+    print(
+        f"reload of {args.gib:g} GiB (expandable segments); pinned host-to-device into "
+        f"mapped memory: {ceiling:.1f} GB/s"
+    )
+    print(f"{'case':<12} {'GB/s each':<28} {'best / ceiling':>15}")
+    for case, found in rows.items():
+        rates = [r["gbps"] for r in found]
+        each = " ".join(f"{r:5.1f}" for r in rates)
+        print(f"{case:<12} {each:<28} {max(rates) / ceiling:15.2f}")
+    if args.json_path:
+        Path(args.json_path).write_text(
+            json.dumps({"gib": args.gib, "ceiling_gbps": ceiling, "cases": rows}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
