@@ -26,7 +26,6 @@ __all__ = [
     "NO_MATPLOTLIB",
     "has_matplotlib",
     "load_results",
-    "load_scale",
     "merge_scale",
     "outputs_problem",
     "report",
@@ -59,16 +58,12 @@ def load_results(path: str) -> dict[str, Any]:
     return _checked_results(path, _read(path))
 
 
-def load_scale(path: str) -> list[dict[str, Any]]:
-    """Read the sizes saved with ``hybridmem bench --scale --json``.
-
-    Returns:
-        ``[{"state_gib", "plan", "results"}, ...]`` as saved.
+def _checked_scale(path: str, saved: Any) -> list[dict[str, Any]]:
+    """The sizes of results saved with ``hybridmem bench --scale --json``, read from ``path``.
 
     Raises:
-        FileProblem: the file cannot be read, is not JSON, or is not scale results.
+        FileProblem: ``saved`` is not scale results (the message names ``path``).
     """
-    saved = _read(path)
     sizes = saved.get("scale") if isinstance(saved, dict) else None
     if not (
         isinstance(sizes, list)
@@ -140,10 +135,11 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
         print(f"hybridmem bench: {problem}", file=sys.stderr)
         return 2
     try:
-        scale = [_is_scale(_read(path)) for path in paths]
+        read = [_read(path) for path in paths]  # each file once
     except FileProblem as exc:
         print(f"hybridmem bench: {exc}", file=sys.stderr)
         return 2
+    scale = [_is_scale(saved) for saved in read]
     if any(scale):
         if not all(scale):
             mixed = ", ".join(p for p, s in zip(paths, scale, strict=True) if not s)
@@ -154,12 +150,12 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
                 file=sys.stderr,
             )
             return 2
-        return _report_scale(paths, json_path=json_path, plot_path=plot_path)
+        return _report_scale(paths, read, json_path=json_path, plot_path=plot_path)
     results: dict[str, Any] = {}
     plans: dict[str, Any] = {}
-    for path in paths:
+    for path, raw in zip(paths, read, strict=True):
         try:
-            saved = load_results(path)
+            saved = _checked_results(path, raw)
         except FileProblem as exc:
             print(f"hybridmem bench: {exc}", file=sys.stderr)
             return 2
@@ -229,9 +225,11 @@ def write_scale(
         print(f"wrote {plot_path}")
 
 
-def _report_scale(paths: list[str], *, json_path: str | None, plot_path: str | None) -> int:
+def _report_scale(
+    paths: list[str], read: list[Any], *, json_path: str | None, plot_path: str | None
+) -> int:
     try:
-        runs = [load_scale(path) for path in paths]
+        runs = [_checked_scale(path, saved) for path, saved in zip(paths, read, strict=True)]
     except FileProblem as exc:
         print(f"hybridmem bench: {exc}", file=sys.stderr)
         return 2
