@@ -14,9 +14,15 @@ measured in the same process:
   gave back to the driver a moment before;
 - ``after-peer``: offload and release, then another process (the engine's stand-in)
   takes most of the device, writes it and frees it: the reload maps memory another
-  process just let go (the driver must clear it before handing it over).
+  process just let go (the driver must clear it before handing it over);
+- ``after-peer+Nms``: the same, the reload starting N ms after the peer's free
+  (``--waits``): work the driver does in the background after a free ends by then;
+- ``mapped-after-peer``: no reload, the plain pinned copy into memory this process
+  has kept mapped all along, right after the peer's free: whether the slowdown
+  follows the memory the reload maps or slows every copy while it lasts.
 
-Run on a GPU: ``python benchmarks/reload_rate.py [--gib 3] [--peer-gib 60] [--json F]``.
+Run on a GPU: ``python benchmarks/reload_rate.py [--gib 3] [--peer-gib 60]
+[--waits 100 500] [--json F]``.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 GiB = 1 << 30
-CASES = ("cached", "released", "after-peer")
 
 # The engine's stand-in: takes and frees device memory on command (stdin), so the
 # trainer's reload follows a release by another live process, as after a sleep.
@@ -53,22 +58,25 @@ for line in sys.stdin:
 """
 
 
-def _plain_h2d(nbytes: int) -> float:
-    """GB/s of one pinned host-to-device copy into memory already mapped (best of 3)."""
+def _timed_h2d(device: Any, host: Any) -> float:
+    """GB/s of one pinned host-to-device copy."""
     import torch
 
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = 0.0
-    for _ in range(3):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        device.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        best = max(best, nbytes / (time.perf_counter() - started) / 1e9)
-    del host, device
-    torch.cuda.empty_cache()
-    return best
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return float(host.numel() / (time.perf_counter() - started) / 1e9)
+
+
+def _peer_takes(peer: subprocess.Popen[str], nbytes: int) -> None:
+    """The peer takes ``nbytes``, writes them and frees them; returns once it has."""
+    assert peer.stdin is not None
+    assert peer.stdout is not None
+    peer.stdin.write(f"take {nbytes}\n")
+    peer.stdin.flush()
+    if peer.stdout.readline().strip() != "done":
+        raise RuntimeError("the peer process did not answer")
 
 
 def main() -> int:
@@ -76,6 +84,9 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=3.0, help="the state reloaded")
     parser.add_argument("--peer-gib", type=float, default=60.0, help="what the peer takes")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--waits", type=int, nargs="*", default=[100, 500], help="ms after the peer's free"
+    )
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
 
@@ -87,7 +98,14 @@ def main() -> int:
         print("reload_rate.py needs a CUDA GPU", file=sys.stderr)
         return 2
     nbytes = int(args.gib * GiB)
-    ceiling = _plain_h2d(nbytes)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    mapped = torch.empty(nbytes, dtype=torch.uint8, device="cuda")  # kept mapped all along
+    ceiling = max(_timed_h2d(mapped, host) for _ in range(3))
+    peer_bytes = int(args.peer_gib * GiB)
+    # (case, release the cache, the peer takes and frees, ms after that)
+    cases = [("cached", False, False, 0), ("released", True, False, 0)]
+    cases += [("after-peer", True, True, 0)]
+    cases += [(f"after-peer+{ms}ms", True, True, ms) for ms in args.waits]
     peer = subprocess.Popen(
         [sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -96,23 +114,22 @@ def main() -> int:
     if peer.stdout.readline().strip() != "ready":
         print("the peer process did not start", file=sys.stderr)
         return 1
-    rows: dict[str, list[dict[str, Any]]] = {case: [] for case in CASES}
+    rows: dict[str, list[dict[str, Any]]] = {case[0]: [] for case in cases}
+    rows["mapped-after-peer"] = []
     try:
         with hm.expandable_segments(True):  # the trainer's phase: its state expandable
             state = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
             off = hm.Offloader(state)
             off.offload()  # pins the pool once
             off.reload()
-            for case in CASES:
+            for case, release, peer_frees, wait_ms in cases:
                 for _ in range(args.repeats):
                     off.offload()
-                    if case != "cached":
+                    if release:
                         hm.release_cache()
-                    if case == "after-peer":
-                        peer.stdin.write(f"take {int(args.peer_gib * GiB)}\n")
-                        peer.stdin.flush()
-                        if peer.stdout.readline().strip() != "done":
-                            raise RuntimeError("the peer process did not answer")
+                    if peer_frees:
+                        _peer_takes(peer, peer_bytes)
+                        time.sleep(wait_ms / 1000)  # a benchmark's wait, on purpose
                     free_before = torch.cuda.mem_get_info()[0]
                     report = off.reload()
                     rows[case].append(
@@ -120,6 +137,9 @@ def main() -> int:
                     )
             assert bool((state == 1).all()), "the state came back changed"
             off.close()
+        for _ in range(args.repeats):  # no reload: a copy into memory mapped all along
+            _peer_takes(peer, peer_bytes)
+            rows["mapped-after-peer"].append({"gbps": _timed_h2d(mapped, host)})
     finally:
         peer.stdin.close()
         peer.wait(timeout=60)
@@ -127,11 +147,11 @@ def main() -> int:
         f"reload of {args.gib:g} GiB (expandable segments); pinned host-to-device into "
         f"mapped memory: {ceiling:.1f} GB/s"
     )
-    print(f"{'case':<12} {'GB/s each':<28} {'best / ceiling':>15}")
+    print(f"{'case':<20} {'GB/s each':<28} {'best / ceiling':>15}")
     for case, found in rows.items():
         rates = [r["gbps"] for r in found]
         each = " ".join(f"{r:5.1f}" for r in rates)
-        print(f"{case:<12} {each:<28} {max(rates) / ceiling:15.2f}")
+        print(f"{case:<20} {each:<28} {max(rates) / ceiling:15.2f}")
     if args.json_path:
         Path(args.json_path).write_text(
             json.dumps({"gib": args.gib, "ceiling_gbps": ceiling, "cases": rows}, indent=2)
