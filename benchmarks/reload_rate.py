@@ -124,7 +124,8 @@ def main() -> int:
             off.reload()
             for case, release, peer_frees, wait_ms in cases:
                 for _ in range(args.repeats):
-                    off.offload()
+                    # offload() releases by default: "cached" must keep the memory
+                    off.offload(release_cache=False)
                     if release:
                         hm.release_cache()
                     if peer_frees:

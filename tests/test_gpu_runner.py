@@ -58,3 +58,51 @@ def test_a_marked_process_holding_the_gpu_is_waited_for_and_named(
             for stream in (child.stdin, child.stdout):
                 if stream is not None:
                     stream.close()
+
+
+MiB = 1 << 20
+BASE = 147_228_393_472  # device free bytes at a stage boundary (pass 2's, H200)
+
+
+def _run(cycles: int, leak_from: int | None = None, leak: int = 0) -> list[dict[str, int]]:
+    """Boundaries of ``cycles`` cycles, flat but for ``leak`` bytes from ``leak_from`` on."""
+    return [
+        {
+            "to_rollout:offload": BASE - (leak if leak_from is not None and i >= leak_from else 0),
+            "to_trainer:reload": BASE + 2 * MiB * (i % 2),  # the 2 MiB the H200 runs wobble by
+        }
+        for i in range(cycles)
+    ]
+
+
+def test_window_drift_ignores_a_moment_of_memory_held_and_names_it() -> None:
+    """Pass 2 of 2026-12-02: 651.6 MiB held in one cycle only; last minus first called it drift."""
+    samples = _run(49)
+    samples[0]["to_rollout:offload"] -= 683_212_800
+    assert samples[-1]["to_rollout:offload"] - samples[0]["to_rollout:offload"] == 683_212_800
+    drift = runner.window_drift(samples)
+    assert drift == {"to_rollout:offload": 0, "to_trainer:reload": 0}
+    assert runner.off_the_median(samples, 16 * MiB) == [(0, "to_rollout:offload", -683_212_800)]
+
+
+@pytest.mark.parametrize(
+    ("leak_from", "leak"),
+    [(0, 0), (20, 100 * MiB), (38, 65 * MiB)],  # flat; a step mid-run; a late step
+)
+def test_window_drift_catches_memory_that_stays_gone(leak_from: int, leak: int) -> None:
+    drift = runner.window_drift(_run(49, leak_from, leak))
+    assert drift["to_rollout:offload"] == -leak
+    assert drift["to_trainer:reload"] == 0
+
+
+def test_window_drift_catches_a_slow_leak() -> None:
+    samples = [{"stage": BASE - 2 * MiB * i} for i in range(49)]  # 2 MiB per cycle
+    assert (
+        runner.window_drift(samples)["stage"] == -2 * MiB * 39
+    )  # the medians: cycle 44 against cycle 5
+    assert abs(runner.window_drift(samples)["stage"]) > 64 * MiB  # the test's bound fails it
+
+
+def test_window_drift_needs_two_windows() -> None:
+    with pytest.raises(ValueError, match="at least 20 samples, got 19"):
+        runner.window_drift(_run(19))

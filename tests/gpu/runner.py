@@ -28,10 +28,11 @@ import json
 import os
 import re
 import select
+import statistics
 import subprocess
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,12 @@ from tests.helpers import run_python
 __all__ = [
     "MARK",
     "gpu_holders",
+    "off_the_median",
     "run_alone",
     "run_scenario",
     "settled_free",
     "wait_until_alone",
+    "window_drift",
 ]
 
 # Not HYBRIDMEM_*: tests.helpers.clean_env drops those from a child's environment.
@@ -185,3 +188,42 @@ def run_scenario(name: str, module: str = "tests.gpu.scenarios", **env: str) -> 
         with open(Path(out_dir) / "gpu_facts.jsonl", "a") as fh:
             fh.write(json.dumps({"scenario": name, "env": env, "facts": facts}) + "\n")
     return facts
+
+
+def window_drift(samples: Sequence[Mapping[str, int]], window: int = 10) -> dict[str, int]:
+    """Each key's drift over a run: the median of the last ``window`` samples minus the first's.
+
+    A leak moves every later sample, so it moves the last window's median; a moment
+    when memory was briefly held (issue #25: once, 651.6 MiB from one cycle's reload to
+    the next cycle's rollout, then never again, while the same run's other 48 cycles
+    agreed within 2 MiB) moves only the samples it lasts for, and a median of ten
+    ignores up to four of them. The first and last samples alone made such a moment
+    the whole run's "drift".
+
+    Raises:
+        ValueError: fewer than two windows of samples.
+    """
+    if len(samples) < 2 * window:
+        raise ValueError(f"window_drift needs at least {2 * window} samples, got {len(samples)}")
+    first, last = samples[:window], samples[-window:]
+    return {
+        key: statistics.median_low(s[key] for s in last)
+        - statistics.median_low(s[key] for s in first)
+        for key in samples[0]
+    }
+
+
+def off_the_median(
+    samples: Sequence[Mapping[str, int]], tolerance: int
+) -> list[tuple[int, str, int]]:
+    """The samples more than ``tolerance`` off their key's median: ``(index, key, off by)``.
+
+    What :func:`window_drift` does not count as drift, said rather than hidden.
+    """
+    medians = {key: statistics.median_low(s[key] for s in samples) for key in samples[0]}
+    return [
+        (index, key, sample[key] - medians[key])
+        for index, sample in enumerate(samples)
+        for key in sample
+        if abs(sample[key] - medians[key]) > tolerance
+    ]

@@ -28,6 +28,7 @@ import torch.multiprocessing as tmp
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.memory.offload import OffloadReport
+from tests.gpu.runner import off_the_median, window_drift
 
 MiB = 1 << 20
 _ctx = tmp.get_context("spawn")
@@ -187,8 +188,13 @@ def _cycles(
         with switch.rollout():
             client.generate()
         to_rollout, to_trainer = switch.reports[-2:]
+        # Keyed by direction too: both directions have a "release" stage.
         boundaries.append(
-            {s.name: int(s.free_after or 0) for s in (*to_rollout.stages, *to_trainer.stages)}
+            {
+                f"{report.direction}:{stage.name}": int(stage.free_after or 0)
+                for report in (to_rollout, to_trainer)
+                for stage in report.stages
+            }
         )
     client.conn.send(("stop",))
     _, checks, engine_name = conn.recv()
@@ -218,20 +224,22 @@ def _fifty(engine: str, cycles: int = 50) -> dict[str, Any]:
     """50 cycles on one GPU: phase-boundary free memory stable, weights arrive intact."""
     facts = _cycles(cycles, 0, engine=engine)
     boundaries = facts.pop("boundaries")
-    drift = {
-        stage: boundaries[-1][stage] - boundaries[1][stage] for stage in boundaries[0]
-    }  # cycle 2 -> cycle N, after the first cycle's one-time allocations
+    later = boundaries[1:]  # after the first cycle's one-time allocations
     spread = {
-        stage: max(b[stage] for b in boundaries[1:]) - min(b[stage] for b in boundaries[1:])
-        for stage in boundaries[0]
+        stage: max(b[stage] for b in later) - min(b[stage] for b in later) for stage in later[0]
     }
+    last = boundaries[-1]
     facts.update(
         cycles=cycles,
-        drift_bytes=drift,
+        drift_bytes=window_drift(later, window=10),  # cycles 2-11 -> the last ten
         spread_bytes=spread,
-        kv_taken=boundaries[-1]["barrier_kv"] - boundaries[-1]["wake_kv"],
-        handed_back=boundaries[-1]["sleep"] - boundaries[-1]["rollout"],
-        free_after_reload=[b["reload"] for b in boundaries[::10]],
+        # cycle (1-based), stage, MiB off that stage's median: said, not asserted
+        off_the_median=[
+            (index + 2, stage, off / MiB) for index, stage, off in off_the_median(later, 16 * MiB)
+        ],
+        kv_taken=last["to_rollout:barrier_kv"] - last["to_rollout:wake_kv"],
+        handed_back=last["to_trainer:sleep"] - last["to_rollout:rollout"],
+        free_after_reload=[b["to_trainer:reload"] for b in boundaries[::10]],
     )
     return facts
 

@@ -40,6 +40,7 @@ def _check_fifty(facts: dict[str, Any]) -> None:
     drift = {k: v / MiB for k, v in facts["drift_bytes"].items()}
     spread = {k: v / MiB for k, v in facts["spread_bytes"].items()}
     print(f"\ntoy_engine: drift MiB {drift}\nspread MiB {spread}")
+    print(f"off their stage's median by > 16 MiB (cycle, stage, MiB): {facts['off_the_median']}")
     taken, back = facts["kv_taken"] / MiB, facts["handed_back"] / MiB
     print(f"KV taken {taken:.0f} MiB, handed back {back:.0f} MiB")
     print("\n".join(facts["last"]))
@@ -48,8 +49,10 @@ def _check_fifty(facts: dict[str, Any]) -> None:
     assert all(facts["weights_match"])  # the engine saw each cycle's trained weights
     assert facts["kv_taken"] > 10 * 1024 * MiB  # a real KV cache came and went
     assert facts["handed_back"] >= facts["kv_taken"]
+    # Drift: the last ten cycles' median against cycles 2-11's (runner.window_drift):
+    # a leak moves it, a moment of memory held by something else does not.
     for stage, value in facts["drift_bytes"].items():
-        assert abs(value) <= 64 * MiB, (stage, value / MiB)
+        assert abs(value) <= 64 * MiB, (stage, value / MiB, facts["off_the_median"])
 
 
 @pytest.mark.multi_gpu
