@@ -19,7 +19,11 @@ measured in the same process:
   (``--waits``): work the driver does in the background after a free ends by then;
 - ``mapped-after-peer``: no reload, the plain pinned copy into memory this process
   has kept mapped all along, right after the peer's free: whether the slowdown
-  follows the memory the reload maps or slows every copy while it lasts.
+  follows the memory the reload maps or slows every copy while it lasts;
+- ``kernel`` and ``kernel-after-peer``: the same copy done by an elementwise kernel
+  that reads the pinned buffer through its device mapping (unified addressing), so
+  by the SMs and not by a copy engine: whether the slowdown is the copy engines'
+  (the next question, written 2026-12-02 and not yet run: the device time was spent).
 
 Run on a GPU: ``python benchmarks/reload_rate.py [--gib 3] [--peer-gib 60]
 [--waits 100 500] [--json F]``.
@@ -32,6 +36,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +72,38 @@ def _timed_h2d(device: Any, host: Any) -> float:
     device.copy_(host, non_blocking=True)
     torch.cuda.synchronize()
     return float(host.numel() / (time.perf_counter() - started) / 1e9)
+
+
+def _host_on_device(host: Any) -> Any:
+    """The pinned buffer as a CUDA tensor: its device mapping, read by kernels over PCIe.
+
+    Under unified addressing a pinned buffer's host pointer is also its device pointer;
+    ``__cuda_array_interface__`` hands it to torch without a copy.
+    """
+    import torch
+
+    mapping = types.SimpleNamespace(
+        __cuda_array_interface__={
+            "shape": (host.numel() // 8,),
+            "typestr": "<i8",
+            "data": (host.data_ptr(), False),
+            "version": 2,
+            "strides": None,
+        }
+    )
+    return torch.as_tensor(mapping, device="cuda")
+
+
+def _timed_kernel(device: Any, on_device: Any) -> float:
+    """GB/s of an elementwise kernel that copies the mapped host buffer, word by word."""
+    import torch
+
+    words = device.view(torch.int64)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    torch.bitwise_or(on_device, 0, out=words)
+    torch.cuda.synchronize()
+    return float(device.numel() / (time.perf_counter() - started) / 1e9)
 
 
 def _peer_takes(peer: subprocess.Popen[str], nbytes: int) -> None:
@@ -141,6 +178,16 @@ def main() -> int:
         for _ in range(args.repeats):  # no reload: a copy into memory mapped all along
             _peer_takes(peer, peer_bytes)
             rows["mapped-after-peer"].append({"gbps": _timed_h2d(mapped, host)})
+        try:  # the same copy by the SMs, reading the pinned buffer's device mapping
+            on_device = _host_on_device(host)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            print(f"kernel cases skipped: the pinned buffer has no device view ({exc})")
+        else:
+            rows["kernel"] = [{"gbps": _timed_kernel(mapped, on_device)} for _ in range(3)]
+            rows["kernel-after-peer"] = []
+            for _ in range(args.repeats):
+                _peer_takes(peer, peer_bytes)
+                rows["kernel-after-peer"].append({"gbps": _timed_kernel(mapped, on_device)})
     finally:
         peer.stdin.close()
         peer.wait(timeout=60)
