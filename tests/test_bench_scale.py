@@ -5,7 +5,10 @@ The runs themselves need a GPU; here every child is faked and everything else is
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,7 +20,7 @@ from hybridmem.bench import run as bench_run
 from hybridmem.bench.plan import SCALE_GIB, BenchPlan, moved_bytes_of, resummarise, scale_plan
 from hybridmem.bench.report import format_scale_table, plot_scale, scale_verdicts
 from hybridmem.cli import main
-from tests.test_bench import figures
+from tests.test_bench import figures, tiny
 
 GiB = 2**30
 H200 = 141 * GiB
@@ -235,3 +238,121 @@ def test_scale_and_bench_results_do_not_mix_and_bad_scale_files_are_named(
     broken.write_text(json.dumps({"scale": [{"state_gib": 8, "results": {}}]}))
     assert main(["bench", "--from-json", str(broken)]) == 2
     assert "broken.json (8 GiB) is not saved bench results" in capsys.readouterr().err
+
+
+def test_the_summary_puts_each_switch_against_the_ceiling_with_the_engines_calls_aside() -> None:
+    row = figures(
+        "hybridmem",
+        moved_bytes=27 * 10**9,  # ceiling 0.5 s at 54 GB/s
+        to_rollout_s=[0.6, 0.6, 0.7, 0.6],
+        to_trainer_s=[0.8, 0.9, 0.8, 0.8],
+        engine_wake_s=[0.05, 0.05, 0.15, 0.05],  # a slow wake in cycle 3, paired with it
+        engine_sleep_s=[0.2, 0.3, 0.2, 0.2],
+    ).summary()
+    assert row["engine_wake_s"] == pytest.approx(0.05)
+    assert row["engine_sleep_s"] == pytest.approx(0.2)
+    assert row["to_rollout_over_ceiling"] == pytest.approx(1.2)
+    assert row["to_rollout_over_ceiling_engine_aside"] == pytest.approx(1.1)  # 0.55 s each
+    assert row["to_trainer_over_ceiling_engine_aside"] == pytest.approx(1.2)  # 0.6 s each
+    saved_before = figures("hybridmem", moved_bytes=27 * 10**9).summary()  # no engine times
+    assert saved_before["engine_wake_s"] is None
+    assert saved_before["to_trainer_over_ceiling_engine_aside"] is None
+    unpaired = figures("hybridmem", moved_bytes=27 * 10**9, engine_wake_s=[0.05]).summary()
+    assert unpaired["to_rollout_over_ceiling_engine_aside"] is None  # cycles do not pair
+
+
+def test_hybridmems_verdicts_and_the_table_give_the_engines_own_calls() -> None:
+    size = _size(8, 1.3)
+    row = size["results"]["hybridmem"]["summary"]
+    row.update(
+        engine_wake_s=0.012,
+        engine_sleep_s=0.034,
+        to_rollout_over_ceiling_engine_aside=1.21,
+        to_trainer_over_ceiling_engine_aside=1.05,
+    )
+    judged = scale_verdicts([size])
+    assert judged == [
+        "8 GiB to rollout: 1.30x the ceiling (target <= 1.1x): NOT met "
+        "(1.21x with the engine's own calls aside)",
+        "8 GiB to trainer: 1.30x the ceiling (target <= 1.1x): NOT met "
+        "(1.05x with the engine's own calls aside)",
+    ]
+    table = format_scale_table([size])
+    assert "engine wake s" in table[1]
+    assert table[1].endswith("engine sleep s")
+    line = next(line for line in table if line.startswith("hybridmem"))
+    assert line.split()[-2:] == ["0.012", "0.034"]
+    assert next(line for line in table if line.startswith("handrolled")).split()[-2:] == ["-", "-"]
+
+
+class _Conn:
+    """The engine's end of the pipe: answers every command at once."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Any, ...]] = []
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        self.sent.append(command)
+
+    def recv(self) -> tuple[Any, ...]:
+        return ("ok", 0, 0) if self.sent[-1][0] == "stats" else ("ok",)
+
+
+def test_the_engine_client_counts_only_wake_and_sleep_as_the_engines_own_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hybridmem.bench import engine as bench_engine
+
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))  # the engine's clock
+    client = bench_engine.EngineClient(_Conn(), 0, H200)  # type: ignore[arg-type]
+    client.call("wake", ["weights"])  # 1 s on this clock
+    client.call("stats")
+    client.call("sync_tensors", {})
+    client.call("sleep")
+    assert client.engine_seconds == 4.0
+    assert client.memory_seconds == 2.0
+
+
+def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from hybridmem.bench.strategies import Moved
+
+    for name, value in (
+        ("synchronize", None),
+        ("reset_peak_memory_stats", None),
+        ("max_memory_reserved", GiB),
+        ("max_memory_allocated", GiB),
+    ):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value: _v)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (100 * GiB, H200))
+    engine = SimpleNamespace(
+        engine_seconds=0.0,
+        memory_seconds=9.0,
+        last_kv=GiB,
+        last_handback=0.999,
+        last_missing={},
+        last_anatomy={},
+    )
+    engine.call = lambda *command: ("ok", 0, 0)
+
+    class Strategy:
+        def train_scope(self) -> Any:
+            return contextlib.nullcontext()
+
+        def to_rollout(self) -> Moved:
+            engine.memory_seconds += 0.25  # the engine's wake-ups
+            return Moved()
+
+        def to_trainer(self) -> Moved:
+            engine.memory_seconds += 0.125  # its sleep
+            return Moved()
+
+    got = figures("hybridmem", to_rollout_s=[], to_trainer_s=[])
+    bench_run._cycle(0, tiny("torch"), Strategy(), engine, lambda: None, got)
+    assert got.errors == []
+    assert got.engine_wake_s == [0.25]  # counted from 0 at each switch, not from 9
+    assert got.engine_sleep_s == [0.125]

@@ -213,6 +213,8 @@ class EngineClient:
         self.context_bytes = context_bytes
         self.total_bytes = total_bytes
         self.engine_seconds = 0.0
+        #: seconds in the engine's own memory calls (``wake``, ``sleep``) since reset
+        self.memory_seconds = 0.0
         self.last_kv = 0
         self.last_handback = 0.0
         self.last_missing: dict[str, int] = {}
@@ -226,7 +228,10 @@ class EngineClient:
         started = time.perf_counter()
         self.conn.send(command)
         answer = self.conn.recv()
-        self.engine_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.engine_seconds += seconds
+        if command[0] in ("wake", "sleep"):  # the engine's own memory calls
+            self.memory_seconds += seconds
         if answer[0] != "ok":
             raise RuntimeError(f"engine answered {answer!r}")
         return tuple(answer)

@@ -276,6 +276,12 @@ class Figures:
     #: beside two fp32 AdamW moments). 0 in results saved before (then see
     #: :func:`moved_bytes_of`).
     moved_bytes: int = 0
+    #: per cycle, the seconds of each switch spent in the engine's own memory calls,
+    #: timed from the trainer across the pipe: its wake-ups on the way to rollout,
+    #: its sleep on the way back. No trainer-side strategy can shorten them, and the
+    #: ceiling does not count them. Empty in results saved before.
+    engine_wake_s: list[float] = field(default_factory=list)
+    engine_sleep_s: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
@@ -318,6 +324,16 @@ class Figures:
             "ceiling_s": ceiling,
             "to_rollout_over_ceiling": _over(median(self.to_rollout_s), ceiling),
             "to_trainer_over_ceiling": _over(median(self.to_trainer_s), ceiling),
+            "engine_wake_s": median(self.engine_wake_s),
+            "engine_sleep_s": median(self.engine_sleep_s),
+            # The switch less the engine's own calls, cycle by cycle: the part a
+            # trainer-side strategy decides.
+            "to_rollout_over_ceiling_engine_aside": _over(
+                median(_less(self.to_rollout_s, self.engine_wake_s)), ceiling
+            ),
+            "to_trainer_over_ceiling_engine_aside": _over(
+                median(_less(self.to_trainer_s, self.engine_sleep_s)), ceiling
+            ),
             "trainer_cached_mib": (
                 median([float(m["trainer_cached"]) for m in self.missing]) or 0.0
             )
@@ -382,6 +398,11 @@ def resummarise(result: dict[str, Any], plan: dict[str, Any] | None) -> dict[str
     figures = Figures(**{f.name: raw[f.name] for f in every if f.name in raw})
     figures.moved_bytes = moved_bytes_of(raw, plan)
     return {**result, "summary": figures.summary()}
+
+
+def _less(totals: list[float], parts: list[float]) -> list[float]:
+    """``totals`` less ``parts``, cycle by cycle (none where the cycles do not pair up)."""
+    return [t - p for t, p in zip(totals, parts, strict=True)] if len(totals) == len(parts) else []
 
 
 def _over(seconds: float | None, ceiling: float | None) -> float | None:

@@ -84,6 +84,8 @@ TABLE_KEYS = (
     "overhead_s",
     "trainer_cached_mib",
     "engine_cached_after_sleep_mib",
+    "engine_wake_s",
+    "engine_sleep_s",
 )
 
 
@@ -285,7 +287,8 @@ def format_scale_table(sizes: list[dict[str, Any]]) -> list[str]:
         )
         lines.append(
             f"{'strategy':<12} {'to rollout s':>13} {'x ceiling':>10} {'to trainer s':>13} "
-            f"{'x ceiling':>10} {'hand-back':>10} {'drift MiB/c':>12}"
+            f"{'x ceiling':>10} {'hand-back':>10} {'drift MiB/c':>12} {'engine wake s':>14} "
+            f"{'engine sleep s':>15}"
         )
         for name, row in rows.items():
             errors = row.get("errors") or []
@@ -295,7 +298,9 @@ def format_scale_table(sizes: list[dict[str, Any]]) -> list[str]:
                 f"{cell(row.get('to_trainer_s'), '13.3f')} "
                 f"{cell(row.get('to_trainer_over_ceiling'), '10.2f')} "
                 f"{cell(row.get('handback'), '10.4f')} "
-                f"{cell(row.get('drift_mib_per_cycle'), '12.1f')}"
+                f"{cell(row.get('drift_mib_per_cycle'), '12.1f')} "
+                f"{cell(row.get('engine_wake_s'), '14.3f')} "
+                f"{cell(row.get('engine_sleep_s'), '15.3f')}"
                 + (f"  errors: {errors[0]}" if errors else "")
             )
     return lines
@@ -317,9 +322,15 @@ def scale_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
                 judged.append(f"{size['state_gib']:g} GiB {what}: not measured")
                 continue
             verdict = "met" if ratio <= SCALE_TARGET else "NOT met"
+            aside = row.get(f"{key}_engine_aside")
             judged.append(
                 f"{size['state_gib']:g} GiB {what}: {ratio:.2f}x the ceiling "
                 f"(target <= {SCALE_TARGET}x): {verdict}"
+                + (
+                    f" ({aside:.2f}x with the engine's own calls aside)"
+                    if isinstance(aside, float | int)
+                    else ""
+                )
             )
     return judged
 

@@ -260,11 +260,12 @@ def _cycle(
             train()
         figures.peak_reserved.append(torch.cuda.max_memory_reserved())
         figures.peak_allocated.append(torch.cuda.max_memory_allocated())
-        engine.engine_seconds = 0.0
+        engine.engine_seconds = engine.memory_seconds = 0.0
         started = time.perf_counter()
         with _step("to_rollout"):
             out = strategy.to_rollout()
         to_rollout = time.perf_counter() - started
+        wake = engine.memory_seconds
         figures.kv_obtained.append(engine.last_kv)
         figures.handback.append(engine.last_handback)
         figures.missing.append(dict(engine.last_missing))
@@ -274,12 +275,15 @@ def _cycle(
         with _step("generate"):
             engine.call("generate", p.d_model)
         generate = engine.engine_seconds - engine_before
+        engine.memory_seconds = 0.0
         started = time.perf_counter()
         with _step("to_trainer"):
             back = strategy.to_trainer()
         to_trainer = time.perf_counter() - started
         figures.to_rollout_s.append(to_rollout)
         figures.to_trainer_s.append(to_trainer)
+        figures.engine_wake_s.append(wake)
+        figures.engine_sleep_s.append(engine.memory_seconds)
         if out.copy_s > 0:
             figures.offload_gbps.append(out.copy_bytes / out.copy_s / 1e9)
         work = out.copy_s + back.copy_s + out.sync_s + engine.engine_seconds - generate
