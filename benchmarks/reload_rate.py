@@ -14,7 +14,8 @@ measured in the same process:
   gave back to the driver a moment before;
 - ``after-peer``: offload and release, then another process (the engine's stand-in)
   takes most of the device, writes it and frees it: the reload maps memory another
-  process just let go (the driver must clear it before handing it over);
+  process just let go (the first run's guess: the driver clears that memory before
+  handing it over; the cases below tell);
 - ``after-peer+Nms``: the same, the reload starting N ms after the peer's free
   (``--waits``): work the driver does in the background after a free ends by then;
 - ``mapped-after-peer``: no reload, the plain pinned copy into memory this process

@@ -194,9 +194,9 @@ def window_drift(samples: Sequence[Mapping[str, int]], window: int = 10) -> dict
     """Each key's drift over a run: the median of the last ``window`` samples minus the first's.
 
     A leak moves every later sample, so it moves the last window's median; a moment
-    when memory was briefly held (issue #25: once, 651.6 MiB from one cycle's reload to
-    the next cycle's rollout, then never again, while the same run's other 48 cycles
-    agreed within 2 MiB) moves only the samples it lasts for, and a median of ten
+    when memory was held for a while (issue #25: about 650 MiB from cycle 1's reload
+    until the engine slept in cycle 2; every boundary of the way back agreed within
+    2 MiB over cycles 2-50) moves only the samples it lasts for, and a median of ten
     ignores up to four of them. The first and last samples alone made such a moment
     the whole run's "drift".
 
