@@ -20,6 +20,7 @@ from hybridmem.bench import run as bench_run
 from hybridmem.bench.plan import SCALE_GIB, BenchPlan, moved_bytes_of, resummarise, scale_plan
 from hybridmem.bench.report import format_scale_table, plot_scale, scale_verdicts
 from hybridmem.cli import main
+from tests.channels import ScriptedChannel
 from tests.test_bench import figures, tiny
 
 GiB = 2**30
@@ -285,19 +286,6 @@ def test_hybridmems_verdicts_and_the_table_give_the_engines_own_calls() -> None:
     assert next(line for line in table if line.startswith("handrolled")).split()[-2:] == ["-", "-"]
 
 
-class _Conn:
-    """The engine's end of the pipe: answers every command at once."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[Any, ...]] = []
-
-    def send(self, command: tuple[Any, ...]) -> None:
-        self.sent.append(command)
-
-    def recv(self) -> tuple[Any, ...]:
-        return ("ok", 0, 0) if self.sent[-1][0] == "stats" else ("ok",)
-
-
 def test_the_engine_client_counts_only_wake_and_sleep_as_the_engines_own_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -305,7 +293,11 @@ def test_the_engine_client_counts_only_wake_and_sleep_as_the_engines_own_calls(
 
     ticks = itertools.count()
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))  # the engine's clock
-    client = bench_engine.EngineClient(_Conn(), 0, H200)  # type: ignore[arg-type]
+    # The engine's end of the pipe, answering every command at once.
+    conn = ScriptedChannel(
+        answer=lambda command: [("ok", 0, 0) if command[0] == "stats" else ("ok",)]
+    )
+    client = bench_engine.EngineClient(conn, 0, H200)  # type: ignore[arg-type]
     client.call("wake", ["weights"])  # 1 s on this clock
     client.call("stats")
     client.call("sync_tensors", {})
