@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +65,15 @@ for line in sys.stdin:
 """
 
 
-def _timed_h2d(device: Any, host: Any) -> float:
-    """GB/s of one pinned host-to-device copy."""
+def _gbps(nbytes: int, copy: Callable[[], object]) -> float:
+    """GB/s of one ``copy()`` of ``nbytes``, timed between two device synchronisations."""
     import torch
 
     torch.cuda.synchronize()
     started = time.perf_counter()
-    device.copy_(host, non_blocking=True)
+    copy()
     torch.cuda.synchronize()
-    return float(host.numel() / (time.perf_counter() - started) / 1e9)
+    return nbytes / (time.perf_counter() - started) / 1e9
 
 
 def _host_on_device(host: Any) -> Any:
@@ -93,18 +94,6 @@ def _host_on_device(host: Any) -> Any:
         }
     )
     return torch.as_tensor(mapping, device="cuda")
-
-
-def _timed_kernel(device: Any, on_device: Any) -> float:
-    """GB/s of an elementwise kernel that copies the mapped host buffer, word by word."""
-    import torch
-
-    words = device.view(torch.int64)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    torch.bitwise_or(on_device, 0, out=words)
-    torch.cuda.synchronize()
-    return float(device.numel() / (time.perf_counter() - started) / 1e9)
 
 
 def _peer_takes(peer: subprocess.Popen[str], nbytes: int) -> None:
@@ -138,7 +127,11 @@ def main() -> int:
     nbytes = int(args.gib * GiB)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     mapped = torch.empty(nbytes, dtype=torch.uint8, device="cuda")  # kept mapped all along
-    ceiling = max(_timed_h2d(mapped, host) for _ in range(3))
+
+    def plain() -> object:  # a copy engine's pinned host-to-device copy
+        return mapped.copy_(host, non_blocking=True)
+
+    ceiling = max(_gbps(nbytes, plain) for _ in range(3))
     peer_bytes = int(args.peer_gib * GiB)
     # (case, release the cache, the peer takes and frees, ms after that)
     cases = [("cached", False, False, 0), ("released", True, False, 0)]
@@ -153,7 +146,6 @@ def main() -> int:
         print("the peer process did not start", file=sys.stderr)
         return 1
     rows: dict[str, list[dict[str, Any]]] = {case[0]: [] for case in cases}
-    rows["mapped-after-peer"] = []
     try:
         with hm.expandable_segments(True):  # the trainer's phase: its state expandable
             state = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
@@ -176,19 +168,21 @@ def main() -> int:
                     )
             assert bool((state == 1).all()), "the state came back changed"
             off.close()
-        for _ in range(args.repeats):  # no reload: a copy into memory mapped all along
-            _peer_takes(peer, peer_bytes)
-            rows["mapped-after-peer"].append({"gbps": _timed_h2d(mapped, host)})
+        # No reload: copies into memory mapped all along, right after the peer's free.
+        copies: dict[str, Callable[[], object]] = {"mapped": plain}
         try:  # the same copy by the SMs, reading the pinned buffer's device mapping
-            on_device = _host_on_device(host)
+            on_device, words = _host_on_device(host), mapped.view(torch.int64)
         except (RuntimeError, TypeError, ValueError) as exc:
             print(f"kernel cases skipped: the pinned buffer has no device view ({exc})")
         else:
-            rows["kernel"] = [{"gbps": _timed_kernel(mapped, on_device)} for _ in range(3)]
-            rows["kernel-after-peer"] = []
+            copies["kernel"] = lambda: torch.bitwise_or(on_device, 0, out=words)
+        for name, copy in copies.items():
+            if name != "mapped":  # the plain copy's own rate is the ceiling
+                rows[name] = [{"gbps": _gbps(nbytes, copy)} for _ in range(3)]
+            rows[f"{name}-after-peer"] = []
             for _ in range(args.repeats):
                 _peer_takes(peer, peer_bytes)
-                rows["kernel-after-peer"].append({"gbps": _timed_kernel(mapped, on_device)})
+                rows[f"{name}-after-peer"].append({"gbps": _gbps(nbytes, copy)})
     finally:
         peer.stdin.close()
         peer.wait(timeout=60)
