@@ -78,7 +78,9 @@ def _engine(conn: Connection, device: int, kv_fraction: float, kind: str) -> Non
             conn.send(("ok",))
         elif kind == "release":
             memory.sleep()
-            conn.send(("ok",))
+            # what this process's allocator still holds asleep: says whose memory a
+            # boundary that is off its median was (issue #25's pass 2)
+            conn.send(("ok", torch.cuda.memory_reserved()))
         elif kind == "sync":
             assert receiver is not None
             assert memory.weights is not None
@@ -102,6 +104,7 @@ class ToyEngineClient:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.reserved_asleep: list[int] = []  # the engine's reserved bytes after each sleep
 
     def _call(self, *command: Any) -> Any:
         self.conn.send(command)
@@ -111,7 +114,7 @@ class ToyEngineClient:
         return answer
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self._call("release")
+        self.reserved_asleep.append(int(self._call("release")[1]))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self._call("resume", tags)
@@ -172,6 +175,7 @@ def _cycles(
     )
     sums: list[float] = []
     boundaries: list[dict[str, int]] = []
+    trainer_reserved: list[dict[str, int]] = []  # this process's share of each boundary
     for _ in range(cycles):
         with hm.phase("train", backend="sglang"):
             for _ in range(3):
@@ -196,6 +200,13 @@ def _cycles(
                 for stage in report.stages
             }
         )
+        trainer_reserved.append(
+            {
+                f"{report.direction}:{stage.name}": int(stage.reserved_after or 0)
+                for report in (to_rollout, to_trainer)
+                for stage in report.stages
+            }
+        )
     client.conn.send(("stop",))
     _, checks, engine_name = conn.recv()
     engine_process.join(timeout=60)
@@ -211,6 +222,8 @@ def _cycles(
     last = switch.reports[-2:]
     return {
         "boundaries": boundaries,
+        "trainer_reserved": trainer_reserved,
+        "engine_reserved_asleep": client.reserved_asleep,
         "weights_match": [abs(a - b) < 1e-6 * max(1.0, abs(a)) for a, b in zip(sums, checks)],
         "engine_exit": engine_process.exitcode,
         "times": reports,
@@ -225,6 +238,10 @@ def _fifty(engine: str, cycles: int = 50) -> dict[str, Any]:
     facts = _cycles(cycles, 0, engine=engine)
     boundaries = facts.pop("boundaries")
     later = boundaries[1:]  # after the first cycle's one-time allocations
+    # Whose memory a boundary off its median was: the trainer's allocator (its
+    # reserved bytes off too), the engine's (its reserved bytes asleep), or neither.
+    reserved = facts.pop("trainer_reserved")[1:]
+    asleep = facts.pop("engine_reserved_asleep")
     spread = {
         stage: max(b[stage] for b in later) - min(b[stage] for b in later) for stage in later[0]
     }
@@ -237,6 +254,11 @@ def _fifty(engine: str, cycles: int = 50) -> dict[str, Any]:
         off_the_median=[
             (index + 2, stage, off / MiB) for index, stage, off in off_the_median(later, 16 * MiB)
         ],
+        trainer_reserved_off=[
+            (index + 2, stage, off / MiB)
+            for index, stage, off in off_the_median(reserved, 16 * MiB)
+        ],
+        engine_reserved_asleep_mib=sorted({round(b / MiB, 1) for b in asleep}),
         kv_taken=last["to_rollout:barrier_kv"] - last["to_rollout:wake_kv"],
         handed_back=last["to_trainer:sleep"] - last["to_rollout:rollout"],
         free_after_reload=[b["to_trainer:reload"] for b in boundaries[::10]],
@@ -270,6 +292,7 @@ def _rank(rank: int, world: int, port: int, cycles: int, out: str, use_barrier: 
             delay=SLOW_OFFLOAD_S if rank == 1 else 0.0,
         )
         facts.pop("boundaries")
+        facts.pop("trainer_reserved")
         Path(out, f"rank{rank}.json").write_text(json.dumps(facts))
     finally:
         dist.destroy_process_group()

@@ -41,6 +41,8 @@ def _check_fifty(facts: dict[str, Any]) -> None:
     spread = {k: v / MiB for k, v in facts["spread_bytes"].items()}
     print(f"\ntoy_engine: drift MiB {drift}\nspread MiB {spread}")
     print(f"off their stage's median by > 16 MiB (cycle, stage, MiB): {facts['off_the_median']}")
+    print(f"the trainer's reserved bytes off their median: {facts['trainer_reserved_off']}")
+    print(f"the engine's reserved MiB asleep (distinct): {facts['engine_reserved_asleep_mib']}")
     taken, back = facts["kv_taken"] / MiB, facts["handed_back"] / MiB
     print(f"KV taken {taken:.0f} MiB, handed back {back:.0f} MiB")
     print("\n".join(facts["last"]))
