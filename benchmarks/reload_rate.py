@@ -24,7 +24,8 @@ measured in the same process:
 - ``kernel`` and ``kernel-after-peer``: the same copy done by an elementwise kernel
   that reads the pinned buffer through its device mapping (unified addressing), so
   by the SMs and not by a copy engine: whether the slowdown is the copy engines'
-  (the next question, written 2026-12-02 and not yet run: the device time was spent).
+  (measured on the H200, 2026-12-02: the kernel copies at 0.92 of the ceiling before
+  and after the peer's free, where the copy engine falls to 0.50; docs/benchmarks.md).
 
 Run on a GPU: ``python benchmarks/reload_rate.py [--gib 3] [--peer-gib 60]
 [--waits 100 500] [--json F]``.

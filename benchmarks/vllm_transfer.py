@@ -27,7 +27,8 @@ Methods, each measured in the same run on the same weights:
 
 Reported per method: seconds per sync (median of ``--syncs`` after one warm-up),
 GB/s of weights, the fraction of the device copy rate (one ``copy_`` of the same
-bytes, measured here), device memory growth per sync over the timed syncs (MiB),
+bytes, measured here), device memory growth per sync over the timed syncs (MiB: the
+median of each sync's drop in free memory, and the total beside it),
 and the worker's peak extra device memory during a sync. The weights are an 8B
 Llama's shapes (bf16 matrices, fp32 norms, vocab-sized embedding and head),
 as many layers as ``--gib`` holds.
@@ -39,6 +40,7 @@ Run on a GPU: ``python benchmarks/vllm_transfer.py [--gib 8] [--syncs 5] [--json
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import statistics
@@ -181,6 +183,25 @@ def _free() -> int:
     return int(torch.cuda.mem_get_info()[0])
 
 
+def growth_per_sync(frees: list[int]) -> float:
+    """Device bytes lost per sync: the median of each sync's drop in free memory.
+
+    Free memory is read after every sync, so a sync that leaks drops it every time,
+    and the median sees it. Free memory is device-wide: once, in the second of three
+    H200 passes of the GPU suite (2026-12-02), it rose by 636 MiB during one method's
+    three syncs; memory that was not the syncs' came free, whose is not known. The old
+    measure (``frees[0] - frees[-1]`` over the syncs) read -212 MiB per sync. One such
+    step moves one sync's drop, which a median of three or more ignores;
+    ``growth_total_mib`` still reports it.
+
+    >>> growth_per_sync([10, 10, 10 + 636, 10 + 636])
+    0.0
+    """
+    if len(frees) < 2:
+        raise ValueError(f"growth_per_sync needs a reading before and after a sync: {frees}")
+    return float(statistics.median(a - b for a, b in itertools.pairwise(frees)))
+
+
 def run_method(
     method: str, weights: dict[str, Any], spec: dict[str, Any], args: Any
 ) -> dict[str, Any]:
@@ -241,17 +262,18 @@ def run_method(
             sync()  # warm-up: opens, first allocations
         except RuntimeError as exc:
             return {"method": method, "error": str(exc)[:300]}
-        free_before = _free()
+        frees = [_free()]
         times = []
         for _ in range(args.syncs):
             start = time.perf_counter()
             sync()
             times.append(time.perf_counter() - start)
-        free_after = _free()
+            frees.append(_free())  # outside the timing
         result: dict[str, Any] = {
             "method": method,
             "seconds": statistics.median(times),
-            "growth_mib_per_sync": (free_before - free_after) / MiB / args.syncs,
+            "growth_mib_per_sync": growth_per_sync(frees) / MiB,
+            "growth_total_mib": (frees[0] - frees[-1]) / MiB,
             "worker_peak_extra_mib": max(peaks) / MiB,
         }
         if link is not None:
@@ -285,6 +307,8 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
+    if args.syncs < 1:
+        parser.error(f"--syncs {args.syncs}: at least one timed sync is needed")
 
     import torch
 
