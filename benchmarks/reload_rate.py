@@ -25,7 +25,12 @@ measured in the same process:
   that reads the pinned buffer through its device mapping (unified addressing), so
   by the SMs and not by a copy engine: whether the slowdown is the copy engines'
   (measured on the H200, 2026-12-02: the kernel copies at 0.92 of the ceiling before
-  and after the peer's free, where the copy engine falls to 0.50; docs/benchmarks.md).
+  and after the peer's free, where the copy engine falls to 0.50; docs/benchmarks.md);
+- ``fresh-after-peer`` and ``kernel-fresh-after-peer``: a reload's situation without
+  the Offloader, by each way: this process released its cache, the peer took and
+  freed, and the copy lands in memory allocated for it (expandable segments; the
+  allocation is timed with the copy). Whether a reload by kernels would keep the
+  kernel's rate (written 2026-12-02 after that run, not yet run).
 
 Run on a GPU: ``python benchmarks/reload_rate.py [--gib 3] [--peer-gib 60]
 [--waits 100 500] [--json F]``.
@@ -184,6 +189,26 @@ def main() -> int:
             for _ in range(args.repeats):
                 _peer_takes(peer, peer_bytes)
                 rows[f"{name}-after-peer"].append({"gbps": _gbps(nbytes, copy)})
+        # A reload's situation without the Offloader: memory mapped for the copy (timed
+        # with it), after this process released its cache and the peer freed.
+        fresh: dict[str, Callable[[], Any]] = {
+            "fresh": lambda: torch.empty_like(mapped).copy_(host, non_blocking=True)
+        }
+        if "kernel" in copies:
+            fresh["kernel-fresh"] = lambda: torch.bitwise_or(
+                on_device, 0, out=torch.empty_like(words)
+            )
+        with hm.expandable_segments(True):  # as the reload's memory is
+            for name, copy in fresh.items():
+                rows[f"{name}-after-peer"] = []
+                for _ in range(args.repeats):
+                    hm.release_cache()
+                    _peer_takes(peer, peer_bytes)
+                    rows[f"{name}-after-peer"].append({"gbps": _gbps(nbytes, copy)})
+                landed = copy().view(torch.uint8)  # each way copies every byte
+                if not torch.equal(landed.cpu(), host):
+                    raise RuntimeError(f"{name}: the copy did not land bit for bit")
+                del landed
     finally:
         peer.stdin.close()
         peer.wait(timeout=60)

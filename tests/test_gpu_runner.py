@@ -106,3 +106,43 @@ def test_window_drift_catches_a_slow_leak() -> None:
 def test_window_drift_needs_two_windows() -> None:
     with pytest.raises(ValueError, match="at least 20 samples, got 19"):
         runner.window_drift(_run(19))
+
+
+def test_stat_lines_are_read_past_a_command_with_parentheses() -> None:
+    line = "4242 (a) b (c)) D 1 4242 4242 0 -1 4194564 10 0 0 0 0 0 0 0 20 0 1 0 99 0 0"
+    assert runner._parse_stat(line) == ("D", 4194564)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+def test_only_a_process_in_its_exit_counts_as_exiting() -> None:
+    assert not runner._exiting(str(os.getpid()))  # running
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        # Exited, not reaped: a zombie, whose driver teardown (if any) is done.
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        assert Path(f"/proc/{child.pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+        assert not runner._exiting(str(child.pid))
+    finally:
+        child.wait(30)
+    assert not runner._exiting(str(child.pid))  # gone
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux /proc")
+def test_an_exiting_process_is_waited_for_even_unmarked_and_without_gpu_fds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # In do_exit a process loses its environment (its mark) and then its fds before
+    # the driver's teardown ends; the runner must not take that for "gone".
+    stranger = _holder(Path(os.devnull), marked=False)
+    try:
+        assert runner.gpu_holders() == {}
+        monkeypatch.setattr(runner, "_exiting", lambda pid: pid == str(stranger.pid))
+        assert "exiting" in runner.gpu_holders()[stranger.pid]
+        with pytest.raises(AssertionError, match=rf"{stranger.pid}: '\(exiting"):
+            runner.wait_until_alone(timeout=0.2)
+    finally:
+        stranger.kill()
+        stranger.wait(30)
+        for stream in (stranger.stdin, stranger.stdout):
+            if stream is not None:
+                stream.close()

@@ -16,7 +16,12 @@ is not its own (issue #25: +1,293 MiB "drift" in a bucket test). So:
   holds the GPU, except the ones it names as its own (its live consumer);
 - a process holds the GPU while it has ``/dev/nvidia*`` open: the driver tears its
   context down when the last of those fds is closed, so once they are gone (a
-  zombie has none), so is its memory.
+  zombie has none), so is its memory;
+- a process that is exiting holds it too, marked or not, until it is a zombie: Linux
+  releases its memory map before its files, and its files' final close (the driver's
+  teardown) runs last, so while it exits its environment reads empty (its mark is
+  gone) and then its fd table does (its GPU fds are gone), before the driver has let
+  go of its memory. Only processes whose fds this user may read count (its own).
 
 Processes of other users, or not started by this test run, are not waited for: they
 cannot be ours, and a shared GPU is not a place to compare device memory anyway.
@@ -73,6 +78,25 @@ def _holds_gpu(pid: str) -> bool:
     return False
 
 
+_PF_EXITING = 0x4  # include/linux/sched.h: set at the start of do_exit()
+
+
+def _parse_stat(text: str) -> tuple[str, int]:
+    """``(state, flags)`` from a ``/proc/PID/stat`` line (its command may hold ``)`` and spaces)."""
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[6])
+
+
+def _exiting(pid: str) -> bool:
+    """Whether ``pid`` is in ``do_exit`` and not yet a zombie (its driver teardown may run)."""
+    try:
+        state, flags = _parse_stat(Path(f"/proc/{pid}/stat").read_text())
+        os.listdir(f"/proc/{pid}/fd")  # this user's process (another user's is not ours)
+    except (OSError, ValueError, IndexError):
+        return False
+    return bool(flags & _PF_EXITING) and state not in ("Z", "X", "x")
+
+
 def _marked(pid: str, token: bytes) -> bool:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
@@ -110,9 +134,11 @@ def gpu_holders(allowed: Iterable[int] = ()) -> dict[int, str]:
         if _marked(entry, token) and _holds_gpu(entry):
             try:
                 cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
+            except OSError:  # gone
                 continue
             found[int(entry)] = cmdline.decode(errors="replace").strip()
+        elif _exiting(entry):
+            found[int(entry)] = "(exiting: its mark and fds may be gone before its memory)"
     return found
 
 
