@@ -30,7 +30,12 @@ measured in the same process:
   the Offloader, by each way: this process released its cache, the peer took and
   freed, and the copy lands in memory allocated for it (expandable segments; the
   allocation is timed with the copy). Whether a reload by kernels would keep the
-  kernel's rate (written 2026-12-02 after that run, not yet run).
+  kernel's rate (written 2026-12-02 after that run, not yet run);
+- ``pool3-kernel-fresh-after-peer``: the same kernel reading a pool made as the
+  Offloader's is (a huge-page mapping, ``cudaHostRegister``), registered with a device
+  mapping asked for (flags 3, not the Offloader's 1); and what registering the pool
+  costs in device memory with flags 1 and 3 (the Offloader's footprint, issue #25's
+  item 2). Written with the row above, not yet run.
 
 Run on a GPU: ``python benchmarks/reload_rate.py [--gib 3] [--peer-gib 60]
 [--waits 100 500] [--json F]``.
@@ -102,6 +107,78 @@ def _host_on_device(host: Any) -> Any:
     return torch.as_tensor(mapping, device="cuda")
 
 
+def _cudart() -> Any:
+    """torch's CUDA runtime bindings (untyped in torch)."""
+    import torch
+
+    get: Any = torch.cuda.cudart
+    return get()
+
+
+def _registered_pool(host: Any, flags: int) -> tuple[Any, int]:
+    """A copy of ``host`` in a pool made as the Offloader's is, registered with ``flags``.
+
+    The Offloader's pool is a huge-page mapping registered with ``cudaHostRegister``
+    (``hybridmem.memory.host_pool``; flags 1, portable). A reload by kernels must read
+    it through its device mapping: flags 3 (portable and mapped) asks for one. Returns
+    the pool and the device memory its registration cost (free before minus after).
+    """
+    import torch
+
+    from hybridmem._platform.host_memory import huge_page_region
+
+    region = huge_page_region(host.numel())
+    pool = (
+        torch.frombuffer(region, dtype=torch.uint8)
+        if region is not None
+        else torch.empty(host.numel(), dtype=torch.uint8)
+    )
+    pool.copy_(host)
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    status = int(_cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), flags))
+    if status != 0:
+        raise RuntimeError(f"cudaHostRegister(flags={flags}) failed: {status}")
+    torch.cuda.synchronize()
+    return pool, free - torch.cuda.mem_get_info()[0]
+
+
+def _pool_kernel_rows(
+    rows: dict[str, list[dict[str, Any]]],
+    pool: Any,
+    words: Any,
+    host: Any,
+    nbytes: int,
+    repeats: int,
+    peer_bytes: int,
+    peer: subprocess.Popen[str],
+) -> None:
+    """``pool3-kernel-fresh-after-peer``: a reload by kernels from a mapped pool."""
+    import torch
+
+    import hybridmem as hm
+
+    name = "pool3-kernel-fresh-after-peer"
+    try:
+        view = _host_on_device(pool)
+
+        def from_pool() -> Any:
+            return torch.bitwise_or(view, 0, out=torch.empty_like(words))
+
+        found = []
+        for _ in range(repeats):
+            hm.release_cache()
+            _peer_takes(peer, peer_bytes)
+            found.append({"gbps": _gbps(nbytes, from_pool)})
+        if not torch.equal(from_pool().view(torch.uint8).cpu(), host):
+            raise RuntimeError("the copy did not land bit for bit")
+    except (RuntimeError, TypeError, ValueError) as exc:
+        # A kernel fault leaves the context unusable: report it, touch CUDA no more.
+        print(f"{name} failed: {exc}")
+        return
+    rows[name] = found
+
+
 def _peer_takes(peer: subprocess.Popen[str], nbytes: int) -> None:
     """The peer takes ``nbytes``, writes them and frees them; returns once it has."""
     assert peer.stdin is not None
@@ -152,6 +229,7 @@ def main() -> int:
         print("the peer process did not start", file=sys.stderr)
         return 1
     rows: dict[str, list[dict[str, Any]]] = {case[0]: [] for case in cases}
+    registration_cost: dict[int, int] = {}  # cudaHostRegister flags -> device bytes
     try:
         with hm.expandable_segments(True):  # the trainer's phase: its state expandable
             state = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
@@ -209,6 +287,21 @@ def main() -> int:
                 if not torch.equal(landed.cpu(), host):
                     raise RuntimeError(f"{name}: the copy did not land bit for bit")
                 del landed
+            # The Offloader's kind of pool: what registering it costs the device as it
+            # is registered (flags 1, portable) and with a device mapping asked for (3,
+            # portable and mapped), and the same kernel reading the mapped one.
+            for flags in (1, 3):
+                try:
+                    pool, registration_cost[flags] = _registered_pool(host, flags)
+                except RuntimeError as exc:
+                    print(f"registering a pool with flags {flags} failed: {exc}")
+                    continue
+                if flags == 3 and "kernel" in copies:
+                    _pool_kernel_rows(
+                        rows, pool, words, host, nbytes, args.repeats, peer_bytes, peer
+                    )
+                _cudart().cudaHostUnregister(pool.data_ptr())
+                del pool
     finally:
         peer.stdin.close()
         peer.wait(timeout=60)
@@ -221,9 +314,21 @@ def main() -> int:
         rates = [r["gbps"] for r in found]
         each = " ".join(f"{r:5.1f}" for r in rates)
         print(f"{case:<20} {each:<28} {max(rates) / ceiling:15.2f}")
+    for flags, cost in registration_cost.items():
+        print(
+            f"registering the pool with flags {flags}: {cost / (1 << 20):.1f} MiB of device memory"
+        )
     if args.json_path:
         Path(args.json_path).write_text(
-            json.dumps({"gib": args.gib, "ceiling_gbps": ceiling, "cases": rows}, indent=2)
+            json.dumps(
+                {
+                    "gib": args.gib,
+                    "ceiling_gbps": ceiling,
+                    "cases": rows,
+                    "registration_cost_bytes": registration_cost,
+                },
+                indent=2,
+            )
         )
     return 0
 
