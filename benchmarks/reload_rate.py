@@ -44,6 +44,7 @@ Run on a GPU: ``python benchmarks/reload_rate.py [--gib 3] [--peer-gib 60]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -116,23 +117,23 @@ def _cudart() -> Any:
 
 
 def _registered_pool(host: Any, flags: int) -> tuple[Any, int]:
-    """A copy of ``host`` in a pool made as the Offloader's is, registered with ``flags``.
+    """A copy of ``host`` in the Offloader's kind of pool, registered with ``flags``.
 
-    The Offloader's pool is a huge-page mapping registered with ``cudaHostRegister``
-    (``hybridmem.memory.host_pool``; flags 1, portable). A reload by kernels must read
-    it through its device mapping: flags 3 (portable and mapped) asks for one. Returns
-    the pool and the device memory its registration cost (free before minus after).
+    The pool is made by the Offloader's :class:`~hybridmem.memory.host_pool.HostPool`
+    (a huge-page mapping), left unpinned there and registered here with
+    ``cudaHostRegister``: the Offloader registers with flags 1 (portable); a reload by
+    kernels must read it through its device mapping, which flags 3 (portable and
+    mapped) asks for. Returns the pool and the device memory its registration cost
+    (free before minus after).
     """
     import torch
 
-    from hybridmem._platform.host_memory import huge_page_region
+    from hybridmem.memory.host_pool import HostPool
 
-    region = huge_page_region(host.numel())
-    pool = (
-        torch.frombuffer(region, dtype=torch.uint8)
-        if region is not None
-        else torch.empty(host.numel(), dtype=torch.uint8)
-    )
+    maker = HostPool(pin_memory=False)
+    maker.ensure(host.numel(), None, release=maker.close)
+    pool = maker.tensor
+    assert pool is not None
     pool.copy_(host)
     torch.cuda.synchronize()
     free = torch.cuda.mem_get_info()[0]
@@ -143,40 +144,38 @@ def _registered_pool(host: Any, flags: int) -> tuple[Any, int]:
     return pool, free - torch.cuda.mem_get_info()[0]
 
 
-def _pool_kernel_rows(
-    rows: dict[str, list[dict[str, Any]]],
-    pool: Any,
-    words: Any,
+def _kernel_into_new(source: Any, like: Any) -> Any:
+    """The kernel copy of ``source`` (a device view) into new memory shaped as ``like``."""
+    import torch
+
+    return torch.bitwise_or(source, 0, out=torch.empty_like(like))
+
+
+def _fresh_after_peer(
+    name: str,
+    copy: Callable[[], Any],
     host: Any,
-    nbytes: int,
     repeats: int,
-    peer_bytes: int,
     peer: subprocess.Popen[str],
-) -> None:
-    """``pool3-kernel-fresh-after-peer``: a reload by kernels from a mapped pool."""
+    peer_bytes: int,
+) -> list[dict[str, Any]]:
+    """``copy()`` (into memory it allocates) timed after a release and the peer's free.
+
+    Raises:
+        RuntimeError: the copy did not land bit for bit (or CUDA failed).
+    """
     import torch
 
     import hybridmem as hm
 
-    name = "pool3-kernel-fresh-after-peer"
-    try:
-        view = _host_on_device(pool)
-
-        def from_pool() -> Any:
-            return torch.bitwise_or(view, 0, out=torch.empty_like(words))
-
-        found = []
-        for _ in range(repeats):
-            hm.release_cache()
-            _peer_takes(peer, peer_bytes)
-            found.append({"gbps": _gbps(nbytes, from_pool)})
-        if not torch.equal(from_pool().view(torch.uint8).cpu(), host):
-            raise RuntimeError("the copy did not land bit for bit")
-    except (RuntimeError, TypeError, ValueError) as exc:
-        # A kernel fault leaves the context unusable: report it, touch CUDA no more.
-        print(f"{name} failed: {exc}")
-        return
-    rows[name] = found
+    found = []
+    for _ in range(repeats):
+        hm.release_cache()
+        _peer_takes(peer, peer_bytes)
+        found.append({"gbps": _gbps(host.numel(), copy)})
+    if not torch.equal(copy().view(torch.uint8).cpu(), host):  # every byte copied
+        raise RuntimeError(f"{name}: the copy did not land bit for bit")
+    return found
 
 
 def _peer_takes(peer: subprocess.Popen[str], nbytes: int) -> None:
@@ -273,20 +272,12 @@ def main() -> int:
             "fresh": lambda: torch.empty_like(mapped).copy_(host, non_blocking=True)
         }
         if "kernel" in copies:
-            fresh["kernel-fresh"] = lambda: torch.bitwise_or(
-                on_device, 0, out=torch.empty_like(words)
-            )
+            fresh["kernel-fresh"] = functools.partial(_kernel_into_new, on_device, words)
         with hm.expandable_segments(True):  # as the reload's memory is
             for name, copy in fresh.items():
-                rows[f"{name}-after-peer"] = []
-                for _ in range(args.repeats):
-                    hm.release_cache()
-                    _peer_takes(peer, peer_bytes)
-                    rows[f"{name}-after-peer"].append({"gbps": _gbps(nbytes, copy)})
-                landed = copy().view(torch.uint8)  # each way copies every byte
-                if not torch.equal(landed.cpu(), host):
-                    raise RuntimeError(f"{name}: the copy did not land bit for bit")
-                del landed
+                rows[f"{name}-after-peer"] = _fresh_after_peer(
+                    name, copy, host, args.repeats, peer, peer_bytes
+                )
             # The Offloader's kind of pool: what registering it costs the device as it
             # is registered (flags 1, portable) and with a device mapping asked for (3,
             # portable and mapped), and the same kernel reading the mapped one.
@@ -297,9 +288,20 @@ def main() -> int:
                     print(f"registering a pool with flags {flags} failed: {exc}")
                     continue
                 if flags == 3 and "kernel" in copies:
-                    _pool_kernel_rows(
-                        rows, pool, words, host, nbytes, args.repeats, peer_bytes, peer
-                    )
+                    try:
+                        view = _host_on_device(pool)
+                        rows["pool3-kernel-fresh-after-peer"] = _fresh_after_peer(
+                            "pool3-kernel-fresh",
+                            functools.partial(_kernel_into_new, view, words),
+                            host,
+                            args.repeats,
+                            peer,
+                            peer_bytes,
+                        )
+                    except (RuntimeError, TypeError, ValueError) as exc:
+                        # A kernel fault leaves the context unusable: report, stop here.
+                        print(f"pool3-kernel-fresh-after-peer failed: {exc}")
+                        break
                 _cudart().cudaHostUnregister(pool.data_ptr())
                 del pool
     finally:

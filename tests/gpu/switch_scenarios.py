@@ -191,22 +191,14 @@ def _cycles(
             _torch.dist_barrier()
         with switch.rollout():
             client.generate()
-        to_rollout, to_trainer = switch.reports[-2:]
         # Keyed by direction too: both directions have a "release" stage.
-        boundaries.append(
-            {
-                f"{report.direction}:{stage.name}": int(stage.free_after or 0)
-                for report in (to_rollout, to_trainer)
-                for stage in report.stages
-            }
-        )
-        trainer_reserved.append(
-            {
-                f"{report.direction}:{stage.name}": int(stage.reserved_after or 0)
-                for report in (to_rollout, to_trainer)
-                for stage in report.stages
-            }
-        )
+        stages = [
+            (f"{report.direction}:{stage.name}", stage)
+            for report in switch.reports[-2:]  # to rollout, to trainer
+            for stage in report.stages
+        ]
+        boundaries.append({key: int(stage.free_after or 0) for key, stage in stages})
+        trainer_reserved.append({key: int(stage.reserved_after or 0) for key, stage in stages})
     client.conn.send(("stop",))
     _, checks, engine_name = conn.recv()
     engine_process.join(timeout=60)
