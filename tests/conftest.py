@@ -148,6 +148,7 @@ class FakeTorch:
     version: tuple[int, int] = (2, 13)
     half_apply: bool = True  # a rejected string leaves its first item applied, as torch does
     env_read: bool = False  # torch_state holds the env string (read on first use, as torch)
+    private_pools: list[tuple[int, int]] = field(default_factory=list)  # (address, size)
 
     @property
     def rules(self) -> TorchRules:
@@ -173,6 +174,7 @@ class FakeTorch:
             "clear_blas_workspaces": lambda: True,
             "memory_stats": self.memory_stats,
             "mem_get_info": self.mem_get_info,
+            "private_pool_ranges": lambda i: list(self.private_pools),
         }
         for name, value in patches.items():
             patch_seam(monkeypatch, name, value)

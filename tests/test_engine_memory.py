@@ -256,3 +256,63 @@ def test_anatomy_names_what_holds_a_cached_segment(monkeypatch: pytest.MonkeyPat
     assert anatomy.where(None) == "unknown (memory history off)"
     patch_seam(monkeypatch, "snapshot", lambda: None)
     assert anatomy.cache_anatomy() == {}
+
+
+def test_a_packed_saver_compacts_its_weights_inside_their_region_once(
+    cpu_cuda: FakeCuda, saver: FakeSaver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str | None, str, list[str]]] = []
+
+    def compact(weights: dict[str, torch.Tensor], *, into: str) -> str:
+        calls.append((saver.tag, into, sorted(weights)))
+        return "compact: packed"
+
+    monkeypatch.setattr(engine_memory, "compact", compact)
+    memory = SaverMemory(SHAPES, 1 << 30, 0, hook_mode="preload")
+    memory.pack = True
+    memory.wake(["weights", "kv_cache"])
+    assert calls == [("weights", "segment", ["b", "w"])]  # in the region, into one segment
+    assert memory.pack_report == "compact: packed"
+    memory.sleep()
+    memory.wake(["weights"])  # resumed, not made again: nothing to pack
+    assert len(calls) == 1
+
+
+def test_an_unpacked_saver_never_compacts(
+    cpu_cuda: FakeCuda, saver: FakeSaver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_memory, "compact", lambda *a, **k: pytest.fail("compacted"))
+    memory = SaverMemory(SHAPES, 1 << 30, 0, hook_mode="preload")
+    memory.wake(["weights"])
+    assert memory.pack_report == ""
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_packed_handmade_engine_makes_its_weights_in_expandable_segments(
+    pack: bool, cpu_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scopes: list[bool] = []
+
+    @contextlib.contextmanager
+    def expandable_segments(enabled: bool) -> Iterator[None]:
+        scopes.append(enabled)
+        yield
+
+    monkeypatch.setattr(engine_memory, "expandable_segments", expandable_segments)
+    memory = HandmadeMemory(SHAPES, 1 << 30, 0)
+    memory.pack = pack
+    memory.wake(["weights"])
+    memory.sleep()
+    memory.wake(["weights"])
+    assert scopes == ([True, True] if pack else [])
+
+
+def test_the_engine_packs_on_request_and_reports_it(cpu_cuda: FakeCuda) -> None:
+    from hybridmem.bench.engine import _Engine
+
+    memory = HandmadeMemory(SHAPES, 1 << 30, 0)
+    engine = _Engine(memory, conn=None, device=0)  # type: ignore[arg-type]
+    assert engine.run("pack_weights", []) == ("ok",)
+    assert memory.pack
+    memory.pack_report = "compact: packed"
+    assert engine.run("pack_report", []) == ("ok", "compact: packed")

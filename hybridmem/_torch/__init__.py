@@ -8,6 +8,7 @@ the torch version it applies to; one module per concern:
   memory snapshot, the allocator backend;
 - ``device``: CUDA state (built, available, current device, contexts, memory
   statistics), read without ever creating a context;
+- ``blocks``: where the caching allocator puts a request (rounding, pools);
 - ``tensors``: storages, sharded and sparse tensors, streams, pinned host memory,
   batched copies;
 - ``ipc``: CUDA IPC export and import of tensors and events, segment kind, device
@@ -28,6 +29,14 @@ from __future__ import annotations
 
 import torch
 
+from hybridmem._torch.blocks import (
+    MIN_BLOCK_BYTES,
+    SMALL_REQUEST_BYTES,
+    block_bytes,
+    hold_block,
+    private_pool_ranges,
+    storage_address,
+)
 from hybridmem._torch.device import (
     clear_blas_workspaces,
     cuda_available,
@@ -103,7 +112,10 @@ from hybridmem._torch.version import (
 )
 
 __all__ = [
+    "MIN_BLOCK_BYTES",
+    "SMALL_REQUEST_BYTES",
     "api_report",
+    "block_bytes",
     "clear_blas_workspaces",
     "copy_many",
     "cuda_available",
@@ -124,6 +136,7 @@ __all__ = [
     "empty_cache",
     "export_cuda_tensor",
     "has_context",
+    "hold_block",
     "import_cuda_tensor",
     "initialized_devices",
     "ipc_collect",
@@ -140,6 +153,7 @@ __all__ = [
     "nonzero_static",
     "open_ipc_event",
     "pin_host_tensor",
+    "private_pool_ranges",
     "process_rank",
     "record_event",
     "record_memory_history",
@@ -150,6 +164,7 @@ __all__ = [
     "settings_setter_name",
     "snapshot",
     "snapshot_allocator_settings",
+    "storage_address",
     "storage_bytes",
     "storage_key",
     "storage_of",

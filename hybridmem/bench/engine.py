@@ -170,6 +170,10 @@ class _Engine:
             memory.sleep()
         elif command == "stats":
             return ("ok", *memory.held())
+        elif command == "pack_weights":  # the weights made from now on (a hybridmem user's)
+            memory.pack = True
+        elif command == "pack_report":
+            return ("ok", memory.pack_report)
         elif command == "anatomy":
             return ("ok", cache_anatomy())
         elif command == "bucket":

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from hybridmem.allocator.scopes import expandable_segments
+from hybridmem.memory.compact import compact
+
 __all__ = [
     "ENGINE_MEMORIES",
     "EngineMemory",
@@ -173,6 +176,10 @@ class EngineMemory:
         self.weights: dict[str, torch.Tensor] | None = None
         self.kv: torch.Tensor | None = None
         self.kv_bytes = 0
+        #: the weights made from now on are packed (what a hybridmem user's engine
+        #: does): no rounding of the allocator per weight stays cached beside them
+        self.pack = False
+        self.pack_report = ""  # what packing the weights did (torch_memory_saver's regions)
 
     def _new_weights(self) -> dict[str, torch.Tensor]:
         return {
@@ -212,7 +219,11 @@ class HandmadeMemory(EngineMemory):
 
     def wake(self, tags: list[str]) -> int:
         if "weights" in tags:
-            self.weights = self._new_weights()
+            # Packed: in expandable segments, back to back (the cache emptied at each
+            # sleep unmaps them); else one classic segment per weight, as engines do.
+            scope = expandable_segments(True) if self.pack else contextlib.nullcontext()
+            with scope:
+                self.weights = self._new_weights()
         if "kv_cache" in tags:
             self.kv, self.kv_bytes = self._new_kv(self.kv_target)
             return self.kv_bytes
@@ -255,6 +266,13 @@ class SaverMemory(EngineMemory):
         )
         return made
 
+    def _made_weights(self) -> dict[str, torch.Tensor]:
+        """The weights, inside their region; packed into one segment there if asked."""
+        weights = self._new_weights()
+        if self.pack:  # a region must stay in classic segments (module docstring)
+            self.pack_report = str(compact(weights, into="segment"))
+        return weights
+
     def wake(self, tags: list[str]) -> int:
         obtained = 0
         for tag in ("weights", "kv_cache"):
@@ -264,7 +282,7 @@ class SaverMemory(EngineMemory):
                 self.saver.resume(tag)
                 self._paused.discard(tag)
             elif tag == "weights" and self.weights is None:
-                self.weights = self._in_region("weights", self._new_weights)
+                self.weights = self._in_region("weights", self._made_weights)
             elif tag == "kv_cache" and self.kv is None:
                 self.kv, self.kv_bytes = self._in_region(
                     "kv_cache", lambda: self._new_kv(self.kv_target)

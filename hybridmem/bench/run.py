@@ -225,6 +225,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
             print(f"progress {cycle} {p.cycles}", file=sys.stderr, flush=True)
             _cycle(cycle, p, strategy, engine, train, figures)
     print(f"progress {p.cycles} {p.cycles}", file=sys.stderr, flush=True)
+    figures.engine_packed = str(engine.call("pack_report")[1])
     bounded.send(("stop",))
     bounded.recv()
     engine_process.join(timeout=60)

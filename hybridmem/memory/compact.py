@@ -19,11 +19,21 @@ segments of the others are still there lands in them (measured on the H200: the
 bench's 128 MiB embedding went back into an 852 MiB classic segment and kept 596
 MiB of it cached).
 
+Where memory must stay in classic segments (an engine's weights in a
+torch_memory_saver region: its ``preload`` hook sees ``cudaMalloc`` only, so a region
+in expandable segments is never paused), ``into="segment"`` puts the storages back
+to back in **one** segment allocated where the caller allocates (inside the
+region): the allocator's rounding is paid once, not once per weight (97.7 MiB of an
+engine's cache in the bench's quick plan: docs/benchmarks.md).
+
 Scope: one CUDA device per call (the targets'), process-global allocator settings
 for the duration; not thread-safe (no other thread may allocate meanwhile). Memory
-that is not a classic segment of this process (expandable segments,
-``cudaMallocAsync`` pools, torch_memory_saver regions, memory imported through
-CUDA IPC) is left where it is.
+this process does not own (``cudaMallocAsync`` pools, memory imported through CUDA
+IPC) and memory of a private pool (a CUDA graph's, a ``torch.cuda.MemPool``, as
+torch_memory_saver's ``torch`` hook mode makes: ``empty_cache`` keeps its free
+segments, so a move would keep both copies) is left where it is; so, with the
+default ``into``, is memory outside classic segments (expandable segments, regions
+of torch_memory_saver's ``preload`` mode).
 """
 
 from __future__ import annotations
@@ -47,7 +57,16 @@ from hybridmem.memory.targets import Target, device_storages, select_groups
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import read_memory
 
-__all__ = ["CompactError", "CompactReport", "compact"]
+__all__ = ["INTO", "CompactError", "CompactReport", "compact"]
+
+#: Where :func:`compact` can put the storages it moves.
+INTO = ("expandable", "segment")
+#: How a report words each ``into``: where they went, where the stuck ones are, and
+#: where there was no room.
+_PLACES = {
+    "expandable": ("expandable segments", "back in classic segments", "expandable ones"),
+    "segment": ("one segment", "outside it", "one segment"),
+}
 
 
 @dataclass(frozen=True)
@@ -55,14 +74,15 @@ class CompactReport:
     """What one :func:`compact` did.
 
     Attributes:
-        moved: storages moved into expandable segments.
+        moved: storages moved into expandable segments (``into="segment"``: into
+            the one segment).
         nbytes: their bytes.
         kept: device storages left where they were (already outside classic
             segments, or not this process's to move).
-        stuck: storages that came back into a classic segment all the same: there
-            was no room in expandable segments, or a classic segment that another
-            tensor (not a target) still holds had room for them (small tensors share
-            2 MiB segments).
+        stuck: storages that came back elsewhere all the same: there was no room
+            in expandable segments (or for the one segment), or a classic segment that
+            another tensor (not a target) still holds had room for them (small
+            tensors share 2 MiB segments).
         seconds: wall-clock time, copies and cache release included.
         reserved_before, reserved_after: ``torch.cuda.memory_reserved`` of the
             device before and after (0 when nothing was read).
@@ -70,6 +90,7 @@ class CompactReport:
             the cache that a release could not return.
         device: the CUDA device (``""`` when no target is on one).
         reason: why nothing moved, when nothing could (``""`` otherwise).
+        into: where they went: ``"expandable"`` segments or one ``"segment"``.
     """
 
     moved: int
@@ -83,14 +104,15 @@ class CompactReport:
     cached_after: int = 0
     device: str = ""
     reason: str = ""
+    into: str = "expandable"
 
     def __str__(self) -> str:
         if self.reason:
             return f"compact: nothing moved ({self.reason})"
         return (
             f"compact on {self.device}: moved {self.moved} storages "
-            f"({fmt_bytes(self.nbytes)}) into expandable segments, kept {self.kept}"
-            f"{f', {self.stuck} back in classic segments' if self.stuck else ''}; "
+            f"({fmt_bytes(self.nbytes)}) into {_PLACES[self.into][0]}, kept {self.kept}"
+            f"{f', {self.stuck} {_PLACES[self.into][1]}' if self.stuck else ''}; "
             f"cache {fmt_bytes(self.cached_before)} -> {fmt_bytes(self.cached_after)}, "
             f"{self.seconds * 1e3:.1f} ms"
         )
@@ -118,6 +140,40 @@ def _is_classic(view: torch.Tensor) -> bool:
     return bool(
         _torch.storage_resizable(view.untyped_storage()) and _torch.is_legacy_ipc_capable(view)
     )
+
+
+def _movable(view: torch.Tensor, into: str, private: list[tuple[int, int]]) -> bool:
+    """Whether ``compact(into=into)`` moves this storage (``private``: private pools)."""
+    address = _torch.storage_address(view.untyped_storage())
+    if any(start <= address < start + size for start, size in private):
+        return False  # empty_cache keeps a private pool's segments: both copies would stay
+    if into == "segment":
+        storage = view.untyped_storage()
+        return _torch.storage_resizable(storage) and storage.nbytes() > _torch.SMALL_REQUEST_BYTES
+    return _is_classic(view)
+
+
+def _carve(
+    offloader: Offloader, todo: list[torch.Tensor], total: int, device: torch.device
+) -> list[torch.Tensor]:
+    """Reload into one block of ``total`` bytes, freed just before; return those inside it.
+
+    The allocator keeps the freed block cached and serves each request from it (best
+    fit on this stream, split when more than 1 MiB remains): the storages land back to
+    back, in one segment allocated in the caller's context (a torch_memory_saver
+    region). No room for the block: the classic segments, wherever they fit.
+
+    Raises:
+        CompactError: nothing fitted (the bytes stay in ``offloader``'s pool).
+    """
+    try:
+        with expandable_segments(False, release_cache=False):
+            start = _torch.hold_block(total, device)  # cached: the reload is carved from it
+            offloader.reload()
+    except (torch.OutOfMemoryError, OffloadError):
+        _bring_back(offloader, expandable=False)
+        return []
+    return [v for v in todo if start <= _torch.storage_address(v.untyped_storage()) < start + total]
 
 
 def _bring_back(offloader: Offloader, *, expandable: bool) -> bool:
@@ -152,6 +208,7 @@ def compact(
     *targets: Target,
     groups: str | Iterable[str] | None = None,
     release_cache: bool = True,
+    into: str = "expandable",
 ) -> CompactReport:
     """Move the targets' tensors in classic segments into expandable segments, in place.
 
@@ -173,6 +230,13 @@ def compact(
         groups: the groups to move (``None``: all): ``"parameters"``,
             ``"buffers"``, ``"gradients"``, ``"optimizer"``, ``"tensors"``.
         release_cache: return the emptied segments to the driver at the end.
+        into: ``"expandable"`` (the default): into expandable segments, for the
+            tensors in classic segments. ``"segment"``: every storage over 1 MiB
+            (smaller ones share the allocator's 2 MiB segments already), wherever
+            it is, back to back into one segment allocated in the caller's context,
+            with expandable segments off: call it inside the torch_memory_saver
+            region that holds them (``preload`` mode; in ``torch`` mode the region's
+            pool is private and nothing moves).
 
     Returns:
         A :class:`CompactReport` (also logged at INFO). Nothing moves, and the report
@@ -183,8 +247,8 @@ def compact(
     Raises:
         TypeError: a target is not a module, optimizer, tensor or container of them,
             or a target tensor has no storage of its own (before anything moves).
-        ValueError: an unknown group, or targets on several devices (before anything
-            moves).
+        ValueError: an unknown group or ``into``, or targets on several devices
+            (before anything moves).
         OffloadError: taking them off failed (nothing moved, all data intact), or
             :class:`CompactError`: they could not come back even in classic
             segments; their bytes are in ``error.offloader``'s host pool.
@@ -197,10 +261,20 @@ def compact(
         >>> print(hm.compact(model, optimizer))         # doctest: +SKIP
         compact on cuda:0: moved 48 storages (512.06 MiB) into expandable segments, kept 0,
         48 back in classic segments; cache 65.69 MiB -> 9.69 MiB, 307.5 ms
+        >>> with saver.region("weights"):                # doctest: +SKIP
+        ...     print(hm.compact(engine_weights, into="segment"))
+        compact on cuda:0: moved 290 storages (738.52 MiB) into one segment, kept 99;
+        cache 98.90 MiB -> 1.21 MiB, 61.0 ms
     """
     start = time.perf_counter()
     wanted = select_groups(groups)
     check_bool("release_cache", release_cache)
+    if into not in INTO:
+        raise ValueError(
+            f"compact(into=...) must be one of {', '.join(map(repr, INTO))}, got {into!r}: "
+            "'expandable' for tensors that may live in expandable segments, 'segment' "
+            "for tensors that must stay in classic ones (a torch_memory_saver region)"
+        )
     if disabled():
         return _nothing("HYBRIDMEM_DISABLE is on", start)
     found = [
@@ -217,7 +291,7 @@ def compact(
     (device,) = devices
     if ENGINE.backend() == "cudaMallocAsync":
         return _nothing("the allocator backend is cudaMallocAsync", start, len(found), str(device))
-    forbidding = ENGINE.env_expandable_false()
+    forbidding = ENGINE.env_expandable_false() if into == "expandable" else None
     if forbidding is not None:
         return _nothing(
             f"{forbidding} sets expandable_segments:False explicitly",
@@ -226,8 +300,10 @@ def compact(
             str(device),
         )
     views = [_torch.storage_bytes(storage, device) for storage, _ in found]
-    todo = [v for v in views if _is_classic(v)]
     index = device.index if device.index is not None else _torch.current_device()
+    private = _torch.private_pool_ranges(index) if index is not None else []
+    todo = [v for v in views if _movable(v, into, private)]
+    total = sum(_torch.block_bytes(v.untyped_storage().nbytes()) for v in todo)
     reserved_before, cached_before = _cache(index)
     moved: list[torch.Tensor] = []
     if todo:
@@ -235,7 +311,12 @@ def compact(
         try:
             offloader.offload(release_cache=False)  # all or nothing (see the handler below)
             _release_classic(index)
-            placed = _bring_back(offloader, expandable=True)
+            if into == "segment":
+                moved = _carve(offloader, todo, total, device)
+                placed = bool(moved)
+            else:
+                placed = _bring_back(offloader, expandable=True)
+                moved = [v for v in todo if not _is_classic(v)] if placed else []
         except CompactError:
             raise  # the caller's to reload: the pool stays pinned until then
         except BaseException as exc:  # failed or interrupted: nothing may stay off
@@ -251,13 +332,13 @@ def compact(
                 ) from exc
             raise
         offloader.close()  # unpinned at once, not when garbage-collected
-        moved = [v for v in todo if not _is_classic(v)] if placed else []
         if len(moved) < len(todo):
             logger.info(
-                "compact: %d of %d storages came back into classic segments (%s)",
+                "compact: %d of %d storages came back %s (%s)",
                 len(todo) - len(moved),
                 len(todo),
-                "no room in expandable ones"
+                _PLACES[into][1],
+                f"no room in {_PLACES[into][2]}"
                 if not placed
                 else "segments that other live tensors hold had room for them",
             )
@@ -275,6 +356,7 @@ def compact(
         cached_before=cached_before,
         cached_after=cached_after,
         device=str(device),
+        into=into,
     )
     logger.info("%s", report)
     return report

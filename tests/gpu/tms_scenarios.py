@@ -14,6 +14,8 @@ Usage: ``python -m tests.gpu.tms_scenarios NAME MODE`` (MODE ``preload`` or
   came back intact.
 - ``other``: the trainer trains with expandable segments on and keeps its memory
   while an engine process, started by it, runs the same three cases.
+- ``packed``: an engine's weights made in a region and packed there into one
+  segment by ``hm.compact(into="segment")``.
 """
 
 from __future__ import annotations
@@ -175,7 +177,67 @@ def run(name: str, mode: str, *, preload: bool) -> dict[str, Any]:
     return facts
 
 
-SCENARIOS = {"same": same, "other": other, "engine_cases": engine_cases}
+def _engine_weights() -> dict[str, torch.Tensor]:
+    """An engine's weights of the bench's kinds: 10.7 MiB matrices, an embedding, norms."""
+    torch.manual_seed(0)
+    weights = {"embed": torch.randn(32000, 1024, device="cuda", dtype=torch.bfloat16)}
+    for i in range(16):
+        weights[f"up{i}"] = torch.randn(2731, 1024, device="cuda")
+        weights[f"down{i}"] = torch.randn(1024, 2731, device="cuda")
+        weights[f"norm{i}"] = torch.randn(1024, device="cuda")
+    return weights
+
+
+def _cached() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def packed(mode: str) -> dict[str, Any]:
+    """An engine's weights made in a region, then ``hm.compact(into="segment")`` there.
+
+    The cache the allocator's rounding leaves beside them before and after, whether
+    every large weight landed in the one segment, and whether the packed region is
+    still paused and resumed whole with its weights intact (CPU backup on).
+    """
+    saver = _saver(mode)
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    reserved_outside = torch.cuda.memory_reserved()
+    with saver.region(tag="weights", enable_cpu_backup=True):
+        weights = _engine_weights()
+        cached_before = _cached()
+        copies = {k: v.cpu() for k, v in weights.items()}
+        report = hm.compact(weights, into="segment")
+        cached_after = _cached()
+    large = [w for w in weights.values() if w.untyped_storage().nbytes() > MiB]
+    region = torch.cuda.memory_reserved() - reserved_outside
+    bits_equal = all(torch.equal(copies[k], v.cpu()) for k, v in weights.items())
+    before = _free()
+    saver.pause("weights")
+    paused = _free()
+    saver.resume("weights")
+    resumed = _free()
+    return {
+        "mode": mode,
+        "report": str(report),
+        "storages": len(weights),
+        "large": len(large),
+        "moved": report.moved,
+        "kept": report.kept,
+        "stuck": report.stuck,
+        "cached_before_mib": cached_before / MiB,
+        "cached_after_mib": cached_after / MiB,
+        "region_mib": region / MiB,
+        "weights_mib": sum(w.nbytes for w in weights.values()) / MiB,
+        "bits_equal": bits_equal,
+        "freed_mib": (paused - before) / MiB,
+        "retaken_mib": (paused - resumed) / MiB,
+        "intact_after_resume": all(torch.equal(copies[k], v.cpu()) for k, v in weights.items()),
+    }
+
+
+SCENARIOS = {"same": same, "other": other, "engine_cases": engine_cases, "packed": packed}
 
 if __name__ == "__main__":
     print(json.dumps(SCENARIOS[sys.argv[1]](sys.argv[2]), default=str))
