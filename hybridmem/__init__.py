@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from hybridmem.ipc.shareable import allow_ptrace_from_any, ipc_safe, ipc_shareable
     from hybridmem.memory.compact import compact
     from hybridmem.memory.offload import Offloader, offloaded
+    from hybridmem.memory.one_segment import one_segment
     from hybridmem.memory.release import aggressive_cache_release, release_cache
     from hybridmem.observe.leakwatch import LeakWatch
     from hybridmem.observe.memory import memory_info
@@ -97,6 +98,7 @@ _LAZY = {
     "list_backends": "hybridmem.engine.backends",
     "memory_info": "hybridmem.observe.memory",
     "offloaded": "hybridmem.memory.offload",
+    "one_segment": "hybridmem.memory.one_segment",
     "phase": "hybridmem.engine.phases",
     "record": "hybridmem.observe.timeline",
     "register_backend": "hybridmem.engine.backends",
@@ -153,6 +155,7 @@ __all__ = [
     "list_backends",
     "memory_info",
     "offloaded",
+    "one_segment",
     "phase",
     "record",
     "register_backend",

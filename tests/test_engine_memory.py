@@ -66,6 +66,8 @@ def cpu_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     real_empty = torch.empty
 
     def empty(*shape: Any, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        if str(device) == "meta":  # sizes without memory: nothing counted
+            return real_empty(*shape, dtype=dtype, device="meta")
         tensor = real_empty(*shape, dtype=dtype)
         counters.allocated += tensor.nbytes
         counters.reserved += -(-tensor.nbytes // (2 * MiB)) * 2 * MiB
@@ -258,53 +260,61 @@ def test_anatomy_names_what_holds_a_cached_segment(monkeypatch: pytest.MonkeyPat
     assert anatomy.cache_anatomy() == {}
 
 
-def test_a_packed_saver_compacts_its_weights_inside_their_region_once(
+class Packing:
+    """hm.one_segment recorded: its sizes, and the region open when it was entered."""
+
+    def __init__(self, saver: FakeSaver | None = None) -> None:
+        self.saver = saver
+        self.entries: list[tuple[str | None, list[str], list[str]]] = []
+
+    def __call__(self, sizes: dict[str, torch.Tensor]) -> Any:
+        packing = self
+
+        class Scope:
+            report = "one_segment: packed"
+
+            def __enter__(self) -> Scope:
+                tag = packing.saver.tag if packing.saver else None
+                devices = sorted({str(t.device) for t in sizes.values()})
+                packing.entries.append((tag, sorted(sizes), devices))
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                return None
+
+        return Scope()
+
+
+def test_a_packed_saver_makes_its_weights_in_one_segment_inside_their_region(
     cpu_cuda: FakeCuda, saver: FakeSaver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[tuple[str | None, str, list[str]]] = []
-
-    def compact(weights: dict[str, torch.Tensor], *, into: str) -> str:
-        calls.append((saver.tag, into, sorted(weights)))
-        return "compact: packed"
-
-    monkeypatch.setattr(engine_memory, "compact", compact)
+    packing = Packing(saver)
+    monkeypatch.setattr(engine_memory, "one_segment", packing)
     memory = SaverMemory(SHAPES, 1 << 30, 0, hook_mode="preload")
     memory.pack = True
     memory.wake(["weights", "kv_cache"])
-    assert calls == [("weights", "segment", ["b", "w"])]  # in the region, into one segment
-    assert memory.pack_report == "compact: packed"
+    # Sized by meta tensors of the weights' shapes, entered inside the weights' region.
+    assert packing.entries == [("weights", ["b", "w"], ["meta"])]
+    assert memory.pack_report == "one_segment: packed"
     memory.sleep()
-    memory.wake(["weights"])  # resumed, not made again: nothing to pack
-    assert len(calls) == 1
-
-
-def test_an_unpacked_saver_never_compacts(
-    cpu_cuda: FakeCuda, saver: FakeSaver, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(engine_memory, "compact", lambda *a, **k: pytest.fail("compacted"))
-    memory = SaverMemory(SHAPES, 1 << 30, 0, hook_mode="preload")
-    memory.wake(["weights"])
-    assert memory.pack_report == ""
+    memory.wake(["weights"])  # resumed, not made again
+    assert len(packing.entries) == 1
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_a_packed_handmade_engine_makes_its_weights_in_expandable_segments(
+def test_a_handmade_engine_packs_each_making_only_when_asked(
     pack: bool, cpu_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    scopes: list[bool] = []
-
-    @contextlib.contextmanager
-    def expandable_segments(enabled: bool) -> Iterator[None]:
-        scopes.append(enabled)
-        yield
-
-    monkeypatch.setattr(engine_memory, "expandable_segments", expandable_segments)
+    packing = Packing()
+    monkeypatch.setattr(engine_memory, "one_segment", packing)
     memory = HandmadeMemory(SHAPES, 1 << 30, 0)
     memory.pack = pack
     memory.wake(["weights"])
     memory.sleep()
     memory.wake(["weights"])
-    assert scopes == ([True, True] if pack else [])
+    assert len(packing.entries) == (2 if pack else 0)
+    assert memory.weights is not None
+    assert memory.weights["w"].shape == (4, 4)
 
 
 def test_the_engine_packs_on_request_and_reports_it(cpu_cuda: FakeCuda) -> None:

@@ -8,6 +8,10 @@ addresses. :class:`SaverMemory` does exactly that, in TMS's ``preload`` hook mod
 see :func:`preload_env`) or its ``torch`` mode. :class:`HandmadeMemory` is the
 fallback where TMS is missing: tensors freed and allocated again, the cache emptied.
 
+Either makes its weights the way engines do, one classic segment each, or packed
+(``pack``, what the bench's ``hybridmem`` strategy asks for): back to back in one
+segment, made inside :func:`hybridmem.one_segment`.
+
 Both report what the engine holds *physically* (:meth:`EngineMemory.held`): torch
 counts a paused region as reserved and allocated, though its memory is back on the
 device; the trainer's hand-back figures need what is really held.
@@ -27,8 +31,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.allocator.scopes import expandable_segments
-from hybridmem.memory.compact import compact
+from hybridmem.memory.one_segment import one_segment
 
 __all__ = [
     "ENGINE_MEMORIES",
@@ -177,13 +180,24 @@ class EngineMemory:
         self.kv: torch.Tensor | None = None
         self.kv_bytes = 0
         #: the weights made from now on are packed (what a hybridmem user's engine
-        #: does): no rounding of the allocator per weight stays cached beside them
+        #: does, with hm.one_segment): no rounding of the allocator per weight stays
+        #: cached beside them, inside a torch_memory_saver region or not
         self.pack = False
-        self.pack_report = ""  # what packing the weights did (torch_memory_saver's regions)
+        self.pack_report = ""  # the last packing's SegmentReport, as text
 
     def _new_weights(self) -> dict[str, torch.Tensor]:
+        """The weights, one classic segment each (as engines make them), or packed."""
+        if not self.pack:
+            return self._made("cuda")
+        packing = one_segment(self._made("meta"))
+        with packing:
+            weights = self._made("cuda")
+        self.pack_report = str(packing.report)
+        return weights
+
+    def _made(self, device: str) -> dict[str, torch.Tensor]:
         return {
-            name: torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+            name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             for name, (shape, dtype) in self.shapes.items()
         }
 
@@ -219,11 +233,7 @@ class HandmadeMemory(EngineMemory):
 
     def wake(self, tags: list[str]) -> int:
         if "weights" in tags:
-            # Packed: in expandable segments, back to back (the cache emptied at each
-            # sleep unmaps them); else one classic segment per weight, as engines do.
-            scope = expandable_segments(True) if self.pack else contextlib.nullcontext()
-            with scope:
-                self.weights = self._new_weights()
+            self.weights = self._new_weights()
         if "kv_cache" in tags:
             self.kv, self.kv_bytes = self._new_kv(self.kv_target)
             return self.kv_bytes
@@ -266,13 +276,6 @@ class SaverMemory(EngineMemory):
         )
         return made
 
-    def _made_weights(self) -> dict[str, torch.Tensor]:
-        """The weights, inside their region; packed into one segment there if asked."""
-        weights = self._new_weights()
-        if self.pack:  # a region must stay in classic segments (module docstring)
-            self.pack_report = str(compact(weights, into="segment"))
-        return weights
-
     def wake(self, tags: list[str]) -> int:
         obtained = 0
         for tag in ("weights", "kv_cache"):
@@ -282,7 +285,7 @@ class SaverMemory(EngineMemory):
                 self.saver.resume(tag)
                 self._paused.discard(tag)
             elif tag == "weights" and self.weights is None:
-                self.weights = self._in_region("weights", self._made_weights)
+                self.weights = self._in_region("weights", self._new_weights)
             elif tag == "kv_cache" and self.kv is None:
                 self.kv, self.kv_bytes = self._in_region(
                     "kv_cache", lambda: self._new_kv(self.kv_target)

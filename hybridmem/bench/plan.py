@@ -282,8 +282,8 @@ class Figures:
     #: ceiling does not count them. Empty in results saved before.
     engine_wake_s: list[float] = field(default_factory=list)
     engine_sleep_s: list[float] = field(default_factory=list)
-    #: what packing the engine's weights into one segment did (the ``hybridmem``
-    #: strategy with torch_memory_saver's engine: a :class:`hybridmem.CompactReport`
+    #: what packing the engine's weights into one segment did at their last making
+    #: (the ``hybridmem`` strategy: a ``SegmentReport`` of :func:`hybridmem.one_segment`
     #: as text); empty where nothing was packed, and in results saved before.
     engine_packed: str = ""
 

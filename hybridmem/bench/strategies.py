@@ -243,8 +243,8 @@ class Hybridmem(Strategy):
         # release returns), the state partly inside the warm-up's 852 MiB logits
         # segment. Both, once, before the first switch (docs/benchmarks.md).
         compact(self.model, self.optimizer)
-        # The engine's weights likewise, where it makes them (a torch_memory_saver
-        # region keeps them in classic segments: one segment for all of them there).
+        # The engine's weights likewise, when it makes them (hm.one_segment): in a
+        # torch_memory_saver region no later move could take their rounding back.
         self.engine.call("pack_weights")
         self.offloader = Offloader(self.optimizer)
         self.bucket = WeightBucket(self.plan.bucket_bytes, fallback="raise")

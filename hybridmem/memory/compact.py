@@ -19,21 +19,21 @@ segments of the others are still there lands in them (measured on the H200: the
 bench's 128 MiB embedding went back into an 852 MiB classic segment and kept 596
 MiB of it cached).
 
-Where memory must stay in classic segments (an engine's weights in a
-torch_memory_saver region: its ``preload`` hook sees ``cudaMalloc`` only, so a region
-in expandable segments is never paused), ``into="segment"`` puts the storages back
-to back in **one** segment allocated where the caller allocates (inside the
-region): the allocator's rounding is paid once, not once per weight (97.7 MiB of an
-engine's cache in the bench's quick plan: docs/benchmarks.md).
+Where tensors must stay in classic segments (shared through classic CUDA IPC,
+``cudaIpcGetMemHandle``, which expandable segments refuse), ``into="segment"``
+puts them back to back in **one** classic segment: the allocator's rounding is paid
+once, not once per tensor. Neither way can reach memory of a private pool, such as
+a torch_memory_saver region (a ``torch.cuda.MemPool`` in both of its hook modes):
+``empty_cache`` keeps a private pool's free segments while the pool lives, so a
+move would leave the old ones cached beside the new (measured on an H200:
+docs/benchmarks.md). An engine packs its region's weights when it makes them,
+with :func:`hybridmem.one_segment`.
 
 Scope: one CUDA device per call (the targets'), process-global allocator settings
 for the duration; not thread-safe (no other thread may allocate meanwhile). Memory
 this process does not own (``cudaMallocAsync`` pools, memory imported through CUDA
-IPC) and memory of a private pool (a CUDA graph's, a ``torch.cuda.MemPool``, as
-torch_memory_saver's ``torch`` hook mode makes: ``empty_cache`` keeps its free
-segments, so a move would keep both copies) is left where it is; so, with the
-default ``into``, is memory outside classic segments (expandable segments, regions
-of torch_memory_saver's ``preload`` mode).
+IPC) and memory of a private pool (a CUDA graph's, a ``torch.cuda.MemPool``) is left where
+it is; so, with the default ``into``, is memory outside classic segments.
 """
 
 from __future__ import annotations
@@ -232,11 +232,8 @@ def compact(
         release_cache: return the emptied segments to the driver at the end.
         into: ``"expandable"`` (the default): into expandable segments, for the
             tensors in classic segments. ``"segment"``: every storage over 1 MiB
-            (smaller ones share the allocator's 2 MiB segments already), wherever
-            it is, back to back into one segment allocated in the caller's context,
-            with expandable segments off: call it inside the torch_memory_saver
-            region that holds them (``preload`` mode; in ``torch`` mode the region's
-            pool is private and nothing moves).
+            (smaller ones share the allocator's 2 MiB segments already), back to
+            back into one classic segment, with expandable segments off.
 
     Returns:
         A :class:`CompactReport` (also logged at INFO). Nothing moves, and the report
@@ -261,10 +258,7 @@ def compact(
         >>> print(hm.compact(model, optimizer))         # doctest: +SKIP
         compact on cuda:0: moved 48 storages (512.06 MiB) into expandable segments, kept 0,
         48 back in classic segments; cache 65.69 MiB -> 9.69 MiB, 307.5 ms
-        >>> with saver.region("weights"):                # doctest: +SKIP
-        ...     print(hm.compact(engine_weights, into="segment"))
-        compact on cuda:0: moved 290 storages (738.52 MiB) into one segment, kept 99;
-        cache 98.90 MiB -> 1.21 MiB, 61.0 ms
+        >>> print(hm.compact(shared_weights, into="segment"))  # doctest: +SKIP
     """
     start = time.perf_counter()
     wanted = select_groups(groups)

@@ -82,23 +82,28 @@ def test_recipe_in_an_engine_process(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["preload", "torch"])
-def test_compact_packs_an_engines_weights_into_one_segment_of_its_region(mode: str) -> None:
+def test_an_engines_weights_pack_into_one_segment(mode: str) -> None:
     facts = tms_scenarios.run("packed", mode, preload=mode == "preload")
     _keep(f"tms_packed_{mode}", facts)
     print(f"\npacked, {mode}: {json.dumps(facts)}")
-    assert facts["bits_equal"]
-    assert facts["intact_after_resume"]
-    # Paused and resumed whole, packed or not.
-    assert facts["freed_mib"] >= 0.95 * facts["region_mib"]
-    assert facts["retaken_mib"] >= 0.95 * facts["region_mib"]
-    assert facts["cached_before_mib"] > 16  # 32 weights of 10.7 MiB, each rounded to 12
-    if mode == "preload":
-        # Every weight over 1 MiB carved from the one segment: what is left cached is
-        # the norms' 2 MiB small segment and the one segment's rounding (< 2 MiB).
-        assert (facts["moved"], facts["stuck"]) == (facts["large"], 0)
-        assert facts["cached_after_mib"] < 4
-    else:
-        # torch mode's region is a private pool: empty_cache keeps its segments, so
-        # nothing moves (a move would keep both copies) and nothing changes.
-        assert (facts["moved"], facts["kept"]) == (0, facts["storages"])
-        assert facts["cached_after_mib"] <= facts["cached_before_mib"]
+    # The default pool: every weight over 1 MiB carved from the one segment; left
+    # cached: the norms' 2 MiB small segment and the one segment's rounding (< 2 MiB).
+    plain = facts["plain"]
+    assert plain["bits_equal"]
+    assert plain["cached_before_mib"] > 16  # 32 weights of 10.7 MiB, each rounded to 12
+    assert (plain["moved"], plain["stuck"]) == (plain["large"], 0)
+    assert plain["cached_after_mib"] < 4
+    # A region is a private pool: a move would keep the old segments cached beside the
+    # new, so nothing moves, and the region still pauses and resumes whole.
+    compacted = facts["region_compact"]
+    assert (compacted["moved"], compacted["kept"]) == (0, compacted["storages"])
+    assert compacted["cached_after_mib"] <= compacted["cached_before_mib"]
+    assert compacted["bits_equal"]
+    assert compacted["intact_after_resume"]
+    # Made inside hm.one_segment, in the region: the rounding is paid once.
+    packed = facts["region_one_segment"]
+    assert packed["cached_mib"] < 4, packed["report"]
+    assert packed["region_mib"] < packed["weights_mib"] + 4
+    assert packed["freed_mib"] >= 0.95 * packed["region_mib"]
+    assert packed["retaken_mib"] >= 0.95 * packed["region_mib"]
+    assert packed["intact_after_resume"]

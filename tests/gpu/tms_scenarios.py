@@ -177,15 +177,18 @@ def run(name: str, mode: str, *, preload: bool) -> dict[str, Any]:
     return facts
 
 
-def _engine_weights() -> dict[str, torch.Tensor]:
+def _engine_weights(device: str = "cuda") -> dict[str, torch.Tensor]:
     """An engine's weights of the bench's kinds: 10.7 MiB matrices, an embedding, norms."""
     torch.manual_seed(0)
-    weights = {"embed": torch.randn(32000, 1024, device="cuda", dtype=torch.bfloat16)}
+    made = {"embed": torch.empty(32000, 1024, dtype=torch.bfloat16, device=device)}
     for i in range(16):
-        weights[f"up{i}"] = torch.randn(2731, 1024, device="cuda")
-        weights[f"down{i}"] = torch.randn(1024, 2731, device="cuda")
-        weights[f"norm{i}"] = torch.randn(1024, device="cuda")
-    return weights
+        made[f"up{i}"] = torch.empty(2731, 1024, device=device)
+        made[f"down{i}"] = torch.empty(1024, 2731, device=device)
+        made[f"norm{i}"] = torch.empty(1024, device=device)
+    if device != "meta":
+        for tensor in made.values():
+            tensor.normal_()
+    return made
 
 
 def _cached() -> int:
@@ -193,48 +196,77 @@ def _cached() -> int:
     return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
-def packed(mode: str) -> dict[str, Any]:
-    """An engine's weights made in a region, then ``hm.compact(into="segment")`` there.
-
-    The cache the allocator's rounding leaves beside them before and after, whether
-    every large weight landed in the one segment, and whether the packed region is
-    still paused and resumed whole with its weights intact (CPU backup on).
-    """
-    saver = _saver(mode)
-    torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
-    reserved_outside = torch.cuda.memory_reserved()
-    with saver.region(tag="weights", enable_cpu_backup=True):
-        weights = _engine_weights()
-        cached_before = _cached()
-        copies = {k: v.cpu() for k, v in weights.items()}
-        report = hm.compact(weights, into="segment")
-        cached_after = _cached()
-    large = [w for w in weights.values() if w.untyped_storage().nbytes() > MiB]
-    region = torch.cuda.memory_reserved() - reserved_outside
-    bits_equal = all(torch.equal(copies[k], v.cpu()) for k, v in weights.items())
+def _pause_resume(saver: Any, tag: str, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Pause and resume ``tag``: what it freed and took back, and the weights after."""
+    copies = {k: v.cpu() for k, v in weights.items()}
     before = _free()
-    saver.pause("weights")
+    saver.pause(tag)
     paused = _free()
-    saver.resume("weights")
+    saver.resume(tag)
     resumed = _free()
     return {
-        "mode": mode,
-        "report": str(report),
-        "storages": len(weights),
-        "large": len(large),
-        "moved": report.moved,
-        "kept": report.kept,
-        "stuck": report.stuck,
-        "cached_before_mib": cached_before / MiB,
-        "cached_after_mib": cached_after / MiB,
-        "region_mib": region / MiB,
-        "weights_mib": sum(w.nbytes for w in weights.values()) / MiB,
-        "bits_equal": bits_equal,
         "freed_mib": (paused - before) / MiB,
         "retaken_mib": (paused - resumed) / MiB,
         "intact_after_resume": all(torch.equal(copies[k], v.cpu()) for k, v in weights.items()),
     }
+
+
+def _compacted(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``hm.compact(into="segment")`` of ``weights``: what moved, the cache before and after."""
+    cached_before = _cached()
+    copies = {k: v.cpu() for k, v in weights.items()}
+    report = hm.compact(weights, into="segment")
+    return {
+        "report": str(report),
+        "storages": len(weights),
+        "large": sum(w.untyped_storage().nbytes() > MiB for w in weights.values()),
+        "moved": report.moved,
+        "kept": report.kept,
+        "stuck": report.stuck,
+        "cached_before_mib": cached_before / MiB,
+        "cached_after_mib": _cached() / MiB,
+        "bits_equal": all(torch.equal(copies[k], v.cpu()) for k, v in weights.items()),
+    }
+
+
+def packed(mode: str) -> dict[str, Any]:
+    """An engine's weights packed into one segment, three ways.
+
+    - ``plain``: made in the default pool (no region), then
+      ``hm.compact(into="segment")``: the old segments go back to the driver.
+    - ``region_compact``: made in a region, then ``hm.compact(into="segment")``
+      there: the region is a private pool, so nothing may move.
+    - ``region_one_segment``: made in a region inside ``hm.one_segment``: the
+      rounding is paid once, and the region is still paused and resumed whole.
+    """
+    saver = _saver(mode)
+    torch.zeros(1, device="cuda")
+    facts: dict[str, Any] = {"mode": mode}
+    plain = _engine_weights()
+    facts["plain"] = _compacted(plain)
+    del plain
+    torch.cuda.empty_cache()
+    with saver.region(tag="compacted", enable_cpu_backup=True):
+        compacted = _engine_weights()
+        facts["region_compact"] = _compacted(compacted)
+    facts["region_compact"].update(_pause_resume(saver, "compacted", compacted))
+    torch.cuda.synchronize()
+    reserved_outside = torch.cuda.memory_reserved()
+    cached_outside = _cached()
+    with (
+        saver.region(tag="packed", enable_cpu_backup=True),
+        hm.one_segment(_engine_weights("meta")) as packing,
+    ):
+        weights = _engine_weights()
+    torch.cuda.synchronize()
+    facts["region_one_segment"] = {
+        "report": str(packing.report),
+        "cached_mib": (_cached() - cached_outside) / MiB,
+        "region_mib": (torch.cuda.memory_reserved() - reserved_outside) / MiB,
+        "weights_mib": sum(w.nbytes for w in weights.values()) / MiB,
+        **_pause_resume(saver, "packed", weights),
+    }
+    return facts
 
 
 SCENARIOS = {"same": same, "other": other, "engine_cases": engine_cases, "packed": packed}
