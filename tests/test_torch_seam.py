@@ -138,3 +138,31 @@ def test_nonzero_static_and_its_fallback_agree(monkeypatch: pytest.MonkeyPatch) 
     for size, want in cases.items():
         assert _torch.nonzero_static(flags, size).tolist() == want
     assert tensors._STATIC_NONZERO == {"cpu": False}  # asked once, then remembered
+
+
+def test_block_bytes_rounds_as_the_caching_allocator() -> None:
+    from hybridmem._torch import blocks
+
+    assert [blocks.block_bytes(n) for n in (0, 1, 512, 513, 1 << 20)] == [
+        512,
+        512,
+        512,
+        1024,
+        1 << 20,
+    ]
+
+
+def test_private_pool_ranges_reads_the_snapshots_pool_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridmem._torch import blocks
+
+    segments = [
+        {"device": 0, "address": 4096, "total_size": 2 << 20, "segment_pool_id": (0, 0)},
+        {"device": 0, "address": 1 << 30, "total_size": 20 << 20, "segment_pool_id": (1, 3)},
+        {"device": 1, "address": 1 << 31, "total_size": 2 << 20, "segment_pool_id": [0, 7]},
+        {"device": 0, "address": 1 << 32, "total_size": 2 << 20},  # an older snapshot
+    ]
+    monkeypatch.setattr(blocks, "snapshot", lambda: {"segments": segments})
+    assert blocks.private_pool_ranges(0) == [(1 << 30, 20 << 20)]
+    assert blocks.private_pool_ranges(1) == [(1 << 31, 2 << 20)]
+    monkeypatch.setattr(blocks, "snapshot", lambda: None)  # CUDA not initialised
+    assert blocks.private_pool_ranges(0) == []

@@ -1,7 +1,8 @@
 """Where torch's caching allocator puts a request: its rounding, its pools, private pools.
 
-What :func:`hybridmem.compact`'s ``into="segment"`` relies on, from
-``c10/cuda/CUDACachingAllocator.cpp`` (the same from torch 1.10 to 2.15):
+What :func:`hybridmem.one_segment` and ``hybridmem.compact(into="segment")`` rely
+on, from ``c10/cuda/CUDACachingAllocator.cpp`` (constants unchanged in the torch
+releases hybridmem supports; the placement checked on an H200 with torch 2.11):
 
 - ``kMinBlockSize = 512``: a request is rounded up to a multiple of 512 bytes
   (``round_size``), unless ``roundup_power2_divisions`` asks for more;
@@ -44,8 +45,8 @@ def private_pool_ranges(index: int) -> list[tuple[int, int]]:
 
     A private pool (a CUDA graph's, a ``torch.cuda.MemPool``: torch_memory_saver's
     ``torch`` hook mode) keeps its free blocks cached through ``empty_cache``.
-    Read from the allocator snapshot's ``segment_pool_id`` (torch 2.1+; ``(0, 0)``
-    is the default pool); empty where the snapshot does not say. Costly (walks every
+    Read from the allocator snapshot's ``segment_pool_id`` (``(0, 0)`` is the default
+    pool); empty where the snapshot does not say (an older torch). Costly (walks every
     segment): once per call of a one-off operation, never a hot path.
     """
     snap = snapshot()
