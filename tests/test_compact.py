@@ -9,6 +9,7 @@ records the allocator settings each reallocation ran under. The GPU test
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -79,6 +80,21 @@ class Allocator:
 @pytest.fixture
 def alloc(fake: FakeTorch, cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> Allocator:
     return Allocator(fake, monkeypatch)  # every CPU storage starts "in a classic segment"
+
+
+def compact_under_faults(alloc: Allocator, compact: Callable[[], object]) -> None:
+    """Run ``compact`` with ``alloc``'s faults; take back what a CompactError holds."""
+    try:
+        compact()
+    except CompactError as exc:  # nowhere to go: the pool has it all
+        alloc.fail_at = None
+        alloc.fail_calls = set()
+        alloc.fail_classic = False
+        exc.offloader.reload()
+        exc.offloader.close()
+    except hm.OffloadError as exc:  # refused while taking them off: all in place
+        refused = str(exc)
+        assert "every target is as it was" in refused
 
 
 def assert_same(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
@@ -353,17 +369,7 @@ def test_injected_faults_never_lose_data(
     alloc.error = KeyboardInterrupt() if interrupt else torch.OutOfMemoryError("injected")
     model = make_model()
     before = contents(model)
-    try:
-        hm.compact(model)
-    except CompactError as exc:  # nowhere to go: the pool has it all
-        alloc.fail_at = None
-        alloc.fail_calls = set()
-        alloc.fail_classic = False
-        exc.offloader.reload()
-        exc.offloader.close()
-    except hm.OffloadError as exc:  # refused while taking them off: all in place
-        refused = str(exc)
-        assert "every target is as it was" in refused
+    compact_under_faults(alloc, lambda: hm.compact(model))
     assert_same(model, before)
     assert fake.torch_state.get("expandable_segments") != "True"
     alloc.fail_at = None

@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
-from hybridmem.memory.compact import CompactError
 from tests.conftest import FakeDevice, FakeTorch, patch_seam
-from tests.test_compact import Allocator
+from tests.test_compact import Allocator, compact_under_faults
 
 MiB = 1 << 20
 START = 1 << 40  # the fake block's address: far from any CPU pointer
@@ -233,19 +232,7 @@ def test_injected_faults_never_lose_data(
     carver.no_room = no_room
     tensors = weights()
     before = {k: v.clone() for k, v in tensors.items()}
-    try:
-        hm.compact(tensors, into="segment")
-    except CompactError as exc:  # nowhere to go: the pool has it all
-        alloc.fail_at = None
-        alloc.fail_calls = set()
-        alloc.fail_classic = False
-        exc.offloader.reload()
-        exc.offloader.close()
-    except hm.OffloadError as exc:  # refused while taking them off: all in place
-        refused = str(exc)
-        assert "every target is as it was" in refused
-    except KeyboardInterrupt:
-        assert interrupt
+    compact_under_faults(alloc, lambda: hm.compact(tensors, into="segment"))
     for key, value in before.items():
         assert torch.equal(tensors[key], value), key
     assert fake.torch_state.get("expandable_segments") != "True"

@@ -43,8 +43,9 @@ def block_bytes(nbytes: int) -> int:
 def private_pool_ranges(index: int) -> list[tuple[int, int]]:
     """``(address, size)`` of device ``index``'s segments that belong to a private pool.
 
-    A private pool (a CUDA graph's, a ``torch.cuda.MemPool``: torch_memory_saver's
-    ``torch`` hook mode) keeps its free blocks cached through ``empty_cache``.
+    A private pool (a CUDA graph's, a ``torch.cuda.MemPool``: every torch_memory_saver
+    region, in both hook modes) keeps its free segments through ``empty_cache`` until
+    the pool is destroyed.
     Read from the allocator snapshot's ``segment_pool_id`` (``(0, 0)`` is the default
     pool); empty where the snapshot does not say (an older torch). Costly (walks every
     segment): once per call of a one-off operation, never a hot path.
@@ -65,9 +66,9 @@ def private_pool_ranges(index: int) -> list[tuple[int, int]]:
 def hold_block(nbytes: int, device: torch.device) -> int:
     """Allocate ``nbytes`` on ``device`` and free them at once; return their address.
 
-    The caching allocator keeps the freed block cached on the current stream, in the
-    caller's allocation context (a torch_memory_saver region in ``preload`` mode
-    holds it): the next requests on that stream are carved from it.
+    The caching allocator keeps the freed block cached for the current stream, in the
+    pool the caller allocates from (a torch_memory_saver region's, inside one): the
+    next requests on that stream and pool are carved from it.
 
     Raises:
         torch.OutOfMemoryError: no room for one block of ``nbytes``.

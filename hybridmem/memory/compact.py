@@ -78,7 +78,8 @@ class CompactReport:
             the one segment).
         nbytes: their bytes.
         kept: device storages left where they were (already outside classic
-            segments, or not this process's to move).
+            segments, in a private pool, not this process's to move, or, with
+            ``into="segment"``, of 1 MiB or less).
         stuck: storages that came back elsewhere all the same: there was no room
             in expandable segments (or for the one segment), or a classic segment that
             another tensor (not a target) still holds had room for them (small
@@ -267,7 +268,9 @@ def compact(
         raise ValueError(
             f"compact(into=...) must be one of {', '.join(map(repr, INTO))}, got {into!r}: "
             "'expandable' for tensors that may live in expandable segments, 'segment' "
-            "for tensors that must stay in classic ones (a torch_memory_saver region)"
+            "for tensors that must stay in classic ones (shared through classic CUDA "
+            "IPC); a torch_memory_saver region's tensors are packed when they are made, "
+            "with hm.one_segment"
         )
     if disabled():
         return _nothing("HYBRIDMEM_DISABLE is on", start)
