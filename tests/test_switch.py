@@ -68,7 +68,7 @@ class FakeOffloader(hm.Offloader):
             raise Boom("offload")
 
     def reload(self, groups: Any = None, **kw: Any) -> Any:
-        self.log.append("reload")
+        self.log.append("reload:queued" if kw.get("non_blocking") else "reload")
         if self.fail == "reload":
             raise Boom("reload")
 
@@ -837,7 +837,12 @@ def test_confirm_watches_free_memory_settle_once_per_cycle(
         engine = fake if backend == "vllm" else hm.VLLMEngine(fake)
     need = 1 << 20
     switch = hm.HybridSwitch(
-        engine, backend, FakeOffloader(log, need=need), barrier=None, confirm_timeout_s=0.0
+        engine,
+        backend,
+        FakeOffloader(log, need=need),
+        barrier=None,
+        confirm_timeout_s=0.0,
+        reload_early=False,  # the reload after the sleep, which confirm makes room for
     )
     if driver == "sync":
         with switch.rollout():

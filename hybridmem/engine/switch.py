@@ -9,9 +9,9 @@ cache while another rank on the node is still offloading.
 
 One class holds one state machine (what is offloaded, what is awake, which phases
 are entered); its parts live in modules of their own (issue #27): the stages as data,
-the calls the drivers run and the state (``switch_parts``), the rank protocol
-(``switch_ranks``) and the recovery with its room check (``switch_recovery``), mixed
-into :class:`HybridSwitch`. Here: the stage operations, the sans-IO direction
+the calls and the state (``switch_parts``), the rank protocol (``switch_ranks``), the
+recovery (``switch_recovery``), the reload (``switch_reload``), mixed into
+:class:`HybridSwitch`. Here: the stage operations, the sans-IO direction
 (:meth:`HybridSwitch._direction`, a generator of calls) and the two thin drivers that
 run it (sync, and async with blocking calls in worker threads).
 
@@ -33,7 +33,7 @@ from functools import partial
 from typing import Any, Literal, cast
 
 from hybridmem import _torch
-from hybridmem._checks import check_number
+from hybridmem._checks import check_bool, check_number
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
 from hybridmem.engine import phases
@@ -60,6 +60,7 @@ from hybridmem.engine.switch_parts import (
 )
 from hybridmem.engine.switch_ranks import RankProtocol
 from hybridmem.engine.switch_recovery import Recovery
+from hybridmem.engine.switch_reload import Reloading
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.release import GarbageGate, release_cache
 from hybridmem.observe import timeline as _timeline
@@ -68,7 +69,7 @@ from hybridmem.observe.memory import MemoryInfo, memory_info
 __all__ = ["HybridSwitch"]
 
 
-class HybridSwitch(RankProtocol, Recovery):
+class HybridSwitch(RankProtocol, Recovery, Reloading):
     """Run the staged trainer -> rollout -> trainer switch around generation.
 
     Args:
@@ -112,6 +113,9 @@ class HybridSwitch(RankProtocol, Recovery):
             under a millisecond plus the driver's frees.
         device: the device to measure and release (None: the current device at each
             stage); an index, ``"cuda:N"`` or a ``torch.device``.
+        reload_early: queue the reload just before the engine sleeps when the device
+            has room for it already (:mod:`~hybridmem.engine.switch_reload`); False:
+            always after the sleep and the room check.
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -133,6 +137,7 @@ class HybridSwitch(RankProtocol, Recovery):
         confirm_timeout_s: float = 5.0,
         device: DeviceArg = None,
         collect_garbage: bool | Literal["once", "adaptive"] = "adaptive",
+        reload_early: bool = True,
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         # Built once, entered every cycle (a phase re-enters; the garbage policy of a
@@ -166,6 +171,8 @@ class HybridSwitch(RankProtocol, Recovery):
                 f"(hybridmem.engine.ranks), got {barrier!r}"
             )
         check_number("confirm_timeout_s", confirm_timeout_s, minimum=0)
+        self.reload_early = check_bool("reload_early", reload_early)
+        self._queued = False  # a reload queued before the sleep, not yet waited for
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
@@ -190,9 +197,6 @@ class HybridSwitch(RankProtocol, Recovery):
     def __repr__(self) -> str:
         return f"HybridSwitch({self.engine!r}, backend={self.profile.name!r}, rank={self.rank})"
 
-    # ------------------------------------------------------------------ #
-    # Measuring
-    # ------------------------------------------------------------------ #
     def _memory(self) -> MemoryInfo:
         """One reading for a stage boundary: the report and the timeline share it."""
         return memory_info(self.device)
@@ -235,11 +239,6 @@ class HybridSwitch(RankProtocol, Recovery):
         if self.offloader is not None:
             self._state.offloaded = True  # before: a failed offload may have moved some
             self.offloader.offload(release_cache=False)  # the next stage releases
-
-    def _reload(self) -> None:
-        if self.offloader is not None and self._state.offloaded:
-            self.offloader.reload()
-            self._state.offloaded = False
 
     def _wake(self, tag: str) -> Awaitable[Any] | None:
         # Counted as awake before the call: a failed wake may have taken memory.
@@ -303,15 +302,15 @@ class HybridSwitch(RankProtocol, Recovery):
 
     def _put_to_sleep(self) -> object:
         def sleep() -> object:
+            self._reload_before_sleep()  # room permitting (switch_reload)
             self._enter_phase("sleep")
             return self._sleep()
 
         return self._then(self._exit_phase(), sleep)  # rollout
 
     def _confirm(self) -> object:
-        # The sleep recipe's own wait (SGLang's) has just watched free memory settle:
-        # a second one found it settled after three more readings, 20 ms for nothing
-        # (quick bench: confirm 42.7 ms, two waits back to back). The room check stays.
+        # The sleep recipe's own wait (SGLang's) has just watched free memory settle; a
+        # second found it settled, 20 ms for nothing (decision 73). The room check stays.
         settled = self._settles_on_sleep
 
         def settle() -> object:

@@ -1,0 +1,94 @@
+"""The switch's reload: queued before the engine sleeps when the device has room, else after.
+
+Why (issue #25, decision 79): a host-to-device copy right after another process freed
+a lot of device memory runs at about half its rate, for half a second and more
+(measured on an H200, ``benchmarks/reload_rate.py``: 0.46-0.50 of the pinned rate
+against 0.90-1.00 otherwise, whatever memory the copy lands in). The reload after
+the engine's sleep paid that every cycle, and waited for the sleep besides. When the
+device already has room for the trainer state while the engine still holds its
+memory (an engine whose KV cache does not fill the device), the copies are queued
+just before the engine is put to sleep: they run while it sleeps, and the
+``reload`` stage only waits for them. Without that room, the reload runs after the
+engine's sleep and the room check, as before.
+
+A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
+declared here for the type checker only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hybridmem import _torch
+from hybridmem._errors import OffloadError
+from hybridmem._format import fmt_bytes
+from hybridmem._log import logger
+from hybridmem.engine.switch_parts import SwitchState
+from hybridmem.memory.offload import Offloader
+
+__all__ = ["Reloading", "early_margin"]
+
+#: The least room, beyond the trainer state, that an early reload leaves the device.
+EARLY_MARGIN_BYTES = 256 << 20
+
+
+def early_margin(need: int) -> int:
+    """Room an early reload leaves beyond ``need`` bytes: 256 MiB or 1/32 of it.
+
+    The allocator rounds and the engine may still touch memory until it sleeps: a
+    reload that only just fits is left for after the sleep.
+
+    Example:
+        >>> early_margin(1 << 30) >> 20, early_margin(64 << 30) >> 20
+        (256, 2048)
+    """
+    return max(EARLY_MARGIN_BYTES, need // 32)
+
+
+class Reloading:
+    """Reload the trainer state early (room permitting) or after the engine's sleep."""
+
+    if TYPE_CHECKING:  # the switch's, used here
+        offloader: Offloader | None
+        device: int | None
+        reload_early: bool
+        _state: SwitchState
+        _queued: bool
+
+        def _room(self) -> tuple[bool, int | None, int]: ...
+
+    def _reload_before_sleep(self) -> None:
+        """Queue the reload now if the device has room for it and a margin; else leave it.
+
+        Nothing fails here: without room, or if the reload is refused (nothing was
+        reloaded, the data is intact in the host pool), the ``reload`` stage reloads
+        after the engine's sleep as usual.
+        """
+        if not self.reload_early or self.offloader is None or not self._state.offloaded:
+            return
+        _, free, need = self._room()
+        if not need or free is None or free < need + early_margin(need):
+            return
+        try:
+            self.offloader.reload(non_blocking=True)
+        except OffloadError as exc:  # nothing reloaded, intact: after the sleep, then
+            logger.info("HybridSwitch: early reload refused (%s); reloading after the sleep", exc)
+            return
+        self._state.offloaded = False
+        self._queued = True
+        logger.debug(
+            "HybridSwitch: %s queued for reload before the engine's sleep (%s free)",
+            fmt_bytes(need),
+            fmt_bytes(free),
+        )
+
+    def _reload(self) -> None:
+        if self._queued:  # queued before the engine's sleep: wait for the copies to land
+            self._queued = False
+            index = self.device if self.device is not None else _torch.current_device()
+            if index is not None:
+                _torch.synchronize(index)
+            return
+        if self.offloader is not None and self._state.offloaded:
+            self.offloader.reload()
+            self._state.offloaded = False

@@ -1,0 +1,132 @@
+"""HybridSwitch's reload: queued before the engine's sleep when the device has room.
+
+The fake device (tests/conftest.py) has 80 GiB, the fake vLLM engine holds 32 GiB
+while awake, so 37 GiB are free during rollout; the fake Offloader logs whether a
+reload was queued (``non_blocking``) or blocking. The GPU bench measures the effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import hybridmem as hm
+from hybridmem.engine.switch_reload import early_margin
+from tests.conftest import FakeTorch
+from tests.test_switch import AsyncSGLang, FakeOffloader, FakeVLLM
+
+GiB = 1 << 30
+
+
+class RefusingOffloader(FakeOffloader):
+    """Refuses a queued reload as the Offloader does (nothing reloaded, data intact)."""
+
+    def reload(self, groups: Any = None, **kw: Any) -> Any:
+        if kw.get("non_blocking"):
+            self.log.append("reload:refused")
+            raise hm.OffloadError("reload of optimizer failed (OutOfMemoryError: injected)")
+        return super().reload(groups, **kw)
+
+
+def switch_for(
+    fake: FakeTorch, need: int, offloader: type[FakeOffloader] = FakeOffloader, **kw: Any
+) -> tuple[hm.HybridSwitch, list[str]]:
+    log: list[str] = []
+    switch = hm.HybridSwitch(
+        hm.VLLMEngine(FakeVLLM(log, fake)),
+        "vllm",
+        offloader(log, need=need),
+        barrier=None,
+        confirm_timeout_s=0.0,
+        **kw,
+    )
+    return switch, log
+
+
+def cycle(switch: hm.HybridSwitch) -> None:
+    with switch.rollout():
+        pass
+
+
+def test_with_room_the_reload_is_queued_before_the_sleep_and_waited_for(
+    fake_gpu: FakeTorch,
+) -> None:
+    switch, log = switch_for(fake_gpu, need=4 * GiB)
+    cycle(switch)
+    assert log[-2:] == ["reload:queued", "sleep:1"]  # queued first, then the sleep
+    fake_gpu.events.clear()
+    cycle(switch)
+    assert log.count("reload") == 0  # never a second, blocking reload
+    assert fake_gpu.events[-1] == "sync:0"  # the reload stage waited for the copies
+    report = switch.reports[-1]
+    assert [s.name for s in report.stages][-1] == "reload"
+
+
+def test_without_room_the_reload_waits_for_the_sleep(fake_gpu: FakeTorch) -> None:
+    switch, log = switch_for(fake_gpu, need=GiB)
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
+    with switch.rollout():
+        free = hm.memory_info(0).free
+        assert free is not None
+        offloader.need = free  # fits, but without the margin
+    assert log[-2:] == ["sleep:1", "reload"]
+
+
+def test_reload_early_false_always_waits_for_the_sleep(fake_gpu: FakeTorch) -> None:
+    switch, log = switch_for(fake_gpu, need=GiB, reload_early=False)
+    cycle(switch)
+    assert log[-2:] == ["sleep:1", "reload"]
+    assert switch.reload_early is False
+
+
+def test_a_refused_early_reload_reloads_after_the_sleep(
+    fake_gpu: FakeTorch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="hybridmem")
+    switch, log = switch_for(fake_gpu, need=GiB, offloader=RefusingOffloader)
+    cycle(switch)
+    assert log[-3:] == ["reload:refused", "sleep:1", "reload"]
+    assert "early reload refused" in caplog.text
+    assert switch.reports[-1].stage("reload") is not None
+
+
+def test_nothing_offloaded_means_nothing_to_queue(fake_gpu: FakeTorch) -> None:
+    switch, log = switch_for(fake_gpu, need=0)
+    cycle(switch)
+    assert "reload:queued" not in log
+    assert log[-2:] == ["sleep:1", "reload"]
+
+
+def test_the_async_driver_queues_it_too(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridmem.engine import phases
+
+    async def no_wait(device: Any, timeout_s: float) -> None:
+        return None
+
+    monkeypatch.setattr(phases, "await_free_async", no_wait)
+    log: list[str] = []
+    switch = hm.HybridSwitch(AsyncSGLang(log), "sglang", FakeOffloader(log, need=GiB), barrier=None)
+
+    async def main() -> None:
+        async with switch.rollout():
+            pass
+
+    asyncio.run(main())
+    assert log[-2:] == ["reload:queued", "release_memory_occupation"]
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_reload_early_must_be_a_bool(fake_gpu: FakeTorch, bad: object) -> None:
+    with pytest.raises(TypeError, match="reload_early must be True or False"):
+        switch_for(fake_gpu, need=0, reload_early=bad)
+
+
+def test_the_margin_is_256_mib_or_a_32nd() -> None:
+    assert early_margin(0) == 256 << 20
+    assert early_margin(4 * GiB) == 256 << 20
+    assert early_margin(64 * GiB) == 2 * GiB
