@@ -33,6 +33,7 @@ class RefusingOffloader(FakeOffloader):
 def switch_for(
     fake: FakeTorch, need: int, offloader: type[FakeOffloader] = FakeOffloader, **kw: Any
 ) -> tuple[hm.HybridSwitch, list[str]]:
+    kw.setdefault("reload_early", True)
     log: list[str] = []
     switch = hm.HybridSwitch(
         hm.VLLMEngine(FakeVLLM(log, fake)),
@@ -110,7 +111,8 @@ def test_the_async_driver_queues_it_too(
 
     monkeypatch.setattr(phases, "await_free_async", no_wait)
     log: list[str] = []
-    switch = hm.HybridSwitch(AsyncSGLang(log), "sglang", FakeOffloader(log, need=GiB), barrier=None)
+    offloader = FakeOffloader(log, need=GiB)
+    switch = hm.HybridSwitch(AsyncSGLang(log), "sglang", offloader, barrier=None, reload_early=True)
 
     async def main() -> None:
         async with switch.rollout():
@@ -130,3 +132,17 @@ def test_the_margin_is_256_mib_or_a_32nd() -> None:
     assert early_margin(0) == 256 << 20
     assert early_margin(4 * GiB) == 256 << 20
     assert early_margin(64 * GiB) == 2 * GiB
+
+
+def test_it_is_off_by_default(fake_gpu: FakeTorch) -> None:
+    log: list[str] = []
+    switch = hm.HybridSwitch(
+        hm.VLLMEngine(FakeVLLM(log, fake_gpu)),
+        "vllm",
+        FakeOffloader(log, need=GiB),
+        barrier=None,
+        confirm_timeout_s=0.0,
+    )
+    assert switch.reload_early is False
+    cycle(switch)
+    assert log[-2:] == ["sleep:1", "reload"]

@@ -250,7 +250,12 @@ class Hybridmem(Strategy):
         self.bucket = WeightBucket(self.plan.bucket_bytes, fallback="raise")
         self.engine.call("bucket", self.bucket.handle)
         self.switch = HybridSwitch(
-            self.adapter, "sglang", self.offloader, sync_weights=self._sync, barrier=None
+            self.adapter,
+            "sglang",
+            self.offloader,
+            sync_weights=self._sync,
+            barrier=None,
+            reload_early=True,  # the engine's KV cache leaves room: reload while it sleeps
         )
         self._sync_s = 0.0
 

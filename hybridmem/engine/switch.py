@@ -114,8 +114,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         device: the device to measure and release (None: the current device at each
             stage); an index, ``"cuda:N"`` or a ``torch.device``.
         reload_early: queue the reload just before the engine sleeps when the device
-            has room for it already (:mod:`~hybridmem.engine.switch_reload`); False:
-            always after the sleep and the room check.
+            has room for it already (:mod:`~hybridmem.engine.switch_reload`). Off by
+            default until the GPU switch tests have run with it: after the sleep.
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -137,7 +137,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         confirm_timeout_s: float = 5.0,
         device: DeviceArg = None,
         collect_garbage: bool | Literal["once", "adaptive"] = "adaptive",
-        reload_early: bool = True,
+        reload_early: bool = False,
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         # Built once, entered every cycle (a phase re-enters; the garbage policy of a

@@ -11,6 +11,12 @@ just before the engine is put to sleep: they run while it sleeps, and the
 ``reload`` stage only waits for them. Without that room, the reload runs after the
 engine's sleep and the room check, as before.
 
+Off by default (``HybridSwitch(reload_early=True)`` turns it on): measured in the
+bench on an H200, but the GPU switch tests have not yet run with it. Their
+``handed_back`` reading (free memory the sleep stage gained) counts the early
+reload's own allocation against the engine, so it needs the trainer's reserved
+growth over that stage added back first.
+
 A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
 declared here for the type checker only.
 """
