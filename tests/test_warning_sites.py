@@ -21,7 +21,7 @@ import torch
 import hybridmem as hm
 from hybridmem import _env
 from hybridmem.engine.backends import registry
-from tests.conftest import FakeTorch
+from tests.conftest import FakeDevice, FakeTorch, patch_seam
 from tests.helpers import REPO, run_python
 
 MiB = 1 << 20
@@ -103,6 +103,16 @@ def _leak(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -> None:
         watch.observe((1 << 30) + cycle * 8 * MiB)
 
 
+def _no_room_for_one_segment(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -> None:
+    def no_room(nbytes: int, device: torch.device) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    fake.initialized, fake.devices[0] = True, FakeDevice()
+    patch_seam(monkeypatch, "hold_block", no_room)
+    with hm.one_segment(64 * MiB):
+        pass
+
+
 # (file, function) of each call site -> what a user does that reaches it.
 TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("_env.py", "parse_flag"): _disable_flag,
@@ -114,6 +124,7 @@ TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("allocator/state.py", "pop"): _out_of_order,
     ("engine/backends/registry.py", "_load_entry_points"): _broken_plugin,
     ("ipc/transports/choice.py", "choose_transport"): _bucket_fd_fallback,
+    ("memory/one_segment.py", "_enter"): _no_room_for_one_segment,
     ("observe/leakwatch.py", "observe"): _leak,
     # observe/timeline.py _start_from_env runs at import: tested in a fresh process below
 }
