@@ -33,7 +33,9 @@ class RefusingOffloader(FakeOffloader):
 def switch_for(
     fake: FakeTorch, need: int, offloader: type[FakeOffloader] = FakeOffloader, **kw: Any
 ) -> tuple[hm.HybridSwitch, list[str]]:
-    kw.setdefault("reload_early", True)
+    """A switch over the fake engine; ``reload_early`` on unless ``kw`` says (...: unset)."""
+    if kw.setdefault("reload_early", True) is Ellipsis:
+        del kw["reload_early"]  # the constructor's default
     log: list[str] = []
     switch = hm.HybridSwitch(
         hm.VLLMEngine(FakeVLLM(log, fake)),
@@ -135,14 +137,7 @@ def test_the_margin_is_256_mib_or_a_32nd() -> None:
 
 
 def test_it_is_off_by_default(fake_gpu: FakeTorch) -> None:
-    log: list[str] = []
-    switch = hm.HybridSwitch(
-        hm.VLLMEngine(FakeVLLM(log, fake_gpu)),
-        "vllm",
-        FakeOffloader(log, need=GiB),
-        barrier=None,
-        confirm_timeout_s=0.0,
-    )
+    switch, log = switch_for(fake_gpu, need=GiB, reload_early=...)
     assert switch.reload_early is False
     cycle(switch)
     assert log[-2:] == ["sleep:1", "reload"]
