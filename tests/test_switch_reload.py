@@ -141,3 +141,22 @@ def test_it_is_off_by_default(fake_gpu: FakeTorch) -> None:
     assert switch.reload_early is False
     cycle(switch)
     assert log[-2:] == ["sleep:1", "reload"]
+
+
+def test_a_sleep_that_fails_after_queueing_never_skips_a_later_reload(
+    fake_gpu: FakeTorch,
+) -> None:
+    switch, log = switch_for(fake_gpu, need=GiB)
+    engine = switch.engine
+    assert isinstance(engine, hm.VLLMEngine)
+    fake_engine = engine.engine
+    assert isinstance(fake_engine, FakeVLLM)
+    fake_engine.fail = "sleep"
+    with pytest.raises(hm.HybridSwitchError), switch.rollout():
+        pass
+    assert "reload:queued" in log  # queued, then the sleep failed: never waited for
+    fake_engine.fail = ""
+    switch.reload_early = False  # the next cycle reloads after the sleep
+    log.clear()
+    cycle(switch)
+    assert log[-2:] == ["sleep:1", "reload"]  # brought back, not taken for queued

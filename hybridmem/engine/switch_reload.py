@@ -94,7 +94,8 @@ class Reloading:
             index = self.device if self.device is not None else _torch.current_device()
             if index is not None:
                 _torch.synchronize(index)
-            return
+        # Not ``else``: a switch that failed after queueing one leaves the flag, and
+        # what a later cycle offloaded must still come back.
         if self.offloader is not None and self._state.offloaded:
             self.offloader.reload()
             self._state.offloaded = False
