@@ -77,7 +77,7 @@ def test_bad_sizes_are_refused_at_the_call(sizes: object, error: type, match: st
 
 
 def test_a_cpu_device_is_refused() -> None:
-    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+    with pytest.raises(ValueError, match="device cpu is not a CUDA device"):
         hm.one_segment(MiB * 4, device="cpu")
 
 

@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 
 from hybridmem import _torch
+from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_user
 from hybridmem._scope import ScopedContext
@@ -117,10 +118,10 @@ def segment_bytes(sizes: Sizes) -> int:
 class OneSegment(ScopedContext):
     """Hold one block on entry; on exit, report what was made inside (:func:`one_segment`)."""
 
-    def __init__(self, nbytes: int, device: torch.device | None) -> None:
+    def __init__(self, nbytes: int, device: int | None) -> None:
         super().__init__()
         self.nbytes = nbytes
-        self.device = device
+        self.device = device  # None: the current device at each entry
         #: the last block's report (None before the first exit)
         self.report: SegmentReport | None = None
 
@@ -128,8 +129,7 @@ class OneSegment(ScopedContext):
         return f"one_segment({self.nbytes})"
 
     def _enter(self) -> object:
-        device = self.device or torch.device("cuda", _torch.current_device() or 0)
-        index = device.index if device.index is not None else 0
+        index = self.device if self.device is not None else _torch.current_device() or 0
         settings = expandable_segments(False, release_cache=False)
         settings.__enter__()
         try:
@@ -138,7 +138,7 @@ class OneSegment(ScopedContext):
             reason = "" if self.nbytes > 0 else "no tensor over 1 MiB to make"
             if not reason:
                 try:
-                    _torch.hold_block(self.nbytes, device)
+                    _torch.hold_block(self.nbytes, torch.device("cuda", index))
                 except torch.OutOfMemoryError as exc:
                     reason = f"no room: {str(exc).splitlines()[0]}"
                     warn_user(
@@ -166,7 +166,7 @@ class OneSegment(ScopedContext):
             settings.__exit__(None, None, None)
 
 
-def one_segment(sizes: Sizes, *, device: torch.device | str | int | None = None) -> OneSegment:
+def one_segment(sizes: Sizes, *, device: DeviceArg = None) -> OneSegment:
     """Make the tensors of a block (or call) back to back in one segment.
 
     Use it where tensors are made that will live long and must stay in classic
@@ -179,7 +179,8 @@ def one_segment(sizes: Sizes, *, device: torch.device | str | int | None = None)
         sizes: the block's bytes, or the tensors to be made (meta tensors will do):
             see :func:`segment_bytes`. Too small: the rest are placed as usual (and
             rounded); too large: the unused rest stays cached.
-        device: the CUDA device (default: the current one).
+        device: the CUDA device, as everywhere in hybridmem (``hybridmem._devices``):
+            None (default) is the current device at each entry.
 
     Returns:
         A :class:`OneSegment` context/decorator; ``.report`` is a
@@ -188,8 +189,9 @@ def one_segment(sizes: Sizes, *, device: torch.device | str | int | None = None)
         runs all the same.
 
     Raises:
-        TypeError, ValueError: ``sizes`` is not a byte count >= 0 or tensors (at
-            the call, before anything is allocated).
+        TypeError, ValueError: ``sizes`` is not a byte count >= 0 or tensors, or
+            ``device`` names no CUDA device (at the call, before anything is
+            allocated).
 
     Scope: the device's current stream; expandable segments off for the block,
     process-wide; not thread-safe (other threads' requests would be carved too).
@@ -201,9 +203,4 @@ def one_segment(sizes: Sizes, *, device: torch.device | str | int | None = None)
         >>> print(packed.report)                             # doctest: +SKIP
     """
     nbytes = segment_bytes(sizes)
-    chosen = None if device is None else torch.device(device)
-    if chosen is not None and chosen.type != "cuda":
-        raise ValueError(f"one_segment needs a CUDA device, got {chosen}")
-    if chosen is not None and chosen.index is None:
-        chosen = torch.device("cuda", _torch.current_device() or 0)
-    return OneSegment(nbytes, chosen)
+    return OneSegment(nbytes, None if device is None else device_index(device))
