@@ -282,7 +282,7 @@ def treat_cpu_as_device() -> list[int]:
     pinned: list[int] = []
     _torch.is_device_tensor = lambda t: t.device.type in ("cpu", "meta")  # type: ignore[assignment]
 
-    def pin(tensor: torch.Tensor) -> bool:
+    def pin(tensor: torch.Tensor, *, mapped: bool = False) -> bool:
         pinned.append(tensor.numel())
         return True
 

@@ -367,10 +367,10 @@ def count_full_copies(monkeypatch: pytest.MonkeyPatch, off: hm.Offloader) -> lis
     calls: list[bool] = []
     original = off._copy
 
-    def spy(slots: object, *, to_host: bool) -> object:
+    def spy(slots: object, *, to_host: bool, **kw: bool) -> object:
         if to_host:
             calls.append(True)
-        return original(slots, to_host=to_host)  # type: ignore[arg-type]
+        return original(slots, to_host=to_host, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(off, "_copy", spy)
     return calls
@@ -595,13 +595,22 @@ def test_a_tensor_without_a_storage_is_refused_before_anything_is_freed(
 # A failure may be injected at any step of an offload or a reload; afterwards the
 # data is identical, or still retrievable: a reload without faults restores it bit
 # for bit. No call blocks (there is nothing to wait for on the CPU).
-_FAULT_POINTS = ["resize_storage", "synchronize_stream", "wait_stream", "copy", "empty_cache"]
+_FAULT_POINTS = [
+    "resize_storage",
+    "synchronize_stream",
+    "wait_stream",
+    "copy",
+    "copy_by_kernel",
+    "empty_cache",
+]
 
 
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["offload", "reload", "offload_params", "reload_optimizer"]),
+            st.sampled_from(
+                ["offload", "reload", "offload_params", "reload_optimizer", "reload_by_kernel"]
+            ),
             st.sampled_from(_FAULT_POINTS),
             # one fault, or several in one call (a failure, then its clean-up failing)
             st.sets(st.integers(0, 12), min_size=1, max_size=3),
@@ -614,8 +623,12 @@ _FAULT_POINTS = ["resize_storage", "synchronize_stream", "wait_stream", "copy", 
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_injected_faults_never_lose_data(
-    cpu_as_device: list[int], plan: list[tuple[str, str, set[int]]]
+    cpu_as_device: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+    plan: list[tuple[str, str, set[int]]],
 ) -> None:
+    # A reload by kernel reads the pool's "device mapping": on the CPU, the pool.
+    monkeypatch.setattr(_torch, "host_device_view", lambda host, device: host)
     model, optimizer = make_model()
     before = snapshot(model, optimizer)
     off = hm.Offloader(model, optimizer)
@@ -629,6 +642,8 @@ def test_injected_faults_never_lose_data(
                     off.offload("parameters")
                 elif action == "reload":
                     off.reload()
+                elif action == "reload_by_kernel":
+                    off.reload(by="kernel")
                 else:
                     off.reload("optimizer")
             except (hm.OffloadError, _Injected):
@@ -662,9 +677,9 @@ class _Faults:
                 pool = off._host  # the pool's copies (hybridmem.memory.host_pool)
                 real_copy = pool.copy_one
 
-                def copy(slot: Any, device: Any, *, to_host: bool) -> None:
+                def copy(slot: Any, device: Any, *, to_host: bool, by_kernel: bool = False) -> None:
                     self._maybe_fail()
-                    real_copy(slot, device, to_host=to_host)
+                    real_copy(slot, device, to_host=to_host, by_kernel=by_kernel)
 
                 pool.copy_one = copy  # type: ignore[method-assign]
                 try:

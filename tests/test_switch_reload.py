@@ -136,11 +136,12 @@ def test_the_margin_is_256_mib_or_a_32nd() -> None:
     assert early_margin(64 * GiB) == 2 * GiB
 
 
-def test_it_is_off_by_default(fake_gpu: FakeTorch) -> None:
+def test_it_is_on_by_default(fake_gpu: FakeTorch) -> None:
     switch, log = switch_for(fake_gpu, need=GiB, reload_early=...)
-    assert switch.reload_early is False
+    assert switch.reload_early is True
     cycle(switch)
-    assert log[-2:] == ["sleep:1", "reload"]
+    assert log[-2:] == ["reload:queued", "sleep:1"]
+    assert "reload" not in log  # the queued one was waited for, never repeated
 
 
 def test_a_sleep_that_fails_after_queueing_never_skips_a_later_reload(

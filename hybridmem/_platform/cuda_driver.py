@@ -24,6 +24,7 @@ __all__ = [
     "check",
     "error_name",
     "function",
+    "host_device_pointer",
     "libcuda",
     "pointer_attribute",
 ]
@@ -75,6 +76,35 @@ def pointer_attribute(pointer: int, attribute: int) -> int | None:
     if lib.cuPointerGetAttribute(ctypes.byref(value), attribute, pointer) != 0:
         return None
     return int(value.value)
+
+
+def host_device_pointer(address: int) -> int | None:
+    """The device address of registered, mapped host memory (``cuMemHostGetDevicePointer``).
+
+    Kernels read such memory over the bus through this address (the host address
+    itself where unified addressing allows). It needs a current context, as in any
+    thread that has made a CUDA runtime call.
+
+    Args:
+        address: an address inside host memory registered with the mapped flag
+            (``cudaHostRegister(..., cudaHostRegisterMapped)``) or ``cudaHostAlloc``'d.
+
+    Returns:
+        The device address, or None where the driver is missing or refuses (the
+        memory not mapped, no current context).
+
+    Example:
+        >>> host_device_pointer(pool.data_ptr())   # doctest: +SKIP
+        140211716505600
+    """
+    try:
+        get = function("cuMemHostGetDevicePointer_v2")
+    except KeyError:
+        return None
+    pointer = ctypes.c_uint64(0)
+    if get(ctypes.byref(pointer), ctypes.c_void_p(address), ctypes.c_uint(0)) != 0:
+        return None
+    return int(pointer.value)
 
 
 class DriverError(OSError):

@@ -11,6 +11,8 @@ the torch version it applies to; one module per concern:
 - ``blocks``: where the caching allocator puts a request (rounding, pools);
 - ``tensors``: storages, sharded and sparse tensors, streams, pinned host memory,
   batched copies;
+- ``mapped``: copies by kernels reading pinned host memory through its device
+  mapping (a reload right after another process's free);
 - ``ipc``: CUDA IPC export and import of tensors and events, segment kind, device
   identity;
 - ``dist``: torch.distributed.
@@ -75,6 +77,7 @@ from hybridmem._torch.ipc import (
     synchronize_event,
     wait_event,
 )
+from hybridmem._torch.mapped import copy_by_kernel, host_device_view
 from hybridmem._torch.settings import (
     GETTER,
     NEW_SETTER,
@@ -117,6 +120,7 @@ __all__ = [
     "api_report",
     "block_bytes",
     "clear_blas_workspaces",
+    "copy_by_kernel",
     "copy_many",
     "cuda_available",
     "cuda_built",
@@ -137,6 +141,7 @@ __all__ = [
     "export_cuda_tensor",
     "has_context",
     "hold_block",
+    "host_device_view",
     "import_cuda_tensor",
     "initialized_devices",
     "ipc_collect",

@@ -180,19 +180,25 @@ def synchronize_stream(stream: Any) -> None:
         stream.synchronize()
 
 
-def pin_host_tensor(tensor: torch.Tensor) -> bool:
+def pin_host_tensor(tensor: torch.Tensor, *, mapped: bool = False) -> bool:
     """Page-lock a CPU tensor's memory in place with ``cudaHostRegister``.
 
     Unlike ``pin_memory=True`` (torch's caching host allocator rounds every
     allocation up to a power of two: 24 GiB would pin 32 GiB), registering an
-    exact-size allocation pins exactly what is asked. Returns False when CUDA is
-    absent or registration failed (the tensor stays pageable).
+    exact-size allocation pins exactly what is asked. ``mapped`` also maps it into
+    the devices' address space, so that kernels can read it
+    (:func:`hybridmem._torch.mapped.host_device_view`); measured on an H200, that
+    costs no more device memory (4.0 MiB for 3 GiB either way,
+    ``benchmarks/reload_rate.py``). Returns False when CUDA is absent or
+    registration failed (the tensor stays pageable).
     """
     if not cuda_available():
         return False
     cudart = _CUDART()
-    # flag 1 = cudaHostRegisterPortable: pinned for every CUDA context in the process
-    status = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1))
+    # flag 1 = cudaHostRegisterPortable: pinned for every CUDA context in the
+    # process; 2 = cudaHostRegisterMapped: with a device address too
+    flags = 3 if mapped else 1
+    status = int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, flags))
     return status == 0
 
 

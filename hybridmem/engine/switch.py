@@ -33,7 +33,7 @@ from functools import partial
 from typing import Any, Literal, cast
 
 from hybridmem import _torch
-from hybridmem._checks import check_bool, check_number
+from hybridmem._checks import check_number
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
 from hybridmem.engine import phases
@@ -113,9 +113,10 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
             under a millisecond plus the driver's frees.
         device: the device to measure and release (None: the current device at each
             stage); an index, ``"cuda:N"`` or a ``torch.device``.
-        reload_early: queue the reload just before the engine sleeps when the device
-            has room for it already (:mod:`~hybridmem.engine.switch_reload`). Off by
-            default until the GPU switch tests have run with it: after the sleep.
+        reload_early, reload_by: when and how the trainer state comes back
+            (:mod:`~hybridmem.engine.switch_reload`): queued just before the engine
+            sleeps where the device has room already (False: after the sleep,
+            always); copied by ``"kernel"`` or ``"copy_engine"`` (``Offloader.reload``).
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -137,7 +138,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         confirm_timeout_s: float = 5.0,
         device: DeviceArg = None,
         collect_garbage: bool | Literal["once", "adaptive"] = "adaptive",
-        reload_early: bool = False,
+        reload_early: bool = True,
+        reload_by: Literal["kernel", "copy_engine"] = "kernel",
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         # Built once, entered every cycle (a phase re-enters; the garbage policy of a
@@ -171,8 +173,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
                 f"(hybridmem.engine.ranks), got {barrier!r}"
             )
         check_number("confirm_timeout_s", confirm_timeout_s, minimum=0)
-        self.reload_early = check_bool("reload_early", reload_early)
-        self._queued = False  # a reload queued before the sleep, not yet waited for
+        self._init_reload(reload_early, reload_by)
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)

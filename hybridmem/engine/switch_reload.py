@@ -11,11 +11,15 @@ just before the engine is put to sleep: they run while it sleeps, and the
 ``reload`` stage only waits for them. Without that room, the reload runs after the
 engine's sleep and the room check, as before.
 
-Off by default (``HybridSwitch(reload_early=True)`` turns it on): measured in the
-bench on an H200, but the GPU switch tests have not yet run with it. Their
-``handed_back`` reading (free memory the sleep stage gained) counts the early
-reload's own allocation against the engine, so it needs the trainer's reserved
-growth over that stage added back first.
+On by default since the GPU switch tests ran fifty cycles with it (their
+``handed_back`` now counts the trainer's own reserved change over the sleep out);
+``HybridSwitch(reload_early=False)`` always reloads after the sleep.
+
+How (decision 80): the copies themselves are done by kernels reading the pinned
+pool's device mapping (``reload_by="kernel"``, :mod:`hybridmem._torch.mapped`): the
+copy engines slow down as the engine frees, during the sleep as after it (0.46 of
+the pinned rate after a 60 GiB free and 0.56-0.64 during it; kernels 0.81-0.82,
+``benchmarks/reload_by_kernel.py``).
 
 A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
 declared here for the type checker only.
@@ -23,14 +27,15 @@ declared here for the type checker only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from hybridmem import _torch
+from hybridmem._checks import check_bool
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
 from hybridmem.engine.switch_parts import SwitchState
-from hybridmem.memory.offload import Offloader
+from hybridmem.memory.offload import RELOAD_WAYS, Offloader
 
 __all__ = ["Reloading", "early_margin"]
 
@@ -57,11 +62,20 @@ class Reloading:
     if TYPE_CHECKING:  # the switch's, used here
         offloader: Offloader | None
         device: int | None
-        reload_early: bool
         _state: SwitchState
-        _queued: bool
 
         def _room(self) -> tuple[bool, int | None, int]: ...
+
+    def _init_reload(self, reload_early: bool, reload_by: Literal["kernel", "copy_engine"]) -> None:
+        """Check and keep the switch's ``reload_early`` and ``reload_by``."""
+        self.reload_early = check_bool("reload_early", reload_early)
+        if reload_by not in RELOAD_WAYS:
+            raise ValueError(
+                f"reload_by must be 'kernel' or 'copy_engine', got {reload_by!r}: 'kernel' "
+                "reloads at about 1.7x the copy engines' rate right after the engine's sleep"
+            )
+        self.reload_by: Literal["kernel", "copy_engine"] = reload_by
+        self._queued = False  # a reload queued before the sleep, not yet waited for
 
     def _reload_before_sleep(self) -> None:
         """Queue the reload now if the device has room for it and a margin; else leave it.
@@ -76,7 +90,7 @@ class Reloading:
         if not need or free is None or free < need + early_margin(need):
             return
         try:
-            self.offloader.reload(non_blocking=True)
+            self.offloader.reload(non_blocking=True, by=self.reload_by)
         except OffloadError as exc:  # nothing reloaded, intact: after the sleep, then
             logger.info("HybridSwitch: early reload refused (%s); reloading after the sleep", exc)
             return
@@ -97,5 +111,5 @@ class Reloading:
         # Not ``else``: a switch that failed after queueing one leaves the flag, and
         # what a later cycle offloaded must still come back.
         if self.offloader is not None and self._state.offloaded:
-            self.offloader.reload()
+            self.offloader.reload(by=self.reload_by)
             self._state.offloaded = False

@@ -4,7 +4,8 @@ Split out of :mod:`hybridmem.memory.offload` (issue #27). The pool is an anonymo
 mapping advised ``MADV_HUGEPAGE`` (:func:`hybridmem._platform.host_memory.huge_page_region`),
 registered with ``cudaHostRegister`` through the seam: exactly the bytes asked (torch's
 pinned allocator would round up to a power of two), pinned twice as fast as 4 KiB pages
-(``benchmarks/pinning.py``, issue #25).
+(``benchmarks/pinning.py``, issue #25), and mapped, so that a reload can be done by
+kernels reading it (:meth:`HostPool.device_view`, decision 80).
 
 Scope: host memory of this process; not thread-safe (its Offloader is not).
 """
@@ -48,6 +49,9 @@ class HostPool:
         self.pin_memory = pin_memory
         self.tensor: torch.Tensor | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        # The pool's device mapping, for reloads by kernels: found at the first such
+        # reload (None: none to be had; absent: not looked for yet).
+        self._views: dict[torch.device, torch.Tensor | None] = {}
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +88,9 @@ class HostPool:
             if region is not None
             else torch.empty(nbytes, dtype=torch.uint8)
         )
-        registered = self.pin_memory and _torch.pin_host_tensor(pool)
+        # Mapped too (flags 3): kernels can then read it (a reload by kernels); it
+        # costs the device no more than pinning alone (``_torch.pin_host_tensor``).
+        registered = self.pin_memory and _torch.pin_host_tensor(pool, mapped=True)
         if self.pin_memory and not registered:
             info_once(
                 "offload-unpinned",
@@ -95,6 +101,7 @@ class HostPool:
             # freed (unmapped), whether close() runs or the pool is collected.
             self._finalizer = weakref.finalize(self, _unpin, pool)
         self.tensor = pool
+        self._views.clear()
         logger.info(
             "Offloader: %s host pool of %s allocated in %.2f s",
             "pinned" if registered else "pageable",
@@ -104,18 +111,47 @@ class HostPool:
 
     def close(self) -> None:
         """Unpin and free it (idempotent)."""
+        self._views.clear()  # before the unpinning: no view may outlive the mapping
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None
         self.tensor = None
 
-    def copy_one(self, slot: Slot, device: torch.device | None, *, to_host: bool) -> None:
-        """Queue one copy between a storage and its place in the pool (current stream)."""
+    def device_view(self, device: torch.device) -> torch.Tensor | None:
+        """The pool as ``device``'s kernels read it (pinned and mapped), or None.
+
+        None for a pageable pool, or where the driver gives no device address: the
+        copy engines then do the copies (logged once).
+        """
+        if device not in self._views:
+            view = None
+            if self.tensor is not None and self._finalizer is not None:  # pinned
+                view = _torch.host_device_view(self.tensor, device)
+            if view is None:
+                info_once(
+                    "offload-no-mapping",
+                    "Offloader: the host pool has no device mapping (pageable, or the driver "
+                    "refused); reloads by kernel use the copy engines",
+                )
+            self._views[device] = view
+        return self._views[device]
+
+    def copy_one(
+        self, slot: Slot, device: torch.device | None, *, to_host: bool, by_kernel: bool = False
+    ) -> None:
+        """Queue one copy between a storage and its place in the pool (current stream).
+
+        ``by_kernel``: a reload done by kernels reading the pool's device mapping
+        (:func:`hybridmem._torch.mapped.copy_by_kernel`), where the pool has one.
+        """
         assert self.tensor is not None, "planned before copying"
         assert device is not None, "planned before copying"
         device_bytes = _torch.storage_bytes(slot.storage, device)
         host_bytes = self.tensor[slot.offset : slot.offset + slot.nbytes]
-        if to_host:
+        view = self.device_view(device) if by_kernel and not to_host else None
+        if view is not None:
+            _torch.copy_by_kernel(device_bytes, view[slot.offset : slot.offset + slot.nbytes])
+        elif to_host:
             host_bytes.copy_(device_bytes, non_blocking=True)
         else:
             device_bytes.copy_(host_bytes, non_blocking=True)

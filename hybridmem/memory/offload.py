@@ -40,7 +40,14 @@ from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem._scope import ScopedContext
 from hybridmem.memory.host_pool import HostPool
-from hybridmem.memory.offload_parts import OffloadReport, Slot, allocate, check_freeable
+from hybridmem.memory.offload_parts import (
+    OffloadReport,
+    Slot,
+    allocate,
+    check_freeable,
+    drop_grads,
+    reload_need,
+)
 from hybridmem.memory.targets import (
     GROUPS,
     Group,
@@ -51,13 +58,13 @@ from hybridmem.memory.targets import (
 )
 from hybridmem.observe import timeline as _timeline
 
-__all__ = ["GROUPS", "OffloadReport", "Offloaded", "Offloader", "offloaded"]
+__all__ = ["GROUPS", "RELOAD_WAYS", "OffloadReport", "Offloaded", "Offloader", "offloaded"]
+
+#: How :meth:`Offloader.reload` may copy: by the copy engines, or by kernels reading
+#: the pool's device mapping (decision 80).
+RELOAD_WAYS = ("copy_engine", "kernel")
 
 _ALIGN = 512  # bytes; each storage starts on this boundary in the pinned pool
-# How the CUDA caching allocator rounds requests (c10/cuda/CUDACachingAllocator):
-# small ones (<= 1 MiB) to 512 B inside 2 MiB blocks, large ones to 2 MiB.
-_SMALL_SIZE, _SMALL_ROUND, _LARGE_ROUND = 1 << 20, 512, 2 << 20
-_HEADROOM = 20 << 20  # one large block for what rounding misses
 
 
 class Offloader:
@@ -157,12 +164,7 @@ class Offloader:
         nothing is offloaded.
         """
         wanted = select_groups(groups)
-        total = 0
-        for slot in self._slots:
-            if slot.group in wanted and slot.offloaded:
-                unit = _SMALL_ROUND if slot.nbytes <= _SMALL_SIZE else _LARGE_ROUND
-                total += -(-slot.nbytes // unit) * unit
-        return total + _HEADROOM if total else 0
+        return reload_need([s for s in self._slots if s.group in wanted and s.offloaded])
 
     @property
     def device(self) -> torch.device | None:
@@ -260,7 +262,7 @@ class Offloader:
         start = time.perf_counter()
         if disabled():
             return self._report("offload", [], [], start)
-        dropped = self._drop_grads() if self.grads == "drop" and "gradients" in wanted else 0
+        dropped = drop_grads(self._targets) if self.grads == "drop" and "gradients" in wanted else 0
         streamed = self._stream_to_host(wanted)
         if streamed is not None:
             todo, side = streamed
@@ -333,9 +335,9 @@ class Offloader:
             allocate(slot)
         self._copy_back(slots, blocking=True)
 
-    def _copy_back(self, slots: Sequence[Slot], *, blocking: bool) -> None:
+    def _copy_back(self, slots: Sequence[Slot], *, blocking: bool, by_kernel: bool = False) -> None:
         """Copy the pool into the slots' (reallocated) storage; device use waits for it."""
-        side, current = self._copy(slots, to_host=False)
+        side, current = self._copy(slots, to_host=False, by_kernel=by_kernel)
         _torch.wait_stream(current, side)
         if blocking:
             _torch.synchronize_stream(side)
@@ -344,7 +346,11 @@ class Offloader:
 
     @_timeline.traced("reload", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def reload(
-        self, groups: str | Iterable[str] | None = None, *, non_blocking: bool = False
+        self,
+        groups: str | Iterable[str] | None = None,
+        *,
+        non_blocking: bool = False,
+        by: Literal["copy_engine", "kernel"] = "copy_engine",
     ) -> OffloadReport:
         """Reallocate the device storage and copy the state back, in place.
 
@@ -354,6 +360,12 @@ class Offloader:
             non_blocking: return once the copies are queued; the current stream
                 is ordered after them, so device work issued afterwards sees the
                 data, without the host waiting.
+            by: ``"copy_engine"`` (``copy_``: leaves the SMs to work queued
+                beside it) or ``"kernel"``: elementwise kernels read the pinned
+                pool through its device mapping. Right after another process freed
+                much device memory (an engine's sleep), the copy engines run at
+                about half speed and kernels do not (decision 80); where the pool
+                has no mapping (pageable), the copy engines do it.
 
         Returns:
             An :class:`OffloadReport` (also logged at INFO).
@@ -367,6 +379,8 @@ class Offloader:
         """
         wanted = select_groups(groups)
         check_bool("non_blocking", non_blocking)
+        if by not in RELOAD_WAYS:
+            raise ValueError(f"by must be one of {', '.join(map(repr, RELOAD_WAYS))}, got {by!r}")
         start = time.perf_counter()
         todo = [s for s in self._slots if s.group in wanted and s.offloaded]
         if not todo:
@@ -380,7 +394,7 @@ class Offloader:
         try:
             for slot in todo:  # allocated on the current stream, where the tensors are used
                 allocate(slot)
-            self._copy_back(todo, blocking=not non_blocking)
+            self._copy_back(todo, blocking=not non_blocking, by_kernel=by == "kernel")
         except BaseException as exc:
             self._unallocate(todo)
             need = sum(s.nbytes for s in todo)
@@ -466,7 +480,9 @@ class Offloader:
         _torch.synchronize_stream(side)  # a re-plan may free the pool
         return None
 
-    def _copy(self, slots: Sequence[Slot], *, to_host: bool) -> tuple[Any, Any]:
+    def _copy(
+        self, slots: Sequence[Slot], *, to_host: bool, by_kernel: bool = False
+    ) -> tuple[Any, Any]:
         """Queue the copies between device storage and pool on the side stream.
 
         The side stream first waits for the work queued on the current stream, which
@@ -482,27 +498,8 @@ class Offloader:
         _torch.wait_stream(side, current)
         with _torch.stream_scope(side):
             for slot in slots:
-                self._host.copy_one(slot, self._device, to_host=to_host)
+                self._host.copy_one(slot, self._device, to_host=to_host, by_kernel=by_kernel)
         return side, current
-
-    def _drop_grads(self) -> int:
-        dropped = 0
-        for index, item in enumerate(self._targets):
-            for _, target in flatten(item, f"targets[{index}]"):
-                if not isinstance(target, torch.nn.Module):
-                    continue
-                for param in target.parameters():
-                    if param.grad is None:
-                        continue
-                    local = _torch.local_tensor(param.grad)
-                    if _torch.is_device_tensor(local):
-                        with contextlib.suppress(TypeError):  # counted where it can be
-                            dropped += sum(
-                                _torch.storage_of(part).nbytes()
-                                for part in _torch.dense_parts(local)
-                            )
-                    param.grad = None
-        return dropped
 
     def _report(
         self,

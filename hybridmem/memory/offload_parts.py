@@ -5,6 +5,7 @@ Split out of :mod:`hybridmem.memory.offload` (issue #27).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -13,9 +14,14 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._format import fmt_bytes
-from hybridmem.memory.targets import Group
+from hybridmem.memory.targets import Group, Target, flatten
 
-__all__ = ["OffloadReport", "Slot", "allocate", "check_freeable"]
+__all__ = ["OffloadReport", "Slot", "allocate", "check_freeable", "drop_grads", "reload_need"]
+
+# How the CUDA caching allocator rounds requests (c10/cuda/CUDACachingAllocator):
+# small ones (<= 1 MiB) to 512 B inside 2 MiB blocks, large ones to 2 MiB.
+_SMALL_SIZE, _SMALL_ROUND, _LARGE_ROUND = 1 << 20, 512, 2 << 20
+_HEADROOM = 20 << 20  # one large block for what rounding misses
 
 
 @dataclass(frozen=True)
@@ -97,3 +103,36 @@ def allocate(slot: Slot) -> None:
     if slot.storage.nbytes() == 0:
         slot.refill = True  # before: a failing resize may have allocated already
         _torch.resize_storage(slot.storage, slot.nbytes)
+
+
+def drop_grads(targets: Sequence[Target]) -> int:
+    """Free the gradients of the modules among ``targets`` (``grads="drop"``); their bytes."""
+    dropped = 0
+    for index, item in enumerate(targets):
+        for _, target in flatten(item, f"targets[{index}]"):
+            if not isinstance(target, torch.nn.Module):
+                continue
+            for param in target.parameters():
+                if param.grad is None:
+                    continue
+                local = _torch.local_tensor(param.grad)
+                if _torch.is_device_tensor(local):
+                    with contextlib.suppress(TypeError):  # counted where it can be
+                        dropped += sum(
+                            _torch.storage_of(part).nbytes() for part in _torch.dense_parts(local)
+                        )
+                param.grad = None
+    return dropped
+
+
+def reload_need(slots: Sequence[Slot]) -> int:
+    """Device memory reallocating ``slots`` needs, about (bytes; 0 for none).
+
+    Each storage rounded as the caching allocator rounds it, plus one 20 MiB block
+    (:meth:`~hybridmem.memory.offload.Offloader.reload_bytes`).
+    """
+    total = 0
+    for slot in slots:
+        unit = _SMALL_ROUND if slot.nbytes <= _SMALL_SIZE else _LARGE_ROUND
+        total += -(-slot.nbytes // unit) * unit
+    return total + _HEADROOM if total else 0

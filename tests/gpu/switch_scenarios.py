@@ -141,8 +141,13 @@ def _cycles(
     barrier: Any = "auto",
     delay: float = 0.0,
     engine: str = "handmade",
+    reload_early: bool | None = None,
 ) -> dict[str, Any]:
-    """Run ``cycles`` train/rollout cycles against a toy engine on ``device``."""
+    """Run ``cycles`` train/rollout cycles against a toy engine on ``device``.
+
+    ``reload_early`` None keeps the switch's default.
+    """
+    early: dict[str, Any] = {} if reload_early is None else {"reload_early": reload_early}
     from hybridmem.bench.engine_memory import preload_env
 
     torch.cuda.set_device(device)
@@ -172,6 +177,7 @@ def _cycles(
         sync_weights=sync_weights,
         barrier=barrier,
         device=device,
+        **early,
     )
     sums: list[float] = []
     boundaries: list[dict[str, int]] = []
@@ -225,9 +231,9 @@ def _cycles(
     }
 
 
-def _fifty(engine: str, cycles: int = 50) -> dict[str, Any]:
+def _fifty(engine: str, cycles: int = 50, reload_early: bool | None = None) -> dict[str, Any]:
     """50 cycles on one GPU: phase-boundary free memory stable, weights arrive intact."""
-    facts = _cycles(cycles, 0, engine=engine)
+    facts = _cycles(cycles, 0, engine=engine, reload_early=reload_early)
     boundaries = facts.pop("boundaries")
     later = boundaries[1:]  # after the first cycle's one-time allocations
     # Whose memory a boundary off its median was: the trainer's allocator (its
@@ -237,7 +243,16 @@ def _fifty(engine: str, cycles: int = 50) -> dict[str, Any]:
     spread = {
         stage: max(b[stage] for b in later) - min(b[stage] for b in later) for stage in later[0]
     }
-    last = boundaries[-1]
+    last: dict[str, int] = boundaries[-1]
+    mine: dict[str, int] = reserved[-1]
+
+    def gained(first: str, then: str) -> int:
+        # Device free memory gained from one boundary to the next, less what this
+        # process's allocator itself gave back or took meanwhile: the sleep stage may
+        # release the trainer's cache, and an early reload (reload_early) allocates
+        # the trainer state before the engine sleeps. What remains is the engine's.
+        return (last[then] - last[first]) + (mine[then] - mine[first])
+
     facts.update(
         cycles=cycles,
         drift_bytes=window_drift(later, window=10),  # cycles 2-11 -> the last ten
@@ -252,20 +267,28 @@ def _fifty(engine: str, cycles: int = 50) -> dict[str, Any]:
         ],
         engine_reserved_asleep_mib=sorted({round(b / MiB, 1) for b in asleep}),
         kv_taken=last["to_rollout:barrier_kv"] - last["to_rollout:wake_kv"],
-        handed_back=last["to_trainer:sleep"] - last["to_rollout:rollout"],
+        handed_back=gained("to_rollout:rollout", "to_trainer:sleep"),
+        trainer_reserved_change=mine["to_trainer:sleep"] - mine["to_rollout:rollout"],
         free_after_reload=[b["to_trainer:reload"] for b in boundaries[::10]],
     )
     return facts
 
 
 def toy_engine() -> dict[str, Any]:
-    """The engine's weights and KV cache in torch_memory_saver regions (preload mode)."""
+    """The engine's weights and KV cache in torch_memory_saver regions (preload mode).
+
+    The switch's default reload (queued before the engine's sleep: room is there).
+    """
     return _fifty("tms")
 
 
 def handmade_engine() -> dict[str, Any]:
-    """The fallback where torch_memory_saver is missing: tensors freed and made again."""
-    return _fifty("handmade")
+    """The fallback where torch_memory_saver is missing: tensors freed and made again.
+
+    The reload after the engine's sleep (``reload_early=False``), so that both of the
+    switch's reload paths run fifty cycles on the GPU.
+    """
+    return _fifty("handmade", reload_early=False)
 
 
 def _rank(rank: int, world: int, port: int, cycles: int, out: str, use_barrier: bool) -> None:

@@ -97,3 +97,14 @@ def test_side_streams_cost_no_stream_pool() -> None:
     assert facts["copied"]
     assert facts["ours"] <= 8 * MiB
     assert facts["pool"] >= 4 * max(facts["ours"], 2 * MiB)  # what was avoided
+
+
+def test_a_reload_by_kernel_is_exact_and_reads_the_pools_mapping() -> None:
+    """Decision 80: kernels read the pinned pool through its device mapping."""
+    facts = run_scenario("offload_by_kernel", "tests.gpu.kernel_scenarios")
+    print(f"\noffload_by_kernel: {facts}")
+    assert facts["has_view"]  # the pool is pinned and mapped: kernels did the reloads
+    assert facts["view_is_the_pool"]  # the mapping reads the pool's bytes
+    assert facts["exact"] == [True] * 6  # by kernel and by copy engine, before and after a peer
+    assert facts["non_blocking_exact"]
+    assert facts["peer_exit"] == 0

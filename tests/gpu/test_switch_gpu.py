@@ -44,12 +44,16 @@ def _check_fifty(facts: dict[str, Any]) -> None:
     print(f"the trainer's reserved bytes off their median: {facts['trainer_reserved_off']}")
     print(f"the engine's reserved MiB asleep (distinct): {facts['engine_reserved_asleep_mib']}")
     taken, back = facts["kv_taken"] / MiB, facts["handed_back"] / MiB
-    print(f"KV taken {taken:.0f} MiB, handed back {back:.0f} MiB")
+    change = facts["trainer_reserved_change"] / MiB
+    print(f"KV taken {taken:.0f} MiB, handed back by the engine {back:.0f} MiB")
+    print(f"the trainer's reserved change over the sleep: {change:+.0f} MiB")
     print("\n".join(facts["last"]))
     assert facts["cycles"] == 50
     assert facts["engine_exit"] == 0  # no pidfd error in the restricted engine
     assert all(facts["weights_match"])  # the engine saw each cycle's trained weights
     assert facts["kv_taken"] > 10 * 1024 * MiB  # a real KV cache came and went
+    # The engine's hand-back: free memory the sleep gained, the trainer's own reserved
+    # change over it (an early reload, a release) counted out.
     assert facts["handed_back"] >= facts["kv_taken"]
     # Drift: the last ten cycles' median against cycles 2-11's (runner.window_drift):
     # a leak moves it, a moment of memory held by something else does not.

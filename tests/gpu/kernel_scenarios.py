@@ -1,0 +1,99 @@
+"""GPU scenario: the Offloader's reload by kernels (decision 80), in a spawned process.
+
+Run by ``tests/gpu/test_offload_gpu.py``: ``python -m tests.gpu.kernel_scenarios NAME``
+prints the facts as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.multiprocessing as tmp
+
+import hybridmem as hm
+
+MiB = 1 << 20
+_ctx = tmp.get_context("spawn")
+
+
+def _peer(conn: Connection, nbytes: int) -> None:
+    """Another process: takes ``nbytes`` and writes them, frees them on each command."""
+    torch.cuda.set_device(0)
+    while conn.recv() == "take":
+        held = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        held.fill_(1)
+        torch.cuda.synchronize()
+        del held
+        torch.cuda.empty_cache()
+        conn.send("freed")
+
+
+def _state() -> dict[str, torch.Tensor]:
+    """Tensors of odd byte lengths (a tail after the 8-byte words) and one large one."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.randn(96 * MiB // 2, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return {
+        "big_bf16": big,
+        "odd_bf16": torch.randn(1_000_003, device="cuda", dtype=torch.bfloat16, generator=gen),
+        "three_bytes": torch.randint(0, 127, (3,), device="cuda", dtype=torch.int8, generator=gen),
+        "fp32": torch.randn(777, 13, device="cuda", generator=gen),
+        "fp64_view": torch.randn(64, 64, device="cuda", dtype=torch.float64, generator=gen)[3:, 5:],
+    }
+
+
+def offload_by_kernel() -> dict[str, Any]:
+    """Bit-exact reloads by kernel: blocking, non-blocking, after a peer's 40 GiB free."""
+    torch.cuda.set_device(0)
+    state = _state()
+    reference = {k: v.cpu().clone() for k, v in state.items()}
+    off = hm.Offloader(list(state.values()))
+    exact: list[bool] = []
+    rates: dict[str, list[float]] = {"kernel": [], "copy_engine": []}
+    parent, child = _ctx.Pipe()
+    peer = _ctx.Process(target=_peer, args=(child, 40 << 30))
+    peer.start()
+    try:
+        for cycle in range(6):
+            off.offload()
+            way = "kernel" if cycle % 2 == 0 else "copy_engine"
+            if cycle >= 2:  # the peer takes and frees, as an engine's sleep does
+                parent.send("take")
+                assert parent.recv() == "freed"
+            report = off.reload(by=way)  # type: ignore[arg-type]
+            rates[way].append(report.gbps)
+            exact.append(all(torch.equal(state[k].cpu(), reference[k]) for k in state))
+        # Non-blocking: work queued on the current stream afterwards sees the data.
+        expected = sum(float(v.double().sum()) for v in state.values())
+        off.offload()
+        off.reload(non_blocking=True, by="kernel")
+        got = sum(float(v.double().sum()) for v in state.values())
+        assert off._host.tensor is not None
+        view = off._host.device_view(torch.device("cuda", 0))
+        pool_bytes = off._host.tensor.numel()
+        view_matches = view is not None and torch.equal(view.cpu(), off._host.tensor)
+    finally:
+        parent.send("stop")
+        peer.join(timeout=60)
+    return {
+        "exact": exact,
+        "non_blocking_exact": got == expected
+        and all(torch.equal(state[k].cpu(), reference[k]) for k in state),
+        "has_view": view is not None,
+        "view_is_the_pool": view_matches,
+        "pool_bytes": pool_bytes,
+        "reload_gbps": rates,
+        "peer_exit": peer.exitcode,
+    }
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "offload_by_kernel": offload_by_kernel,
+}
+
+if __name__ == "__main__":
+    print(json.dumps(SCENARIOS[sys.argv[1]](), default=str))

@@ -1,0 +1,284 @@
+"""A reload done by kernels reading the pinned pool's device mapping (decision 80).
+
+On the CPU, the "device mapping" of the pool is the pool itself (``cpu_mapping``):
+the real :func:`hybridmem._torch.copy_by_kernel` runs on CPU tensors, so its word and
+tail split is checked here; its rate and the mapping are the GPU tests' and the
+benchmark's (``benchmarks/reload_by_kernel.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hybridmem as hm
+from hybridmem import _torch
+from hybridmem._platform import cuda_driver
+from hybridmem._torch import mapped, tensors
+from tests.conftest import FakeTorch
+from tests.test_offload import assert_bitwise_equal, make_model, snapshot
+from tests.test_switch import FakeOffloader, FakeVLLM
+
+
+@pytest.fixture
+def cpu_mapping(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pool's "device mapping" is the pool; each kernel copy's length is recorded."""
+    copies: list[int] = []
+    real = _torch.copy_by_kernel
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        copies.append(dst.numel())
+        real(dst, src)
+
+    monkeypatch.setattr(_torch, "host_device_view", lambda host, device: host)
+    monkeypatch.setattr(_torch, "copy_by_kernel", copy)
+    return copies
+
+
+def test_a_reload_by_kernel_copies_every_storage_bit_for_bit(cpu_mapping: list[int]) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    for _ in range(3):
+        off.offload()
+        assert cpu_mapping == []  # offloads use the copy engines
+        off.reload(by="kernel")
+        assert len(cpu_mapping) == len(off._slots)  # every storage, by kernel
+        assert_bitwise_equal(before, snapshot(model, optimizer))
+        cpu_mapping.clear()
+    off.offload()
+    off.reload()  # the default stays the copy engines
+    assert cpu_mapping == []
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_a_non_blocking_reload_by_kernel_and_groups(cpu_mapping: list[int]) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    off.reload("optimizer", by="kernel", non_blocking=True)
+    assert off.offloaded_groups == {"parameters", "buffers", "gradients"}
+    off.reload(by="kernel")
+    assert not off.offloaded_groups
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_without_a_device_mapping_the_copy_engines_reload_and_say_so_once(
+    cpu_as_device: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    # No CUDA here: the real host_device_view finds no mapping.
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    with caplog.at_level(logging.INFO, logger="hybridmem"):
+        for _ in range(2):
+            off.offload()
+            off.reload(by="kernel")
+    said = [r.getMessage() for r in caplog.records if "no device mapping" in r.getMessage()]
+    assert len(said) <= 1  # info_once: at most once per process
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_a_pageable_pool_is_never_read_by_kernels(
+    cpu_mapping: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer, pin_memory=False)
+    off.offload()
+    off.reload(by="kernel")
+    assert cpu_mapping == []  # a kernel cannot read pageable memory
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_the_device_view_never_outlives_its_pool(cpu_mapping: list[int]) -> None:
+    layer = torch.nn.Linear(8, 8)
+    off = hm.Offloader(layer)
+    off.offload()
+    off.reload(by="kernel")
+    assert off._host._views  # looked for once, kept
+    off.close()
+    assert off._host._views == {}  # dropped before the pool is unpinned
+    off.offload()  # a new pool: its own view
+    off.reload(by="kernel")
+    view = next(iter(off._host._views.values()))
+    assert view is off._host.tensor
+
+
+@pytest.mark.parametrize("by", ["kernels", "engine", "", None, 1])
+def test_a_bad_way_is_refused_before_anything_moves(cpu_as_device: list[int], by: Any) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    with pytest.raises(ValueError, match=r"by must be one of 'copy_engine', 'kernel', got"):
+        off.reload(by=by)
+    assert off.offloaded_groups == {"parameters", "buffers", "gradients", "optimizer"}
+    off.reload()
+
+
+def test_a_kernel_copy_that_fails_reloads_nothing_and_a_retry_works(
+    cpu_mapping: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    real = _torch.copy_by_kernel
+    calls = {"n": 0}
+
+    def failing(dst: torch.Tensor, src: torch.Tensor) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access (injected)")
+        real(dst, src)
+
+    monkeypatch.setattr(_torch, "copy_by_kernel", failing)
+    with pytest.raises(hm.OffloadError, match="nothing was reloaded"):
+        off.reload(by="kernel")
+    assert off.offloaded_groups == {"parameters", "buffers", "gradients", "optimizer"}
+    off.reload(by="kernel")
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+@given(
+    size=st.integers(1, 300),
+    dst_at=st.integers(0, 9),
+    src_at=st.integers(0, 9),
+)
+@settings(max_examples=80, deadline=None)
+def test_copy_by_kernel_copies_any_length_at_any_alignment(
+    size: int, dst_at: int, src_at: int
+) -> None:
+    src_base = torch.randint(0, 256, (size + 16,), dtype=torch.uint8)
+    dst_base = torch.zeros(size + 16, dtype=torch.uint8)
+    src, dst = src_base[src_at : src_at + size], dst_base[dst_at : dst_at + size]
+    mapped.copy_by_kernel(dst, src)
+    assert torch.equal(dst, src)
+    assert not dst_base[:dst_at].any()
+    assert not dst_base[dst_at + size :].any()
+
+
+@pytest.mark.parametrize(
+    ("dst", "src"),
+    [
+        (torch.zeros(8, dtype=torch.uint8), torch.zeros(9, dtype=torch.uint8)),
+        (torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.int8)),
+    ],
+)
+def test_copy_by_kernel_refuses_mismatched_ends(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match=r"copy_by_kernel: dst .* must match"):
+        mapped.copy_by_kernel(dst, src)
+
+
+def test_host_device_view_is_none_without_cuda_or_a_mapping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host = torch.zeros(64, dtype=torch.uint8)
+    cuda = torch.device("cuda", 0)
+    assert mapped.host_device_view(host, cuda) is None  # no CUDA here
+    monkeypatch.setattr(mapped, "cuda_available", lambda: True)
+    monkeypatch.setattr(cuda_driver, "host_device_pointer", lambda address: None)
+    assert mapped.host_device_view(host, cuda) is None  # the driver refused
+    assert mapped.host_device_view(host, torch.device("cpu")) is None
+    assert mapped.host_device_view(host[::2], cuda) is None  # not contiguous
+    made: list[tuple[int, int, int]] = []
+
+    def memory(address: int, nbytes: int, device: int, on_free: Any) -> torch.Tensor:
+        made.append((address, nbytes, device))
+        return host
+
+    monkeypatch.setattr(cuda_driver, "host_device_pointer", lambda address: address + 4096)
+    monkeypatch.setattr(mapped, "tensor_from_memory", memory)
+    assert mapped.host_device_view(host, torch.device("cuda", 3)) is host
+    assert made == [(host.data_ptr() + 4096, 64, 3)]
+
+
+def test_host_device_pointer_is_none_without_the_driver() -> None:
+    if cuda_driver.libcuda() is not None:
+        pytest.skip("this machine has a CUDA driver")
+    assert cuda_driver.host_device_pointer(4096) is None
+
+
+@pytest.mark.parametrize(("mapped_flag", "flags"), [(False, 1), (True, 3)])
+def test_the_pool_is_registered_mapped(
+    monkeypatch: pytest.MonkeyPatch, mapped_flag: bool, flags: int
+) -> None:
+    seen: list[int] = []
+
+    class Cudart:
+        @staticmethod
+        def cudaHostRegister(address: int, nbytes: int, flag: int) -> int:
+            seen.append(flag)
+            return 0
+
+    monkeypatch.setattr(tensors, "cuda_available", lambda: True)
+    monkeypatch.setattr(tensors, "_CUDART", lambda: Cudart)
+    assert tensors.pin_host_tensor(torch.zeros(8), mapped=mapped_flag)
+    assert seen == [flags]
+
+
+def test_the_offloaders_pool_asks_for_a_mapping(
+    monkeypatch: pytest.MonkeyPatch, cpu_as_device: list[int]
+) -> None:
+    asked: list[bool] = []
+
+    def pin(tensor: torch.Tensor, *, mapped: bool = False) -> bool:
+        asked.append(mapped)
+        return True
+
+    monkeypatch.setattr(_torch, "pin_host_tensor", pin)
+    off = hm.Offloader(torch.nn.Linear(4, 4))
+    off.offload()
+    off.reload()
+    assert asked == [True]
+
+
+# --------------------------------------------------------------------------- #
+# The switch reloads by kernel unless told otherwise, on both of its paths
+# --------------------------------------------------------------------------- #
+def _switch(fake: FakeTorch, **kw: Any) -> tuple[hm.HybridSwitch, list[str], list[Any]]:
+    log: list[str] = []
+    ways: list[Any] = []
+
+    class Recording(FakeOffloader):
+        def reload(self, groups: Any = None, **kwargs: Any) -> Any:
+            ways.append(kwargs.get("by"))
+            return super().reload(groups, **kwargs)
+
+    switch = hm.HybridSwitch(
+        hm.VLLMEngine(FakeVLLM(log, fake)),
+        "vllm",
+        Recording(log, need=1 << 30),
+        barrier=None,
+        confirm_timeout_s=0.0,
+        **kw,
+    )
+    return switch, log, ways
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("by", [None, "kernel", "copy_engine"])
+def test_the_switch_reloads_the_way_it_is_told(
+    fake_gpu: FakeTorch, early: bool, by: str | None
+) -> None:
+    kw: dict[str, Any] = {"reload_early": early}
+    if by is not None:
+        kw["reload_by"] = by
+    switch, log, ways = _switch(fake_gpu, **kw)
+    with switch.rollout():
+        pass
+    assert ways == [by or "kernel"]
+    assert switch.reload_by == (by or "kernel")
+    assert ("reload:queued" in log) is early
+
+
+@pytest.mark.parametrize("bad", ["kernels", "copy", None, 3])
+def test_a_bad_reload_by_is_refused_naming_the_ways(fake_gpu: FakeTorch, bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"reload_by must be 'kernel' or 'copy_engine', got"):
+        _switch(fake_gpu, reload_by=bad)
