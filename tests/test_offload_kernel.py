@@ -20,6 +20,9 @@ import hybridmem as hm
 from hybridmem import _torch
 from hybridmem._platform import cuda_driver
 from hybridmem._torch import mapped, tensors
+from hybridmem.engine.reports import StageReport, SwitchReport
+from hybridmem.engine.switch_reload import copy_engine_budget
+from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
 from tests.test_offload import assert_bitwise_equal, make_model, snapshot
 from tests.test_switch import FakeOffloader, FakeVLLM
@@ -247,8 +250,11 @@ def _switch(fake: FakeTorch, **kw: Any) -> tuple[hm.HybridSwitch, list[str], lis
     ways: list[Any] = []
 
     class Recording(FakeOffloader):
+        host_bytes = 3 << 30
+
         def reload(self, groups: Any = None, **kwargs: Any) -> Any:
             ways.append(kwargs.get("by"))
+            firsts.append(kwargs.get("copy_engine_first"))
             return super().reload(groups, **kwargs)
 
     switch = hm.HybridSwitch(
@@ -260,6 +266,9 @@ def _switch(fake: FakeTorch, **kw: Any) -> tuple[hm.HybridSwitch, list[str], lis
         **kw,
     )
     return switch, log, ways
+
+
+firsts: list[Any] = []  # each reload's copy_engine_first, as the switch passed it
 
 
 @pytest.mark.parametrize("early", [True, False])
@@ -276,6 +285,88 @@ def test_the_switch_reloads_the_way_it_is_told(
     assert ways == [by or "kernel"]
     assert switch.reload_by == (by or "kernel")
     assert ("reload:queued" in log) is early
+
+
+def test_an_early_reload_sends_what_the_copy_engines_can_move_during_the_sleep(
+    fake_gpu: FakeTorch,
+) -> None:
+    firsts.clear()
+    switch, _, ways = _switch(fake_gpu)
+    with switch.rollout():
+        pass
+    assert firsts == [0]  # no cycle yet to time the sleep by: all by kernel
+    with switch.rollout():
+        pass
+    # cycle 1's sleep at cycle 2's offload rate (the latest of each when it was queued)
+    sleep = switch.reports[1].stage("sleep").seconds
+    offload = switch.reports[2].stage("offload").seconds
+    assert firsts[-1] == int((3 << 30) / offload * sleep)
+    switch.reload_early = False
+    with switch.rollout():
+        pass
+    assert firsts[-1] is None  # after the sleep: no copy engine first
+    assert ways == ["kernel"] * 3
+
+
+def _report(direction: str, **stages: float) -> SwitchReport:
+    info = MemoryInfo(0, False)
+    return SwitchReport(
+        direction,  # type: ignore[arg-type]
+        0,
+        [StageReport(name, seconds, info, info, 0.0) for name, seconds in stages.items()],
+    )
+
+
+def test_the_copy_engine_budget_is_the_last_sleep_at_the_last_offloads_rate() -> None:
+    out, back = _report("to_rollout", offload=0.5), _report("to_trainer", sleep=0.04)
+    assert copy_engine_budget([], 1 << 30) == 0
+    assert copy_engine_budget([out], 1 << 30) == 0  # no sleep timed yet
+    assert copy_engine_budget([out, back], 1 << 30) == int((1 << 30) / 0.5 * 0.04)
+    assert copy_engine_budget([out, back], 0) == 0
+    newer = _report("to_rollout", offload=0.25)
+    assert copy_engine_budget([out, back, newer], 1 << 30) == int((1 << 30) / 0.25 * 0.04)
+    failed = _report("to_trainer")  # failed before its sleep stage
+    assert copy_engine_budget([out, back, failed], 1 << 30) == 0
+
+
+def test_the_storages_in_the_first_bytes_go_by_copy_engine(cpu_mapping: list[int]) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    sizes = [slot.nbytes for slot in off._slots]
+    first = sizes[0] + sizes[1]  # the first two slots, exactly
+    off.reload(by="kernel", copy_engine_first=first)
+    assert cpu_mapping == sizes[2:]  # every later storage by kernel, in order
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    cpu_mapping.clear()
+    off.offload()
+    off.reload(by="kernel", copy_engine_first=first + 1)  # the third starts before the mark
+    assert cpu_mapping == sizes[3:]
+    cpu_mapping.clear()
+    off.offload()
+    off.reload(by="copy_engine", copy_engine_first=10)  # no kernel at all
+    assert cpu_mapping == []
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+@pytest.mark.parametrize(
+    ("first", "error", "message"),
+    [
+        (-1, ValueError, "copy_engine_first"),
+        (1.5, TypeError, "copy_engine_first"),
+        ("1", TypeError, "copy_engine_first"),
+    ],
+)
+def test_a_bad_copy_engine_first_is_refused(
+    cpu_as_device: list[int], first: Any, error: type[Exception], message: str
+) -> None:
+    off = hm.Offloader(torch.nn.Linear(4, 4))
+    off.offload()
+    with pytest.raises(error, match=message):
+        off.reload(by="kernel", copy_engine_first=first)
+    assert off.offloaded_groups  # nothing moved
+    off.reload()
 
 
 @pytest.mark.parametrize("bad", ["kernels", "copy", None, 3])

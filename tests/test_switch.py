@@ -54,6 +54,8 @@ class FakeVLLM:
 
 
 class FakeOffloader(hm.Offloader):
+    host_bytes = 0  # no pool
+
     def __init__(self, log: list[str], fail: str = "", need: int = 0) -> None:  # no targets
         self.log = log
         self.fail = fail

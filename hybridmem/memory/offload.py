@@ -41,10 +41,12 @@ from hybridmem._log import info_once, logger
 from hybridmem._scope import ScopedContext
 from hybridmem.memory.host_pool import HostPool
 from hybridmem.memory.offload_parts import (
+    RELOAD_WAYS,
     OffloadReport,
     Slot,
     allocate,
     check_freeable,
+    check_reload_way,
     drop_grads,
     reload_need,
 )
@@ -59,10 +61,6 @@ from hybridmem.memory.targets import (
 from hybridmem.observe import timeline as _timeline
 
 __all__ = ["GROUPS", "RELOAD_WAYS", "OffloadReport", "Offloaded", "Offloader", "offloaded"]
-
-#: How :meth:`Offloader.reload` may copy: by the copy engines, or by kernels reading
-#: the pool's device mapping (decision 80).
-RELOAD_WAYS = ("copy_engine", "kernel")
 
 _ALIGN = 512  # bytes; each storage starts on this boundary in the pinned pool
 
@@ -335,9 +333,11 @@ class Offloader:
             allocate(slot)
         self._copy_back(slots, blocking=True)
 
-    def _copy_back(self, slots: Sequence[Slot], *, blocking: bool, by_kernel: bool = False) -> None:
+    def _copy_back(
+        self, slots: Sequence[Slot], *, blocking: bool, kernel_after: int | None = None
+    ) -> None:
         """Copy the pool into the slots' (reallocated) storage; device use waits for it."""
-        side, current = self._copy(slots, to_host=False, by_kernel=by_kernel)
+        side, current = self._copy(slots, to_host=False, kernel_after=kernel_after)
         _torch.wait_stream(current, side)
         if blocking:
             _torch.synchronize_stream(side)
@@ -351,6 +351,7 @@ class Offloader:
         *,
         non_blocking: bool = False,
         by: Literal["copy_engine", "kernel"] = "copy_engine",
+        copy_engine_first: int = 0,
     ) -> OffloadReport:
         """Reallocate the device storage and copy the state back, in place.
 
@@ -360,12 +361,11 @@ class Offloader:
             non_blocking: return once the copies are queued; the current stream
                 is ordered after them, so device work issued afterwards sees the
                 data, without the host waiting.
-            by: ``"copy_engine"`` (``copy_``: leaves the SMs to work queued
-                beside it) or ``"kernel"``: elementwise kernels read the pinned
-                pool through its device mapping. Right after another process freed
-                much device memory (an engine's sleep), the copy engines run at
-                about half speed and kernels do not (decision 80); where the pool
-                has no mapping (pageable), the copy engines do it.
+            by: ``"copy_engine"`` (leaves the SMs to work beside it) or ``"kernel"``:
+                kernels read the pool's device mapping at full speed where the copy
+                engines run at half after another process's large free (decision 80).
+            copy_engine_first: with ``"kernel"``, storages in the first this many
+                bytes go by copy engine (kernels hold up another process's unmapping).
 
         Returns:
             An :class:`OffloadReport` (also logged at INFO).
@@ -379,8 +379,7 @@ class Offloader:
         """
         wanted = select_groups(groups)
         check_bool("non_blocking", non_blocking)
-        if by not in RELOAD_WAYS:
-            raise ValueError(f"by must be one of {', '.join(map(repr, RELOAD_WAYS))}, got {by!r}")
+        kernel_after = check_reload_way(by, copy_engine_first)
         start = time.perf_counter()
         todo = [s for s in self._slots if s.group in wanted and s.offloaded]
         if not todo:
@@ -394,7 +393,7 @@ class Offloader:
         try:
             for slot in todo:  # allocated on the current stream, where the tensors are used
                 allocate(slot)
-            self._copy_back(todo, blocking=not non_blocking, by_kernel=by == "kernel")
+            self._copy_back(todo, blocking=not non_blocking, kernel_after=kernel_after)
         except BaseException as exc:
             self._unallocate(todo)
             need = sum(s.nbytes for s in todo)
@@ -481,12 +480,13 @@ class Offloader:
         return None
 
     def _copy(
-        self, slots: Sequence[Slot], *, to_host: bool, by_kernel: bool = False
+        self, slots: Sequence[Slot], *, to_host: bool, kernel_after: int | None = None
     ) -> tuple[Any, Any]:
         """Queue the copies between device storage and pool on the side stream.
 
         The side stream first waits for the work queued on the current stream, which
-        produced the data (offload) or last used the memory (reload).
+        produced the data (offload) or last used the memory (reload). A reload's
+        slots from ``kernel_after`` bytes on go by kernel (None: none do).
 
         Returns:
             ``(side stream, current stream)``.
@@ -497,8 +497,11 @@ class Offloader:
         current = _torch.current_stream(self._device)
         _torch.wait_stream(side, current)
         with _torch.stream_scope(side):
+            done = 0
             for slot in slots:
-                self._host.copy_one(slot, self._device, to_host=to_host, by_kernel=by_kernel)
+                kernel = kernel_after is not None and done >= kernel_after
+                self._host.copy_one(slot, self._device, to_host=to_host, by_kernel=kernel)
+                done += slot.nbytes
         return side, current
 
     def _report(

@@ -13,15 +13,29 @@ from typing import Literal
 import torch
 
 from hybridmem import _torch
+from hybridmem._checks import check_number
 from hybridmem._format import fmt_bytes
 from hybridmem.memory.targets import Group, Target, flatten
 
-__all__ = ["OffloadReport", "Slot", "allocate", "check_freeable", "drop_grads", "reload_need"]
+__all__ = [
+    "RELOAD_WAYS",
+    "OffloadReport",
+    "Slot",
+    "allocate",
+    "check_freeable",
+    "check_reload_way",
+    "drop_grads",
+    "reload_need",
+]
 
 # How the CUDA caching allocator rounds requests (c10/cuda/CUDACachingAllocator):
 # small ones (<= 1 MiB) to 512 B inside 2 MiB blocks, large ones to 2 MiB.
 _SMALL_SIZE, _SMALL_ROUND, _LARGE_ROUND = 1 << 20, 512, 2 << 20
 _HEADROOM = 20 << 20  # one large block for what rounding misses
+
+#: How :meth:`Offloader.reload` may copy: by the copy engines, or by kernels reading
+#: the pool's device mapping (decision 80).
+RELOAD_WAYS = ("copy_engine", "kernel")
 
 
 @dataclass(frozen=True)
@@ -136,3 +150,20 @@ def reload_need(slots: Sequence[Slot]) -> int:
         unit = _SMALL_ROUND if slot.nbytes <= _SMALL_SIZE else _LARGE_ROUND
         total += -(-slot.nbytes // unit) * unit
     return total + _HEADROOM if total else 0
+
+
+def check_reload_way(by: object, copy_engine_first: object) -> int | None:
+    """Check a reload's ``by`` and ``copy_engine_first``; the bytes after which kernels copy.
+
+    Returns:
+        None for ``by="copy_engine"`` (no kernel), else ``copy_engine_first``.
+
+    Raises:
+        ValueError: ``by`` is not one of :data:`RELOAD_WAYS`, or ``copy_engine_first``
+            is negative.
+        TypeError: ``copy_engine_first`` is not an int.
+    """
+    if by not in RELOAD_WAYS:
+        raise ValueError(f"by must be one of {', '.join(map(repr, RELOAD_WAYS))}, got {by!r}")
+    first = check_number("copy_engine_first", copy_engine_first, integer=True, minimum=0)
+    return int(first) if by == "kernel" else None
