@@ -36,12 +36,12 @@ def switch_for(
     """A switch over the fake engine; ``reload_early`` on unless ``kw`` says (...: unset)."""
     if kw.setdefault("reload_early", True) is Ellipsis:
         del kw["reload_early"]  # the constructor's default
+    kw.setdefault("barrier", None)
     log: list[str] = []
     switch = hm.HybridSwitch(
         hm.VLLMEngine(FakeVLLM(log, fake)),
         "vllm",
         offloader(log, need=need),
-        barrier=None,
         confirm_timeout_s=0.0,
         **kw,
     )
@@ -161,3 +161,31 @@ def test_a_sleep_that_fails_after_queueing_never_skips_a_later_reload(
     log.clear()
     cycle(switch)
     assert log[-2:] == ["sleep:1", "reload"]  # brought back, not taken for queued
+
+
+@pytest.mark.parametrize(
+    ("other_device", "early"), [("GPU-a", False), ("GPU-b", True), (None, True)]
+)
+def test_a_gpu_shared_with_another_ranks_switch_never_reloads_early(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, other_device: str | None, early: bool
+) -> None:
+    """Another rank's engine on this GPU may still generate: the reload waits for it."""
+    from hybridmem import _torch
+    from hybridmem.engine.ranks import RankStatus
+
+    monkeypatch.setattr(_torch, "device_uuid", lambda index: "GPU-a")
+    seen: list[RankStatus] = []
+
+    class TwoRanks:
+        def exchange(self, status: RankStatus) -> list[RankStatus]:
+            seen.append(status)
+            other = RankStatus(1, status.cycle, status.point, True, device=other_device)
+            return [status, other]
+
+    switch, log = switch_for(fake_gpu, need=GiB, barrier=TwoRanks())
+    for _ in range(2):
+        cycle(switch)
+        assert ("reload:queued" in log) is early
+        assert ("reload" in log) is not early  # else after every rank's engine slept
+        log.clear()
+    assert {s.device for s in seen} == {"GPU-a"}  # each status names this rank's GPU

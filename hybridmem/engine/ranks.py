@@ -38,6 +38,8 @@ class RankStatus:
         stage: where it failed.
         error: what failed, as text.
         asleep: whether its engine is asleep (nothing of it awake).
+        device: the UUID of the GPU its switch works on (None: unknown), so that
+            ranks sharing one learn it.
     """
 
     rank: int
@@ -47,6 +49,7 @@ class RankStatus:
     stage: str | None = None
     error: str | None = None
     asleep: bool = True
+    device: str | None = None
 
 
 @runtime_checkable

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hybridmem import _torch
 from hybridmem._errors import HybridSwitchError
 from hybridmem.engine.ranks import RankStatus, RankSync
 from hybridmem.engine.switch_parts import Failure, SwitchState
@@ -21,10 +22,20 @@ class RankProtocol:
 
     if TYPE_CHECKING:  # the switch's, read here
         rank: int
+        device: int | None
         _cycle: int
         _state: SwitchState
         _ranks: RankSync | None
         _out_of_step: bool
+        _shared_device: bool
+
+    def _device_uuid(self) -> str | None:
+        """The UUID of the GPU this switch works on (None without CUDA)."""
+        index = self.device if self.device is not None else _torch.current_device()
+        try:
+            return None if index is None else _torch.device_uuid(index)
+        except (AssertionError, RuntimeError, ValueError):  # no such device here: unknown
+            return None
 
     def _status(self, point: str, failure: Failure | None) -> RankStatus:
         return RankStatus(
@@ -35,6 +46,7 @@ class RankProtocol:
             stage=None if failure is None else failure.stage,
             error=None if failure is None else failure.describe(),
             asleep=not (self._state.weights or self._state.kv),
+            device=self._device_uuid() if self._ranks is not None else None,
         )
 
     def _exchange(self, point: str, failure: Failure | None) -> list[RankStatus]:
@@ -59,6 +71,12 @@ class RankProtocol:
                 f"the ranks are out of step ({listed}): every rank must run the same "
                 "switches in the same order"
             )
+        # Another rank's switch on this GPU: its engine may still be generating when
+        # this rank's switch would reload early, so the reload waits (switch_reload).
+        if status.device is not None and any(
+            s.device == status.device and s.rank != self.rank for s in statuses
+        ):
+            self._shared_device = True
         return statuses
 
     def _remote(self, statuses: list[RankStatus]) -> Failure | None:

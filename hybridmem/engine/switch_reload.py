@@ -19,7 +19,8 @@ How (decision 80): the copies themselves are done by kernels reading the pinned
 pool's device mapping (``reload_by="kernel"``, :mod:`hybridmem._torch.mapped`): the
 copy engines slow down as the engine frees, during the sleep as after it (0.46 of
 the pinned rate after a 60 GiB free and 0.56-0.64 during it; kernels 0.81-0.82,
-``benchmarks/reload_by_kernel.py``).
+``benchmarks/reload_by_kernel.py``). An early reload sends its first bytes by copy
+engine (:func:`copy_engine_budget`): kernels in flight held the engine's sleep up.
 
 A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
 declared here for the type checker only.
@@ -33,7 +34,7 @@ from hybridmem import _torch
 from hybridmem._checks import check_bool
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
-from hybridmem._log import logger
+from hybridmem._log import info_once, logger
 from hybridmem.engine.reports import SwitchReport
 from hybridmem.engine.switch_parts import SwitchState
 from hybridmem.memory.offload import RELOAD_WAYS, Offloader
@@ -109,6 +110,7 @@ class Reloading:
             )
         self.reload_by: Literal["kernel", "copy_engine"] = reload_by
         self._queued = False  # a reload queued before the sleep, not yet waited for
+        self._shared_device = False  # another rank's switch works on this GPU too
 
     def _reload_before_sleep(self) -> None:
         """Queue the reload now if the device has room for it and a margin; else leave it.
@@ -118,6 +120,13 @@ class Reloading:
         after the engine's sleep as usual.
         """
         if not self.reload_early or self.offloader is None or not self._state.offloaded:
+            return
+        if self._shared_device:  # another rank's engine here may still be generating
+            info_once(
+                "switch-shared-device",
+                "HybridSwitch: another rank's switch works on this GPU; the reload waits "
+                "for every rank's engine to sleep (reload_early does not apply)",
+            )
             return
         _, free, need = self._room()
         if not need or free is None or free < need + early_margin(need):
