@@ -247,6 +247,27 @@ def test_offload_steps_in_a_custom_profile(fake_gpu: FakeTorch) -> None:
     assert calls == ["offload:None", "body", "reload:['optimizer']"]
 
 
+def test_a_reload_step_passes_its_way_and_refuses_a_bad_one(fake_gpu: FakeTorch) -> None:
+    ways: list[Any] = []
+
+    class Off:
+        def reload(self, groups: Any, **kw: Any) -> None:
+            ways.append(kw)
+
+    step = hm.Step("reload", "reload", "exit", {"groups": None})
+    profile = hm.BackendProfile("reloading", "test", {"train": (step,)})
+    off = Off()
+    with hm.phase("train", backend=profile, reload={"offloader": off, "by": "kernel"}):
+        pass
+    with hm.phase("train", backend=profile, reload={"offloader": off}):
+        pass
+    assert ways == [{"by": "kernel"}, {}]  # without "by", the Offloader's own default
+    with pytest.raises(
+        ValueError, match=r"phase\('train', backend='reloading'\): reload\.by must be one of"
+    ):
+        hm.phase("train", backend=profile, reload={"offloader": off, "by": "sm"})
+
+
 def test_kill_switch(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYBRIDMEM_DISABLE", "1")
     with hm.phase("wake_up", backend="vllm"):

@@ -15,6 +15,7 @@ from hybridmem._scope import ScopedContext
 from hybridmem.allocator import ExpandableSegments
 from hybridmem.engine.backends.registry import BackendProfile, Step, canonical_phase, get_backend
 from hybridmem.ipc.shareable import IpcSafe
+from hybridmem.memory.offload_parts import check_reload_way
 from hybridmem.memory.release import check_release_args, release_cache
 from hybridmem.observe import timeline as _timeline
 
@@ -140,6 +141,8 @@ class _Prepared:
                 )
             elif step.action == "await_free":
                 check_wait(self.timeout_s)
+            elif step.action == "reload" and "by" in args:
+                check_reload_way(args["by"], 0)
         except (TypeError, ValueError) as exc:  # say which phase and step, keep the type
             # "phase('sleep', backend='vllm'): release_cache.collect_garbage must be ..."
             raise type(exc)(f"{where}: {step.name}.{exc}") from None
@@ -164,6 +167,8 @@ class _Prepared:
                 logger.debug("phase step %s skipped: no offloader given", self.step.name)
             elif action == "offload":
                 offloader.offload(args.get("groups"))
+            elif "by" in args:  # "kernel" after an engine's sleep (decision 80)
+                offloader.reload(args.get("groups"), by=args["by"])
             else:
                 offloader.reload(args.get("groups"))
 

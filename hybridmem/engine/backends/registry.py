@@ -35,7 +35,7 @@ ACTIONS: Mapping[str, str] = MappingProxyType(
         "release_cache": "action: release cached memory (args: collect_garbage, ipc_collect)",
         "await_free": "action: wait until device free memory stops rising (args: timeout_s)",
         "offload": "action: offload the trainer state (args: offloader, groups)",
-        "reload": "action: reload the trainer state (args: offloader, groups)",
+        "reload": "action: reload the trainer state (args: offloader, groups, by)",
     }
 )
 _SCOPES = ("expandable_segments", "ipc_safe")
