@@ -1,13 +1,12 @@
-"""Would a reload by kernels keep its rate, from the Offloader's kind of pool, as the engine frees?
+"""Would a reload by kernels keep its rate as the engine frees, and would both ways at once beat it?
 
 Issue #25, item 3. ``benchmarks/reload_rate.py`` found that a host-to-device copy by
 the copy engines runs at about half the pinned rate for half a second after another
 process frees a lot of device memory, where an elementwise kernel reading the pinned
-buffer through its device mapping keeps 0.82-0.92. From a pool made as the
-Offloader's (a huge-page mapping registered with ``cudaHostRegister``) that kernel
-read 0.79 once and 0.59 twice: three samples, one kind of pool. This script measures,
-``--repeats`` times each, the reload's two situations:
+buffer through its device mapping keeps 0.82-0.92 (decision 80). This script
+measures, ``--repeats`` times each, a reload in three situations:
 
+- ``steady``: no other process frees anything (what each way does on its own);
 - ``after``: this process released its cache, the peer took and freed
   ``--peer-gib``; then the copy lands in memory allocated for it (timed with it).
   This is the reload after the engine's sleep.
@@ -15,17 +14,20 @@ read 0.79 once and 0.59 twice: three samples, one kind of pool. This script meas
   and the peer told to free at once; timed until the copy has landed. This is the
   reload queued before the engine's sleep (``HybridSwitch(reload_early=True)``).
 
-each by every way: ``ce`` (one ``copy_``, a copy engine), ``ce4`` (four chunks on four
-streams: more copy engines?) and ``kernel`` (``bitwise_or`` of 8-byte words read
-through the source's device mapping: the SMs), from every source: ``hostalloc``
-(torch's pinned memory, ``cudaHostAlloc``), ``pool-huge`` (the Offloader's pool: an
-anonymous mapping advised ``MADV_HUGEPAGE``, registered with flags 3, portable and
-mapped) and ``pool-4k`` (the same advised ``MADV_NOHUGEPAGE``). Each rate is printed
-against the ceiling: a copy engine's pinned copy into memory mapped all along,
-measured first in the same process. Every copy is checked bit for bit once.
+each by every way: ``ce`` (one ``copy_``, a copy engine), ``kernel``
+(``hybridmem._torch.copy_by_kernel``: 8-byte words read through the source's device
+mapping, by the SMs), ``kernel2`` (two halves by kernel on two streams) and
+``ceNN+kernel`` (the first NN% by copy engine and the rest by kernel, at once on two
+streams: whether the bus carries both where the copy engine alone is slowed), from
+every source: ``hostalloc`` (torch's pinned memory, ``cudaHostAlloc``) and ``pool``
+(the Offloader's kind of pool: an anonymous mapping advised ``MADV_HUGEPAGE``,
+pinned and mapped through the seam, ``pin_host_tensor(mapped=True)``;
+``--small-pages`` adds one advised ``MADV_NOHUGEPAGE``). Each rate is printed against
+the ceiling: a copy engine's pinned copy into memory mapped all along, measured first
+in the same process. Every copy is checked bit for bit once.
 
 Run on a GPU: ``python benchmarks/reload_by_kernel.py [--gib 3] [--peer-gib 60]
-[--repeats 6] [--json F]``.
+[--repeats 5] [--small-pages] [--json F]``.
 """
 
 from __future__ import annotations
@@ -97,34 +99,15 @@ class Peer:
         self.process.wait(timeout=60)
 
 
-def _cudart() -> Any:
-    import torch
-
-    get: Any = torch.cuda.cudart
-    return get()
-
-
-def _device_view(host: Any) -> Any:
-    """A CUDA int64 tensor over a pinned, mapped host buffer (unified addressing)."""
-    import types
-
-    import torch
-
-    mapping = types.SimpleNamespace(
-        __cuda_array_interface__={
-            "shape": (host.numel() // 8,),
-            "typestr": "<i8",
-            "data": (host.data_ptr(), False),
-            "version": 2,
-            "strides": None,
-        }
-    )
-    return torch.as_tensor(mapping, device="cuda")
-
-
 def _mapped_pool(nbytes: int, huge: bool) -> tuple[Any, mmap.mmap]:
-    """An anonymous mapping advised huge pages or not, registered portable and mapped."""
+    """An anonymous mapping advised huge pages or not, pinned and mapped as the Offloader's.
+
+    Pinned through the seam the Offloader uses (``pin_host_tensor(mapped=True)``), so the
+    kernel rows read exactly what a reload by kernels reads.
+    """
     import torch
+
+    from hybridmem import _torch
 
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
@@ -133,9 +116,8 @@ def _mapped_pool(nbytes: int, huge: bool) -> tuple[Any, mmap.mmap]:
             region.madvise(advice)
     pool = torch.frombuffer(region, dtype=torch.uint8)
     pool.fill_(0)  # touch every page before pinning, as a filled pool is
-    status = int(_cudart().cudaHostRegister(pool.data_ptr(), nbytes, 3))
-    if status != 0:
-        raise RuntimeError(f"cudaHostRegister(flags=3) failed: {status}")
+    if not _torch.pin_host_tensor(pool, mapped=True):
+        raise RuntimeError("pinning the pool (cudaHostRegister, mapped) failed")
     return pool, region
 
 
@@ -149,29 +131,49 @@ def _huge_kib() -> int:
 
 
 def _ways(source: Any, view: Any) -> dict[str, Callable[[Any], None]]:
-    """How to copy ``source`` (a pinned host buffer) into a device tensor ``out``."""
+    """How to copy ``source`` (a pinned host buffer) into a device tensor ``out``.
+
+    ``view`` is ``source``'s device view (``hybridmem._torch.host_device_view``).
+    """
     import torch
+
+    from hybridmem import _torch
+
+    streams = [torch.cuda.Stream() for _ in range(2)]  # type: ignore[no-untyped-call]
 
     def ce(out: Any) -> None:
         out.copy_(source, non_blocking=True)
 
-    streams = [torch.cuda.Stream() for _ in range(4)]  # type: ignore[no-untyped-call]
-
-    def ce4(out: Any) -> None:
-        step = -(-source.numel() // len(streams))
-        current = torch.cuda.current_stream()
-        for index, stream in enumerate(streams):
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                part = slice(index * step, (index + 1) * step)
-                out[part].copy_(source[part], non_blocking=True)
-        for stream in streams:
-            current.wait_stream(stream)
-
     def kernel(out: Any) -> None:
-        torch.bitwise_or(view, 0, out=out.view(torch.int64))
+        _torch.copy_by_kernel(out, view)
 
-    return {"ce": ce, "ce4": ce4, "kernel": kernel}
+    def split(copy_engine_share: float, kernels: bool) -> Callable[[Any], None]:
+        """The first share by one way, the rest by the other, both at once on two streams."""
+
+        def run(out: Any) -> None:
+            cut = int(out.numel() * copy_engine_share) // 8 * 8
+            current = torch.cuda.current_stream()
+            for stream in streams:
+                stream.wait_stream(current)
+            with torch.cuda.stream(streams[0]):
+                if kernels:
+                    _torch.copy_by_kernel(out[:cut], view[:cut])
+                else:
+                    out[:cut].copy_(source[:cut], non_blocking=True)
+            with torch.cuda.stream(streams[1]):
+                _torch.copy_by_kernel(out[cut:], view[cut:])
+            for stream in streams:
+                current.wait_stream(stream)
+
+        return run
+
+    return {
+        "ce": ce,
+        "kernel": kernel,
+        "kernel2": split(0.5, kernels=True),
+        "ce25+kernel": split(0.25, kernels=False),
+        "ce40+kernel": split(0.40, kernels=False),
+    }
 
 
 def _timed(
@@ -187,7 +189,7 @@ def _timed(
         peer.hold(peer_bytes)
         peer.send("free")
         peer.done()
-    else:
+    elif situation == "during":
         peer.hold(peer_bytes)
     torch.cuda.synchronize()
     started = time.perf_counter()
@@ -206,13 +208,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=3.0, help="the state reloaded")
     parser.add_argument("--peer-gib", type=float, default=60.0, help="what the peer frees")
-    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--small-pages", action="store_true", help="also a pool of 4 KiB pages (measured alike)"
+    )
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
 
     import torch
 
     import hybridmem as hm
+    from hybridmem import _torch
 
     if not torch.cuda.is_available():
         print("reload_by_kernel.py needs a CUDA GPU", file=sys.stderr)
@@ -243,7 +249,8 @@ def main() -> int:
     }
     sources: dict[str, Any] = {"hostalloc": hostalloc}
     keep = []
-    for name, huge in (("pool-huge", True), ("pool-4k", False)):
+    pages = (("pool-huge", True), ("pool-4k", False)) if args.small_pages else (("pool", True),)
+    for name, huge in pages:
         before = _huge_kib()
         pool, region = _mapped_pool(nbytes, huge)
         facts["huge_kib"][name] = _huge_kib() - before
@@ -254,11 +261,11 @@ def main() -> int:
     try:
         with hm.expandable_segments(True):  # as the trainer state's memory is
             for source_name, source in sources.items():
-                view = _device_view(source)
+                view = _torch.host_device_view(source, torch.device("cuda", 0))
+                if view is None:
+                    raise RuntimeError(f"{source_name}: no device view of the pinned memory")
                 for way_name, way in _ways(source, view).items():
-                    if way_name == "ce4" and source_name != "hostalloc":
-                        continue
-                    for situation in ("after", "during"):
+                    for situation in ("steady", "after", "during"):
                         key = f"{way_name} {source_name} {situation}"
                         found = []
                         for _ in range(args.repeats):
@@ -270,15 +277,16 @@ def main() -> int:
                         facts["rows"][key] = found
                         each = " ".join(f"{r:5.1f}" for r in found)
                         print(
-                            f"{key:<28} {each}  median/ceiling "
+                            f"{key:<30} {each}  median/ceiling "
                             f"{sorted(found)[len(found) // 2] / ceiling:.2f}",
                             flush=True,
                         )
+                del view
     finally:
         peer.close()
         for source in sources.values():
             if source is not hostalloc:
-                _cudart().cudaHostUnregister(source.data_ptr())
+                _torch.unpin_host_tensor(source.data_ptr())
     print(f"ceiling (copy engine, pinned, into mapped memory): {ceiling:.1f} GB/s")
     print(f"transparent huge pages: {facts['thp']}; pools' huge KiB: {facts['huge_kib']}")
     if args.json_path:

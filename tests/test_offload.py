@@ -609,7 +609,14 @@ _FAULT_POINTS = [
     st.lists(
         st.tuples(
             st.sampled_from(
-                ["offload", "reload", "offload_params", "reload_optimizer", "reload_by_kernel"]
+                [
+                    "offload",
+                    "reload",
+                    "offload_params",
+                    "reload_optimizer",
+                    "reload_by_kernel",
+                    "reload_head_then_tail",  # the switch's early reload
+                ]
             ),
             st.sampled_from(_FAULT_POINTS),
             # one fault, or several in one call (a failure, then its clean-up failing)
@@ -620,7 +627,7 @@ _FAULT_POINTS = [
     )
 )
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_injected_faults_never_lose_data(
     cpu_as_device: list[int],
@@ -644,6 +651,9 @@ def test_injected_faults_never_lose_data(
                     off.reload()
                 elif action == "reload_by_kernel":
                     off.reload(by="kernel")
+                elif action == "reload_head_then_tail":
+                    off.reload(by="copy_engine", max_bytes=max(1, off.host_bytes // 2))
+                    off.reload(by="kernel", non_blocking=True)
                 else:
                     off.reload("optimizer")
             except (hm.OffloadError, _Injected):

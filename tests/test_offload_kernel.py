@@ -20,8 +20,9 @@ import hybridmem as hm
 from hybridmem import _torch
 from hybridmem._platform import cuda_driver
 from hybridmem._torch import mapped, tensors
+from hybridmem.engine import switch_reload
 from hybridmem.engine.reports import StageReport, SwitchReport
-from hybridmem.engine.switch_reload import copy_engine_budget
+from hybridmem.engine.switch_reload import tail_bytes
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
 from tests.test_offload import assert_bitwise_equal, make_model, snapshot
@@ -245,16 +246,18 @@ def test_the_offloaders_pool_asks_for_a_mapping(
 # --------------------------------------------------------------------------- #
 # The switch reloads by kernel unless told otherwise, on both of its paths
 # --------------------------------------------------------------------------- #
-def _switch(fake: FakeTorch, **kw: Any) -> tuple[hm.HybridSwitch, list[str], list[Any]]:
+POOL = 3 << 30  # the recording offloader's pool
+
+
+def _switch(fake: FakeTorch, **kw: Any) -> tuple[hm.HybridSwitch, list[str], list[dict[str, Any]]]:
     log: list[str] = []
-    ways: list[Any] = []
+    calls: list[dict[str, Any]] = []  # each reload's keywords, as the switch passed them
 
     class Recording(FakeOffloader):
-        host_bytes = 3 << 30
+        host_bytes = POOL
 
         def reload(self, groups: Any = None, **kwargs: Any) -> Any:
-            ways.append(kwargs.get("by"))
-            firsts.append(kwargs.get("copy_engine_first"))
+            calls.append(kwargs)
             return super().reload(groups, **kwargs)
 
     switch = hm.HybridSwitch(
@@ -265,47 +268,90 @@ def _switch(fake: FakeTorch, **kw: Any) -> tuple[hm.HybridSwitch, list[str], lis
         confirm_timeout_s=0.0,
         **kw,
     )
-    return switch, log, ways
+    return switch, log, calls
 
 
-firsts: list[Any] = []  # each reload's copy_engine_first, as the switch passed it
-
-
-@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("by", [None, "kernel", "copy_engine"])
-def test_the_switch_reloads_the_way_it_is_told(
-    fake_gpu: FakeTorch, early: bool, by: str | None
+def test_after_the_sleep_the_switch_reloads_the_way_it_is_told(
+    fake_gpu: FakeTorch, by: str | None
 ) -> None:
-    kw: dict[str, Any] = {"reload_early": early}
+    kw: dict[str, Any] = {"reload_early": False}
     if by is not None:
         kw["reload_by"] = by
-    switch, log, ways = _switch(fake_gpu, **kw)
+    switch, log, calls = _switch(fake_gpu, **kw)
     with switch.rollout():
         pass
-    assert ways == [by or "kernel"]
+    assert calls == [{"by": by or "kernel"}]
     assert switch.reload_by == (by or "kernel")
-    assert ("reload:queued" in log) is early
+    assert log[-2:] == ["sleep:1", "reload"]
 
 
-def test_an_early_reload_sends_what_the_copy_engines_can_move_during_the_sleep(
-    fake_gpu: FakeTorch,
+@pytest.fixture
+def quarter_tail(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """The tail is a quarter of the pool once a cycle was timed; each call's arguments."""
+    asked: list[tuple[Any, ...]] = []
+
+    def tail(reports: list[SwitchReport], host_bytes: int) -> int:
+        asked.append((len(reports), host_bytes))
+        timed = any(r.direction == "to_trainer" for r in reports)  # a sleep was timed
+        return host_bytes // 4 if timed else 0
+
+    monkeypatch.setattr(switch_reload, "tail_bytes", tail)
+    return asked
+
+
+@pytest.mark.parametrize("by", ["kernel", "copy_engine"])
+def test_an_early_reload_waits_for_a_head_and_queues_a_tail_for_the_sleep_by_copy_engine(
+    fake_gpu: FakeTorch, quarter_tail: list[tuple[Any, ...]], by: str
 ) -> None:
-    firsts.clear()
-    switch, _, ways = _switch(fake_gpu)
+    switch, log, calls = _switch(fake_gpu, reload_by=by)
     with switch.rollout():
         pass
-    assert firsts == [0]  # no cycle yet to time the sleep by: all by kernel
+    # no sleep timed yet: all of it first, waited for, then the sleep
+    assert calls == [{"by": "copy_engine", "max_bytes": POOL}]
+    assert log[-2:] == ["reload:head", "sleep:1"]
+    calls.clear()
     with switch.rollout():
         pass
-    # cycle 1's sleep at cycle 2's offload rate (the latest of each when it was queued)
-    sleep = switch.reports[1].stage("sleep").seconds
-    offload = switch.reports[2].stage("offload").seconds
-    assert firsts[-1] == int((3 << 30) / offload * sleep)
-    switch.reload_early = False
+    # sized from the reports so far (cycle 1's two and cycle 2's to_rollout) and the pool
+    assert quarter_tail == [(1, POOL), (3, POOL)]
+    # both parts by copy engine whatever reload_by says (decision 81)
+    assert calls == [
+        {"by": "copy_engine", "max_bytes": POOL - POOL // 4},
+        {"non_blocking": True, "by": "copy_engine"},
+    ]
+    assert log[-3:] == ["reload:head", "reload:queued", "sleep:1"]
+    stages = [s.name for s in switch.reports[-1].stages]
+    assert stages[:2] == ["reload_early", "sleep"]  # the sleep's time is the engine's own
+
+
+def test_a_refused_tail_leaves_the_rest_for_after_the_sleep(
+    fake_gpu: FakeTorch,
+    quarter_tail: list[tuple[Any, ...]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="hybridmem")
+    switch, log, _ = _switch(fake_gpu)
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
     with switch.rollout():
         pass
-    assert firsts[-1] is None  # after the sleep: no copy engine first
-    assert ways == ["kernel"] * 3
+    real = type(offloader).reload
+
+    def refuse_queued(self: FakeOffloader, groups: Any = None, **kw: Any) -> Any:
+        if kw.get("non_blocking"):
+            log.append("reload:refused")
+            raise hm.OffloadError("reload of optimizer failed (OutOfMemoryError: injected)")
+        return real(self, groups, **kw)
+
+    type(offloader).reload = refuse_queued  # type: ignore[method-assign]
+    log.clear()
+    with switch.rollout():
+        pass
+    # the head came back; the rest, refused before the sleep, came back after it
+    assert log[-4:] == ["reload:head", "reload:refused", "sleep:1", "reload"]
+    assert offloader.left == 0
+    assert "early reload refused" in caplog.text
 
 
 def _report(direction: str, **stages: float) -> SwitchReport:
@@ -317,16 +363,55 @@ def _report(direction: str, **stages: float) -> SwitchReport:
     )
 
 
-def test_the_copy_engine_budget_is_the_last_sleep_at_the_last_offloads_rate() -> None:
-    out, back = _report("to_rollout", offload=0.5), _report("to_trainer", sleep=0.04)
-    assert copy_engine_budget([], 1 << 30) == 0
-    assert copy_engine_budget([out], 1 << 30) == 0  # no sleep timed yet
-    assert copy_engine_budget([out, back], 1 << 30) == int((1 << 30) / 0.5 * 0.04)
-    assert copy_engine_budget([out, back], 0) == 0
+def test_the_tail_is_the_last_sleep_and_confirm_at_the_last_offloads_rate() -> None:
+    out = _report("to_rollout", offload=0.5)
+    back = _report("to_trainer", reload_early=9.0, sleep=0.04, confirm=0.02, release=0.3)
+    window = 0.04 + 0.02  # not the head before it, nor the release (gc) after it
+    share = switch_reload.TAIL_SHARE
+    assert tail_bytes([], 1 << 30) == 0
+    assert tail_bytes([out], 1 << 30) == 0  # no sleep timed yet
+    assert tail_bytes([out, back], 1 << 30) == int((1 << 30) / 0.5 * share * window)
+    assert tail_bytes([out, back], 0) == 0
     newer = _report("to_rollout", offload=0.25)
-    assert copy_engine_budget([out, back, newer], 1 << 30) == int((1 << 30) / 0.25 * 0.04)
+    assert tail_bytes([out, back, newer], 1 << 30) == int((1 << 30) / 0.25 * share * window)
+    long = _report("to_trainer", sleep=60.0)
+    assert tail_bytes([out, long], 1 << 30) == 1 << 30  # never more than the pool
     failed = _report("to_trainer")  # failed before its sleep stage
-    assert copy_engine_budget([out, back, failed], 1 << 30) == 0
+    assert tail_bytes([out, back, failed], 1 << 30) == 0
+
+
+def test_a_reload_up_to_max_bytes_brings_back_whole_storages_in_order(
+    cpu_as_device: list[int],
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    sizes = [slot.nbytes for slot in off._slots]
+    report = off.reload(max_bytes=sizes[0] + sizes[1] + sizes[2] - 1)  # the third passes it
+    assert report.tensors == 2
+    assert report.nbytes == sizes[0] + sizes[1]
+    assert [slot.offloaded for slot in off._slots] == [False, False] + [True] * (len(sizes) - 2)
+    assert off.offloaded_groups
+    assert off.reload(max_bytes=1).tensors == 1  # below one storage: that one, progress
+    off.reload()  # the rest
+    assert not off.offloaded_groups
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+@pytest.mark.parametrize(
+    ("limit", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), ("1", TypeError)]
+)
+def test_a_bad_max_bytes_is_refused_before_anything_moves(
+    cpu_as_device: list[int], limit: Any, error: type[Exception]
+) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    with pytest.raises(error, match="max_bytes must be a positive int or None"):
+        off.reload(max_bytes=limit)
+    assert all(slot.offloaded for slot in off._slots)
+    off.reload()
 
 
 def test_the_storages_in_the_first_bytes_go_by_copy_engine(cpu_mapping: list[int]) -> None:
@@ -373,3 +458,43 @@ def test_a_bad_copy_engine_first_is_refused(
 def test_a_bad_reload_by_is_refused_naming_the_ways(fake_gpu: FakeTorch, bad: Any) -> None:
     with pytest.raises(ValueError, match=r"reload_by must be 'kernel' or 'copy_engine', got"):
         _switch(fake_gpu, reload_by=bad)
+
+
+def test_kernel_bound_storages_are_allocated_before_any_kernel_is_queued(
+    cpu_mapping: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mapping waits for kernels in flight (H200); a copy-engine slot's precedes its copy."""
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload()
+    sizes = [slot.nbytes for slot in off._slots]
+    events: list[str] = []
+    resize, kernel = _torch.resize_storage, _torch.copy_by_kernel
+    pool = off._host
+    copy_one = pool.copy_one
+
+    def allocate(storage: Any, nbytes: int) -> None:
+        events.append(f"alloc:{nbytes}")
+        resize(storage, nbytes)
+
+    def by_kernel(dst: torch.Tensor, src: torch.Tensor) -> None:
+        events.append(f"kernel:{dst.numel()}")
+        kernel(dst, src)
+
+    def copy(slot: Any, device: Any, *, to_host: bool, by_kernel: bool = False) -> None:
+        if not by_kernel:
+            events.append(f"ce:{slot.nbytes}")
+        copy_one(slot, device, to_host=to_host, by_kernel=by_kernel)
+
+    monkeypatch.setattr(_torch, "resize_storage", allocate)
+    monkeypatch.setattr(_torch, "copy_by_kernel", by_kernel)
+    monkeypatch.setattr(pool, "copy_one", copy)
+    off.reload(by="kernel", copy_engine_first=sizes[0] + sizes[1])
+    head, tail = sizes[:2], sizes[2:]
+    assert events == (
+        [f"alloc:{n}" for n in tail]  # every kernel-bound storage mapped first
+        + [e for n in head for e in (f"alloc:{n}", f"ce:{n}")]  # then each, then its copy
+        + [f"kernel:{n}" for n in tail]
+    )
+    assert_bitwise_equal(before, snapshot(model, optimizer))

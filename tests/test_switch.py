@@ -54,25 +54,37 @@ class FakeVLLM:
 
 
 class FakeOffloader(hm.Offloader):
+    """Logs its moves; a reload with ``max_bytes`` below ``host_bytes`` leaves some offloaded."""
+
     host_bytes = 0  # no pool
 
     def __init__(self, log: list[str], fail: str = "", need: int = 0) -> None:  # no targets
         self.log = log
         self.fail = fail
         self.need = need
+        self.left = 0  # bytes still offloaded
+
+    @property
+    def offloaded_groups(self) -> frozenset[str]:
+        return frozenset({"optimizer"} if self.left else ())
 
     def reload_bytes(self, groups: Any = None) -> int:
         return self.need
 
     def offload(self, groups: Any = None, **kw: Any) -> Any:
         self.log.append("offload")
+        self.left = max(self.host_bytes, 1)  # before: a failed offload may have moved some
         if self.fail == "offload":
             raise Boom("offload")
 
     def reload(self, groups: Any = None, **kw: Any) -> Any:
-        self.log.append("reload:queued" if kw.get("non_blocking") else "reload")
+        head = kw.get("max_bytes") is not None
+        self.log.append(
+            "reload:queued" if kw.get("non_blocking") else ("reload:head" if head else "reload")
+        )
         if self.fail == "reload":
             raise Boom("reload")
+        self.left = max(0, self.left - kw["max_bytes"]) if head else 0
 
 
 def make(
@@ -140,6 +152,7 @@ def test_staged_order_and_allocator_state(trainer: FakeTorch) -> None:
         "rollout",
     ]
     assert [s.name for s in to_trainer.stages] == [
+        "reload_early",
         "sleep",
         "confirm",
         "release",

@@ -3,7 +3,8 @@
 Order (vLLM RFC #15254, verl #302; SGLang's multi-stage wake-up lowered peak memory
 192 -> 131.8 GB for Qwen-32B): offload trainer state -> release -> [barrier] -> wake
 weights -> weight sync -> free staging -> [barrier] -> wake KV cache -> rollout ->
-sleep -> confirm the memory came back -> release -> [barrier] -> reload. Never old
+(reload early, where there is room) -> sleep -> confirm the memory came back ->
+release -> [barrier] -> reload. Never old
 weights + new weights + KV cache at once, and with many ranks no rank wakes its KV
 cache while another rank on the node is still offloading.
 
@@ -57,6 +58,7 @@ from hybridmem.engine.switch_parts import (
     Stage,
     SwitchState,
     adapter,
+    in_thread,
 )
 from hybridmem.engine.switch_ranks import RankProtocol
 from hybridmem.engine.switch_recovery import Recovery
@@ -114,9 +116,11 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         device: the device to measure and release (None: the current device at each
             stage); an index, ``"cuda:N"`` or a ``torch.device``.
         reload_early, reload_by: when and how the trainer state comes back
-            (:mod:`~hybridmem.engine.switch_reload`): queued just before the engine
-            sleeps where the device has room already (False: after the sleep,
-            always); copied by ``"kernel"`` or ``"copy_engine"`` (``Offloader.reload``).
+            (:mod:`~hybridmem.engine.switch_reload`): before the engine sleeps
+            where the device has room already, most of it by copy engine while the
+            engine still holds its memory, the rest during the sleep (False: after
+            the sleep, always); a reload after the sleep copied by ``"kernel"`` or
+            ``"copy_engine"`` (``Offloader.reload``; decisions 80 and 81).
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -301,13 +305,9 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
     def _start_rollout(self) -> object:
         return self._then(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
 
-    def _put_to_sleep(self) -> object:
-        def sleep() -> object:
-            self._reload_before_sleep()  # room permitting (switch_reload)
-            self._enter_phase("sleep")
-            return self._sleep()
-
-        return self._then(self._exit_phase(), sleep)  # rollout
+    def _put_to_sleep(self) -> Awaitable[Any] | None:
+        self._enter_phase("sleep")  # the rollout phase was left by ``reload_early``
+        return self._sleep()
 
     def _confirm(self) -> object:
         # The sleep recipe's own wait (SGLang's) has just watched free memory settle; a
@@ -435,7 +435,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
             while True:
                 try:
                     if call.blocking:
-                        result = await _in_thread(call.fn)
+                        result = await in_thread(call.fn)
                     else:
                         result = call.fn()
                     if inspect.isawaitable(result):
@@ -473,7 +473,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         return self._drive(self._direction("to_rollout"))
 
     def to_trainer(self) -> SwitchReport:
-        """Rollout -> trainer: sleep, confirm memory came back, release, reload."""
+        """Rollout -> trainer: reload early (room permitting), sleep, confirm, release, reload."""
         try:
             return self._drive(self._direction("to_trainer"))
         finally:
@@ -519,18 +519,6 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         sync point and recover too.
         """
         return _RolloutScope(self)
-
-
-async def _in_thread(fn: Callable[[], object]) -> object:
-    """``await`` ``fn()`` in a worker thread; if cancelled, wait for the thread to end first."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():  # the thread cannot be stopped: let it finish
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(task)
-        raise
 
 
 class _RolloutScope:

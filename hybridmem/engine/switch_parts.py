@@ -7,6 +7,8 @@ Split out of :mod:`hybridmem.engine.switch` (issue #27) with the rank protocol
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ __all__ = [
     "Stage",
     "SwitchState",
     "adapter",
+    "in_thread",
 ]
 
 #: The stages of each direction, in order, as data: (stage, the method that runs it).
@@ -44,6 +47,7 @@ STAGES: dict[str, tuple[tuple[str, str | None], ...]] = {
         ("rollout", "_start_rollout"),
     ),
     "to_trainer": (
+        ("reload_early", "_reload_early"),
         ("sleep", "_put_to_sleep"),
         ("confirm", "_confirm"),
         ("release", "_release"),
@@ -117,3 +121,19 @@ class SwitchState:
     weights: bool = False
     kv: bool = False
     phases: list[ScopedContext] = field(default_factory=list)
+
+
+async def in_thread(fn: Callable[[], object]) -> object:
+    """``await`` ``fn()`` in a worker thread; if cancelled, wait for the thread to end first.
+
+    The thread cannot be stopped (an offload or reload midway): recovery must not
+    touch the same state until it has finished.
+    """
+    task = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():  # the thread cannot be stopped: let it finish
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
+        raise

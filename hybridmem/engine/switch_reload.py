@@ -15,12 +15,19 @@ On by default since the GPU switch tests ran fifty cycles with it (their
 ``handed_back`` now counts the trainer's own reserved change over the sleep out);
 ``HybridSwitch(reload_early=False)`` always reloads after the sleep.
 
-How (decision 80): the copies themselves are done by kernels reading the pinned
-pool's device mapping (``reload_by="kernel"``, :mod:`hybridmem._torch.mapped`): the
-copy engines slow down as the engine frees, during the sleep as after it (0.46 of
-the pinned rate after a 60 GiB free and 0.56-0.64 during it; kernels 0.81-0.82,
-``benchmarks/reload_by_kernel.py``). An early reload sends its first bytes by copy
-engine (:func:`copy_engine_budget`): kernels in flight held the engine's sleep up.
+How (decisions 80 and 81): the reload after the sleep is done by kernels reading the
+pinned pool's device mapping (``reload_by="kernel"``, :mod:`hybridmem._torch.mapped`):
+the copy engines slow down as the engine frees, during the sleep as after it (0.46 of
+the pinned rate after a 60 GiB free and 0.53-0.64 during it; kernels 0.80-0.82,
+``benchmarks/reload_by_kernel.py``). The early reload is by copy engine, in two parts,
+in its own stage ``reload_early`` before the sleep: a **head** the host waits for, at
+the full rate while the engine still holds its memory, then a **tail** queued just
+before the engine sleeps, sized to last through the last cycle's sleep and wait for
+free memory (:func:`tail_bytes`), so that those stages overlap the copy. Not by
+kernel: kernels top out at 0.82 of the pinned rate even with nothing freed, both ways
+at once ran slower than kernels alone (0.62-0.71), and a tail by kernel held the
+engine's sleep up (84-110 ms against 22-64 ms with the copy engines, in the bench at 8
+and 32 GiB).
 
 A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
 declared here for the type checker only.
@@ -28,7 +35,8 @@ declared here for the type checker only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from hybridmem import _torch
 from hybridmem._checks import check_bool
@@ -36,10 +44,10 @@ from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem.engine.reports import SwitchReport
-from hybridmem.engine.switch_parts import SwitchState
+from hybridmem.engine.switch_parts import SwitchState, in_thread
 from hybridmem.memory.offload import RELOAD_WAYS, Offloader
 
-__all__ = ["Reloading", "copy_engine_budget", "early_margin"]
+__all__ = ["TAIL_SHARE", "TAIL_STAGES", "Reloading", "early_margin", "tail_bytes"]
 
 #: The least room, beyond the trainer state, that an early reload leaves the device.
 EARLY_MARGIN_BYTES = 256 << 20
@@ -69,24 +77,40 @@ def _seconds(reports: list[SwitchReport], direction: str, stage: str) -> float |
     return None
 
 
-def copy_engine_budget(reports: list[SwitchReport], host_bytes: int) -> int:
-    """Bytes of an early reload the copy engines can move while the engine sleeps.
+#: The share of the offload's rate an early reload's tail (by copy engine) is sized at
+#: while the engine sleeps: the copy engines ran at 0.53-0.64 of the pinned rate
+#: during a peer's free (``benchmarks/reload_by_kernel.py``). Below that on purpose:
+#: a tail still in flight when the ``confirm`` stage releases the cache is waited for
+#: there, which lengthens ``confirm`` and so the next tail; at 0.75 and 1.0 that grew
+#: cycle after cycle in the bench (confirm 232 -> 357 ms at 32 GiB), at 0.5 it settled
+#: after one cycle (decision 81).
+TAIL_SHARE = 0.5
 
-    The last ``sleep`` stage's seconds at the last ``offload`` stage's rate (the same
-    pool and copy engines, the other way). Those bytes go by copy engine, the rest by
-    kernel: kernels in flight held the engine's sleep up (measured on an H200: 55-104
-    ms against 29-47 ms with the copy engines, decision 80), and the copy engines run
-    at full rate until the engine frees. 0 before any full cycle: all by kernel.
+#: The stages an early reload's tail runs through: the engine's sleep and the wait for
+#: its memory (not the release after them, whose first full garbage collection took
+#: 166-243 ms in the bench and would size the next tail by it).
+TAIL_STAGES = ("sleep", "confirm")
+
+
+def tail_bytes(reports: list[SwitchReport], host_bytes: int) -> int:
+    """Bytes of an early reload to queue just before the engine sleeps (the tail).
+
+    What the copy engines move in the last cycle's :data:`TAIL_STAGES` (the engine's
+    sleep and the wait for its memory) at :data:`TAIL_SHARE` of the last
+    ``offload`` stage's rate (the same pool and bus, the other way). The rest (the
+    head) goes first, and the host waits for it: those copies run at the full rate
+    while the engine still holds its memory. 0 before any full cycle: all of it
+    first, then the sleep.
 
     Example:
-        >>> copy_engine_budget([], 1 << 30)
+        >>> tail_bytes([], 1 << 30)
         0
     """
-    sleep = _seconds(reports, "to_trainer", "sleep")
+    window = sum(_seconds(reports, "to_trainer", stage) or 0.0 for stage in TAIL_STAGES)
     offload = _seconds(reports, "to_rollout", "offload")
-    if not sleep or not offload or host_bytes <= 0:
+    if not window or not offload or host_bytes <= 0:
         return 0
-    return int(host_bytes / offload * sleep)
+    return min(host_bytes, int(host_bytes / offload * TAIL_SHARE * window))
 
 
 class Reloading:
@@ -98,7 +122,14 @@ class Reloading:
         reports: list[SwitchReport]
         _state: SwitchState
 
+        _async_mode: bool
+
         def _room(self) -> tuple[bool, int | None, int]: ...
+
+        def _exit_phase(self, exc: BaseException | None = None) -> Awaitable[None] | None: ...
+
+        @staticmethod
+        def _then(first: Awaitable[Any] | None, then: Callable[[], object]) -> Any: ...
 
     def _init_reload(self, reload_early: bool, reload_by: Literal["kernel", "copy_engine"]) -> None:
         """Check and keep the switch's ``reload_early`` and ``reload_by``."""
@@ -112,12 +143,30 @@ class Reloading:
         self._queued = False  # a reload queued before the sleep, not yet waited for
         self._shared_device = False  # another rank's switch works on this GPU too
 
-    def _reload_before_sleep(self) -> None:
-        """Queue the reload now if the device has room for it and a margin; else leave it.
+    def _reload_early(self) -> object:
+        """Stage ``reload_early``: leave the rollout phase; reload now where there is room.
 
-        Nothing fails here: without room, or if the reload is refused (nothing was
-        reloaded, the data is intact in the host pool), the ``reload`` stage reloads
-        after the engine's sleep as usual.
+        After the phase: the trainer state's memory is allocated under the trainer's
+        allocator settings. The head's wait runs in a worker thread under the async
+        driver (the event loop keeps running).
+        """
+
+        def reload() -> object:
+            if self._async_mode:
+                return in_thread(self._reload_before_sleep)
+            self._reload_before_sleep()
+            return None
+
+        return self._then(self._exit_phase(), reload)  # rollout
+
+    def _reload_before_sleep(self) -> None:
+        """Reload now if the device has room for it and a margin; else leave it for later.
+
+        The head by copy engine, waited for; the tail (:func:`tail_bytes`) queued by
+        copy engine too, for the ``reload`` stage to wait for. Nothing fails here for
+        want of room: without it, or if a part is refused (what was not reloaded is
+        intact in the host pool), the ``reload`` stage reloads the rest after the
+        engine's sleep as usual.
         """
         if not self.reload_early or self.offloader is None or not self._state.offloaded:
             return
@@ -131,20 +180,25 @@ class Reloading:
         _, free, need = self._room()
         if not need or free is None or free < need + early_margin(need):
             return
+        total = self.offloader.host_bytes
+        tail = tail_bytes(self.reports, total)
         try:
-            first = copy_engine_budget(self.reports, self.offloader.host_bytes)
-            self.offloader.reload(non_blocking=True, by=self.reload_by, copy_engine_first=first)
-        except OffloadError as exc:  # nothing reloaded, intact: after the sleep, then
+            if tail < total:  # the host waits: no engine frees while these copies run
+                self.offloader.reload(by="copy_engine", max_bytes=total - tail)
+            if self.offloader.offloaded_groups:  # through the sleep, by copy engine too
+                self.offloader.reload(non_blocking=True, by="copy_engine")
+                self._queued = True
+        except OffloadError as exc:  # what was not reloaded is intact: after the sleep
             logger.info("HybridSwitch: early reload refused (%s); reloading after the sleep", exc)
             return
         self._state.offloaded = False
-        self._queued = True
         logger.debug(
-            "HybridSwitch: %s queued for reload before the engine's sleep (%s free; "
-            "the first %s by copy engine)",
+            "HybridSwitch: %s reloaded before the engine's sleep (%s free): %s by copy "
+            "engine first, %s while it sleeps",
             fmt_bytes(need),
             fmt_bytes(free),
-            fmt_bytes(first if self.reload_by == "kernel" else need),
+            fmt_bytes(total - tail),
+            fmt_bytes(tail),
         )
 
     def _reload(self) -> None:

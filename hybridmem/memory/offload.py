@@ -48,6 +48,7 @@ from hybridmem.memory.offload_parts import (
     check_freeable,
     check_reload_way,
     drop_grads,
+    first_slots,
     reload_need,
 )
 from hybridmem.memory.targets import (
@@ -259,7 +260,7 @@ class Offloader:
         check_bool("release_cache", release_cache)
         start = time.perf_counter()
         if disabled():
-            return self._report("offload", [], [], start)
+            return self._report("offload", [], start)
         dropped = drop_grads(self._targets) if self.grads == "drop" and "gradients" in wanted else 0
         streamed = self._stream_to_host(wanted)
         if streamed is not None:
@@ -274,7 +275,7 @@ class Offloader:
                         "offload-nothing",
                         "Offloader: no target tensor is on a GPU; nothing to move",
                     )
-                return self._report("offload", wanted, [], start, dropped)
+                return self._report("offload", [], start, dropped)
             for slot in todo:
                 if slot.storage.nbytes() != slot.nbytes:
                     raise RuntimeError(
@@ -288,7 +289,7 @@ class Offloader:
         self._free(todo)
         if release_cache:
             _torch.empty_cache()
-        return self._report("offload", wanted, todo, start, dropped)
+        return self._report("offload", todo, start, dropped)
 
     def _free(self, slots: Sequence[Slot]) -> None:
         """Free the slots' device storage and mark them offloaded, all or none.
@@ -327,16 +328,13 @@ class Offloader:
 
     def _restore(self, slots: Sequence[Slot]) -> None:
         """Reallocate and refill freed storages from the pool (blocking)."""
-        if not slots:
-            return
-        for slot in slots:
-            allocate(slot)
-        self._copy_back(slots, blocking=True)
+        if slots:
+            self._copy_back(slots, blocking=True)
 
     def _copy_back(
         self, slots: Sequence[Slot], *, blocking: bool, kernel_after: int | None = None
     ) -> None:
-        """Copy the pool into the slots' (reallocated) storage; device use waits for it."""
+        """Reallocate the slots' storage and copy the pool into it; device use waits for it."""
         side, current = self._copy(slots, to_host=False, kernel_after=kernel_after)
         _torch.wait_stream(current, side)
         if blocking:
@@ -352,6 +350,7 @@ class Offloader:
         non_blocking: bool = False,
         by: Literal["copy_engine", "kernel"] = "copy_engine",
         copy_engine_first: int = 0,
+        max_bytes: int | None = None,
     ) -> OffloadReport:
         """Reallocate the device storage and copy the state back, in place.
 
@@ -366,6 +365,8 @@ class Offloader:
                 engines run at half after another process's large free (decision 80).
             copy_engine_first: with ``"kernel"``, storages in the first this many
                 bytes go by copy engine (kernels hold up another process's unmapping).
+            max_bytes: reload only the first storages (in pool order) within this many
+                bytes, at least one; the rest stay offloaded for a later ``reload()``.
 
         Returns:
             An :class:`OffloadReport` (also logged at INFO).
@@ -381,9 +382,9 @@ class Offloader:
         check_bool("non_blocking", non_blocking)
         kernel_after = check_reload_way(by, copy_engine_first)
         start = time.perf_counter()
-        todo = [s for s in self._slots if s.group in wanted and s.offloaded]
+        todo = first_slots([s for s in self._slots if s.group in wanted and s.offloaded], max_bytes)
         if not todo:
-            return self._report("reload", wanted, [], start)
+            return self._report("reload", [], start)
         for slot in todo:
             if slot.storage.nbytes() != 0 and not slot.refill:
                 raise RuntimeError(
@@ -391,8 +392,6 @@ class Offloader:
                     "refusing to overwrite it. Do not touch offloaded tensors before reload()."
                 )
         try:
-            for slot in todo:  # allocated on the current stream, where the tensors are used
-                allocate(slot)
             self._copy_back(todo, blocking=not non_blocking, kernel_after=kernel_after)
         except BaseException as exc:
             self._unallocate(todo)
@@ -408,7 +407,7 @@ class Offloader:
             ) from exc
         for slot in todo:
             slot.offloaded = False
-        return self._report("reload", wanted, todo, start)
+        return self._report("reload", todo, start)
 
     def _unallocate(self, slots: Sequence[Slot]) -> None:
         """Free again the slots reallocated but not refilled, so a retry starts from freed.
@@ -485,8 +484,13 @@ class Offloader:
         """Queue the copies between device storage and pool on the side stream.
 
         The side stream first waits for the work queued on the current stream, which
-        produced the data (offload) or last used the memory (reload). A reload's
-        slots from ``kernel_after`` bytes on go by kernel (None: none do).
+        produced the data (offload) or last used the memory (reload). A reload
+        reallocates each slot on the current stream, where the tensors are used: just
+        before its copy by copy engine, so the copies overlap the allocations (mapping
+        16 GiB of expandable segments takes tens of ms), but all those going by kernel
+        (from ``kernel_after`` bytes on; None: none) before any kernel is queued, since
+        a mapping waited for the kernels in flight (measured on an H200: a queued reload
+        of 1.6 GiB by kernel took as long to queue as to run).
 
         Returns:
             ``(side stream, current stream)``.
@@ -496,32 +500,28 @@ class Offloader:
         side = self._side_stream(self._device)
         current = _torch.current_stream(self._device)
         _torch.wait_stream(side, current)
-        with _torch.stream_scope(side):
-            done = 0
-            for slot in slots:
-                kernel = kernel_after is not None and done >= kernel_after
+        ways, done = [], 0
+        for slot in slots:
+            ways.append(kernel_after is not None and done >= kernel_after)
+            done += slot.nbytes
+        for slot, kernel in zip(slots, ways, strict=True):
+            if kernel and not to_host:  # mapping memory waits for kernels in flight: first
+                allocate(slot)
+        for slot, kernel in zip(slots, ways, strict=True):
+            if not to_host:
+                allocate(slot)  # does nothing for a slot allocated above
+            with _torch.stream_scope(side):
                 self._host.copy_one(slot, self._device, to_host=to_host, by_kernel=kernel)
-                done += slot.nbytes
         return side, current
 
     def _report(
         self,
         direction: Literal["offload", "reload"],
-        groups: Sequence[str],
         slots: Sequence[Slot],
         start: float,
         dropped: int = 0,
     ) -> OffloadReport:
-        report = OffloadReport(
-            direction=direction,
-            groups=tuple(sorted({s.group for s in slots}, key=GROUPS.index)) if slots else (),
-            nbytes=sum(s.nbytes for s in slots),
-            tensors=len(slots),
-            seconds=time.perf_counter() - start,
-            host_pool_bytes=self.host_bytes,
-            device=str(self._device) if self._device is not None else "none",
-            dropped_grad_bytes=dropped,
-        )
+        report = OffloadReport.of(direction, slots, start, self.host_bytes, self._device, dropped)
         if slots or dropped:
             logger.info("%s", report)
         return report

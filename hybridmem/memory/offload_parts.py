@@ -6,6 +6,7 @@ Split out of :mod:`hybridmem.memory.offload` (issue #27).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -15,7 +16,7 @@ import torch
 from hybridmem import _torch
 from hybridmem._checks import check_number
 from hybridmem._format import fmt_bytes
-from hybridmem.memory.targets import Group, Target, flatten
+from hybridmem.memory.targets import GROUPS, Group, Target, flatten
 
 __all__ = [
     "RELOAD_WAYS",
@@ -25,6 +26,7 @@ __all__ = [
     "check_freeable",
     "check_reload_way",
     "drop_grads",
+    "first_slots",
     "reload_need",
 ]
 
@@ -62,6 +64,28 @@ class OffloadReport:
     host_pool_bytes: int
     device: str
     dropped_grad_bytes: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        direction: Literal["offload", "reload"],
+        slots: Sequence[Slot],
+        start: float,
+        host_pool_bytes: int,
+        device: torch.device | None,
+        dropped: int = 0,
+    ) -> OffloadReport:
+        """The report of ``slots`` moved since ``start`` (a ``time.perf_counter()``)."""
+        return cls(
+            direction=direction,
+            groups=tuple(sorted({s.group for s in slots}, key=GROUPS.index)) if slots else (),
+            nbytes=sum(s.nbytes for s in slots),
+            tensors=len(slots),
+            seconds=time.perf_counter() - start,
+            host_pool_bytes=host_pool_bytes,
+            device=str(device) if device is not None else "none",
+            dropped_grad_bytes=dropped,
+        )
 
     @property
     def gbps(self) -> float:
@@ -167,3 +191,25 @@ def check_reload_way(by: object, copy_engine_first: object) -> int | None:
         raise ValueError(f"by must be one of {', '.join(map(repr, RELOAD_WAYS))}, got {by!r}")
     first = check_number("copy_engine_first", copy_engine_first, integer=True, minimum=0)
     return int(first) if by == "kernel" else None
+
+
+def first_slots(slots: list[Slot], max_bytes: object) -> list[Slot]:
+    """The first ``slots`` within ``max_bytes`` (at least one), or all for None.
+
+    Raises:
+        TypeError: ``max_bytes`` is not an int or None.
+        ValueError: ``max_bytes`` is below 1.
+    """
+    if max_bytes is None:
+        return slots
+    limit = check_number(
+        "max_bytes", max_bytes, integer=True, minimum=1, expected="a positive int or None"
+    )
+    taken: list[Slot] = []
+    total = 0
+    for slot in slots:
+        if taken and total + slot.nbytes > limit:
+            break
+        taken.append(slot)
+        total += slot.nbytes
+    return taken

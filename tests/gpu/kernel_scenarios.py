@@ -76,6 +76,22 @@ def offload_by_kernel() -> dict[str, Any]:
         view = off._host.device_view(torch.device("cuda", 0))
         pool_bytes = off._host.tensor.numel()
         view_matches = view is not None and torch.equal(view.cpu(), off._host.tensor)
+        # The switch's early reload (decision 81): a head by copy engine, waited for,
+        # then the tail queued by kernel while the peer frees, as an engine's sleep does.
+        head_tail: list[bool] = []
+        for _ in range(2):
+            off.offload()
+            off.reload(by="copy_engine", max_bytes=off.host_bytes // 2)
+            head_left = bool(off.offloaded_groups)
+            off.reload(non_blocking=True, by="kernel")
+            parent.send("take")
+            assert parent.recv() == "freed"
+            torch.cuda.synchronize()
+            head_tail.append(
+                head_left
+                and not off.offloaded_groups
+                and all(torch.equal(state[k].cpu(), reference[k]) for k in state)
+            )
     finally:
         parent.send("stop")
         peer.join(timeout=60)
@@ -85,6 +101,7 @@ def offload_by_kernel() -> dict[str, Any]:
         and all(torch.equal(state[k].cpu(), reference[k]) for k in state),
         "has_view": view is not None,
         "view_is_the_pool": view_matches,
+        "head_then_tail_exact": head_tail,
         "pool_bytes": pool_bytes,
         "reload_gbps": rates,
         "peer_exit": peer.exitcode,

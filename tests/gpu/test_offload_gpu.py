@@ -107,4 +107,5 @@ def test_a_reload_by_kernel_is_exact_and_reads_the_pools_mapping() -> None:
     assert facts["view_is_the_pool"]  # the mapping reads the pool's bytes
     assert facts["exact"] == [True] * 6  # by kernel and by copy engine, before and after a peer
     assert facts["non_blocking_exact"]
+    assert facts["head_then_tail_exact"] == [True, True]  # the switch's early reload
     assert facts["peer_exit"] == 0
