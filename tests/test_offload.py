@@ -43,6 +43,17 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[t
     return tensors
 
 
+def offloaded_model(
+    **kw: Any,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor], hm.Offloader]:
+    """:func:`make_model`, its :func:`snapshot`, and an Offloader (``kw``) that offloaded it."""
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer, **kw)
+    off.offload()
+    return model, optimizer, before, off
+
+
 def assert_bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):

@@ -25,7 +25,7 @@ from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.engine.switch_reload import tail_bytes
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
-from tests.test_offload import assert_bitwise_equal, make_model, snapshot
+from tests.test_offload import assert_bitwise_equal, make_model, offloaded_model, snapshot
 from tests.test_switch import FakeOffloader, FakeVLLM
 
 
@@ -62,10 +62,7 @@ def test_a_reload_by_kernel_copies_every_storage_bit_for_bit(cpu_mapping: list[i
 
 
 def test_a_non_blocking_reload_by_kernel_and_groups(cpu_mapping: list[int]) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
-    off.offload()
+    model, optimizer, before, off = offloaded_model()
     off.reload("optimizer", by="kernel", non_blocking=True)
     assert off.offloaded_groups == {"parameters", "buffers", "gradients"}
     off.reload(by="kernel")
@@ -92,10 +89,7 @@ def test_without_a_device_mapping_the_copy_engines_reload_and_say_so_once(
 def test_a_pageable_pool_is_never_read_by_kernels(
     cpu_mapping: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer, pin_memory=False)
-    off.offload()
+    model, optimizer, before, off = offloaded_model(pin_memory=False)
     off.reload(by="kernel")
     assert cpu_mapping == []  # a kernel cannot read pageable memory
     assert_bitwise_equal(before, snapshot(model, optimizer))
@@ -129,10 +123,7 @@ def test_a_bad_way_is_refused_before_anything_moves(cpu_as_device: list[int], by
 def test_a_kernel_copy_that_fails_reloads_nothing_and_a_retry_works(
     cpu_mapping: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
-    off.offload()
+    model, optimizer, before, off = offloaded_model()
     real = _torch.copy_by_kernel
     calls = {"n": 0}
 
@@ -383,10 +374,7 @@ def test_the_tail_is_the_last_sleep_and_confirm_at_the_last_offloads_rate() -> N
 def test_a_reload_up_to_max_bytes_brings_back_whole_storages_in_order(
     cpu_as_device: list[int],
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
-    off.offload()
+    model, optimizer, before, off = offloaded_model()
     sizes = [slot.nbytes for slot in off._slots]
     report = off.reload(max_bytes=sizes[0] + sizes[1] + sizes[2] - 1)  # the third passes it
     assert report.tensors == 2
@@ -415,10 +403,7 @@ def test_a_bad_max_bytes_is_refused_before_anything_moves(
 
 
 def test_the_storages_in_the_first_bytes_go_by_copy_engine(cpu_mapping: list[int]) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
-    off.offload()
+    model, optimizer, before, off = offloaded_model()
     sizes = [slot.nbytes for slot in off._slots]
     first = sizes[0] + sizes[1]  # the first two slots, exactly
     off.reload(by="kernel", copy_engine_first=first)
@@ -464,10 +449,7 @@ def test_kernel_bound_storages_are_allocated_before_any_kernel_is_queued(
     cpu_mapping: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A mapping waits for kernels in flight (H200); a copy-engine slot's precedes its copy."""
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
-    off.offload()
+    model, optimizer, before, off = offloaded_model()
     sizes = [slot.nbytes for slot in off._slots]
     events: list[str] = []
     resize, kernel = _torch.resize_storage, _torch.copy_by_kernel

@@ -49,6 +49,7 @@ from hybridmem.memory.offload_parts import (
     check_reload_way,
     drop_grads,
     first_slots,
+    kernel_split,
     reload_need,
 )
 from hybridmem.memory.targets import (
@@ -500,18 +501,15 @@ class Offloader:
         side = self._side_stream(self._device)
         current = _torch.current_stream(self._device)
         _torch.wait_stream(side, current)
-        ways, done = [], 0
-        for slot in slots:
-            ways.append(kernel_after is not None and done >= kernel_after)
-            done += slot.nbytes
-        for slot, kernel in zip(slots, ways, strict=True):
-            if kernel and not to_host:  # mapping memory waits for kernels in flight: first
+        split = kernel_split(slots, kernel_after)  # the slots from ``split`` on go by kernel
+        if not to_host:  # mapping memory waits for kernels in flight: theirs first
+            for slot in slots[split:]:
                 allocate(slot)
-        for slot, kernel in zip(slots, ways, strict=True):
-            if not to_host:
-                allocate(slot)  # does nothing for a slot allocated above
+        for index, slot in enumerate(slots):
+            if not to_host and index < split:
+                allocate(slot)
             with _torch.stream_scope(side):
-                self._host.copy_one(slot, self._device, to_host=to_host, by_kernel=kernel)
+                self._host.copy_one(slot, self._device, to_host=to_host, by_kernel=index >= split)
         return side, current
 
     def _report(

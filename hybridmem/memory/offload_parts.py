@@ -27,6 +27,7 @@ __all__ = [
     "check_reload_way",
     "drop_grads",
     "first_slots",
+    "kernel_split",
     "reload_need",
 ]
 
@@ -213,3 +214,16 @@ def first_slots(slots: list[Slot], max_bytes: object) -> list[Slot]:
         taken.append(slot)
         total += slot.nbytes
     return taken
+
+
+def kernel_split(slots: Sequence[Slot], kernel_after: int | None) -> int:
+    """The index of the first slot a reload copies by kernel (``len(slots)``: none).
+
+    That slot is the first to start at or past ``kernel_after`` bytes; None: no kernel.
+    """
+    done = 0
+    for index, slot in enumerate(slots):
+        if kernel_after is not None and done >= kernel_after:
+            return index
+        done += slot.nbytes
+    return len(slots)
