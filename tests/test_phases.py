@@ -66,7 +66,9 @@ def test_sglang_sleep_waits_for_free_memory(
     fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     waited: list[float] = []
-    monkeypatch.setattr(phases, "await_free", lambda d, timeout_s: waited.append(timeout_s))
+    monkeypatch.setattr(
+        phases, "await_free", lambda d, timeout_s, enough=None: waited.append(timeout_s)
+    )
     with hm.phase("sleep", backend="sglang"):
         pass
     assert waited == [5.0]
@@ -77,7 +79,9 @@ def test_sglang_sleep_waits_for_free_memory(
 
 def test_overrides(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None:
     waited: list[float] = []
-    monkeypatch.setattr(phases, "await_free", lambda d, timeout_s: waited.append(timeout_s))
+    monkeypatch.setattr(
+        phases, "await_free", lambda d, timeout_s, enough=None: waited.append(timeout_s)
+    )
     quiet = hm.phase("sleep", backend="sglang", release_cache=False, await_free={"timeout_s": 1})
     assert [s.name for s in quiet.steps] == ["await_free"]
     with quiet:
@@ -346,6 +350,8 @@ def test_entering_passes_the_garbage_policy_without_rebuilding(fake_gpu: FakeTor
     with wake.entering():  # None: as the recipe says
         pass
     assert "gc" in fake_gpu.events
-    assert "entering(collect_garbage=False)" in repr(wake.entering(collect_garbage=False))
+    assert "entering(collect_garbage=False, enough_free=None)" in repr(
+        wake.entering(collect_garbage=False)
+    )
     with pytest.raises(TypeError, match="collect_garbage must be True or False"):
         wake.entering(collect_garbage="young")  # type: ignore[arg-type]

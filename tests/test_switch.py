@@ -277,7 +277,7 @@ def test_async_engine(trainer: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> No
     assert hm.allocator_state().scopes == ()
 
 
-async def _no_wait(device: Any, timeout_s: float) -> None:
+async def _no_wait(device: Any, timeout_s: float, enough: Any = None) -> None:
     return None
 
 
@@ -834,11 +834,11 @@ def test_confirm_watches_free_memory_settle_once_per_cycle(
     """
     waits: list[str] = []
 
-    def counting(device: Any = None, *, timeout_s: float = 5.0, tolerance: int = 0) -> Any:
+    def counting(device: Any = None, *, timeout_s: float = 5.0, **kw: Any) -> Any:
         waits.append("sync")
         return 0, 0.0
 
-    async def counting_async(device: Any, timeout_s: float) -> None:
+    async def counting_async(device: Any, timeout_s: float, enough: Any = None) -> None:
         waits.append("async")
 
     monkeypatch.setattr(phases, "await_free", counting)

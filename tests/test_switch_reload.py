@@ -108,7 +108,7 @@ def test_the_async_driver_queues_it_too(
 ) -> None:
     from hybridmem.engine import phases
 
-    async def no_wait(device: Any, timeout_s: float) -> None:
+    async def no_wait(device: Any, timeout_s: float, enough: Any = None) -> None:
         return None
 
     monkeypatch.setattr(phases, "await_free_async", no_wait)

@@ -31,51 +31,82 @@ def _settled(free: list[int], tolerance: int) -> bool:
     return len(free) >= 3 and max(free[-3:]) - min(free[-3:]) <= tolerance
 
 
-def _polls(index: int, timeout_s: float, tolerance: int, free: list[int]) -> Iterator[None]:
-    """Read free memory into ``free`` until it settles or time is up; yield between reads.
+def _polls(
+    index: int, timeout_s: float, tolerance: int, free: list[int], enough: int | None = None
+) -> Iterator[None]:
+    """Read free memory into ``free`` until it settles, reaches ``enough`` or time is up.
 
     The caller sleeps at each yield (``time.sleep`` or ``asyncio.sleep``).
     """
     started = time.perf_counter()
     free.append(_torch.mem_get_info(index)[0])
-    while not _settled(free, tolerance) and time.perf_counter() - started < timeout_s:
+    while (
+        not _settled(free, tolerance)
+        and (enough is None or free[-1] < enough)
+        and time.perf_counter() - started < timeout_s
+    ):
         yield
         free.append(_torch.mem_get_info(index)[0])
 
 
 def await_free(
-    device: int | None = None, *, timeout_s: float = 5.0, tolerance: int = _TOLERANCE
+    device: int | None = None,
+    *,
+    timeout_s: float = 5.0,
+    tolerance: int = _TOLERANCE,
+    enough: int | None = None,
 ) -> tuple[int, float]:
     """Wait until device free memory stops rising (another process finishing a release).
 
     Polls ``cudaMemGetInfo`` every 10 ms until three readings agree within
-    ``tolerance`` bytes, or ``timeout_s`` passes. Returns ``(free bytes, seconds)``.
-    Does nothing (returns ``(0, 0.0)``) when CUDA is not initialised.
+    ``tolerance`` bytes, or ``timeout_s`` passes; a reading of at least ``enough``
+    free bytes ends the wait at once (the release is known to be done by then:
+    :class:`~hybridmem.HybridSwitch` passes what the engine's last sleep gave back,
+    so that a wait after a sleep that has already returned its memory costs one
+    reading, not three readings 20 ms apart). Does nothing (returns ``(0, 0.0)``)
+    when CUDA is not initialised.
+
+    Args:
+        device: the device index (None: the current device).
+        timeout_s: the longest wait, seconds (>= 0); past it, the last reading.
+        tolerance: how far apart three readings may be and still agree, bytes.
+        enough: free bytes that end the wait at once (None: only settling does).
+
+    Returns:
+        ``(free bytes, seconds waited)``.
+
+    Scope: reads device-wide free memory (other processes count); thread-safe.
+
+    Example:
+        >>> from hybridmem.engine.phases import await_free
+        >>> free, seconds = await_free(0, timeout_s=30)  # doctest: +SKIP
     """
-    check_wait(timeout_s)
+    check_wait(timeout_s, enough)
     index = device if device is not None else _torch.current_device()
     if index is None:
         return 0, 0.0
     started = time.perf_counter()
     free: list[int] = []
-    for _ in _polls(index, timeout_s, tolerance, free):
+    for _ in _polls(index, timeout_s, tolerance, free, enough):
         time.sleep(POLL_S)
     return free[-1], time.perf_counter() - started
 
 
-async def await_free_async(device: int | None, timeout_s: float) -> None:
+async def await_free_async(device: int | None, timeout_s: float, enough: int | None = None) -> None:
     """:func:`await_free` for async code: polls with ``asyncio.sleep``, never blocking."""
-    check_wait(timeout_s)
+    check_wait(timeout_s, enough)
     index = device if device is not None else _torch.current_device()
     if index is None:
         return
-    for _ in _polls(index, timeout_s, _TOLERANCE, []):
+    for _ in _polls(index, timeout_s, _TOLERANCE, [], enough):
         await asyncio.sleep(POLL_S)
 
 
-def check_wait(timeout_s: object) -> None:
+def check_wait(timeout_s: object, enough: object = None) -> None:
     """Refuse what :func:`await_free` refuses (its own checker: a phase's step uses it too)."""
     check_number("timeout_s", timeout_s, minimum=0, wrong_type=ValueError, expected="a number >= 0")
+    if enough is not None:
+        check_number("enough", enough, minimum=0, integer=True)
 
 
 def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: str) -> list[Step]:
@@ -147,8 +178,11 @@ class _Prepared:
             # "phase('sleep', backend='vllm'): release_cache.collect_garbage must be ..."
             raise type(exc)(f"{where}: {step.name}.{exc}") from None
 
-    def run(self, collect_garbage: bool | None) -> None:
-        """Run the action (``collect_garbage``, if given, overrides a release's own)."""
+    def run(self, collect_garbage: bool | None, enough_free: int | None = None) -> None:
+        """Run the action (``collect_garbage``, if given, overrides a release's own).
+
+        ``enough_free``: free bytes that end an ``await_free`` step at once.
+        """
         args, action = self.args, self.step.action
         if action == "release_cache":
             release_cache(
@@ -160,7 +194,7 @@ class _Prepared:
                 ipc_collect=args.get("ipc_collect", True),
             )
         elif action == "await_free":
-            await_free(args.get("device"), timeout_s=self.timeout_s)
+            await_free(args.get("device"), timeout_s=self.timeout_s, enough=enough_free)
         else:
             offloader = args.get("offloader")
             if offloader is None:
@@ -197,13 +231,19 @@ class Phase(ScopedContext):
     def __repr__(self) -> str:
         return self._label
 
-    def entering(self, *, collect_garbage: bool | None = None) -> ScopedContext:
+    def entering(
+        self, *, collect_garbage: bool | None = None, enough_free: int | None = None
+    ) -> ScopedContext:
         """This phase with per-use options, for one ``with`` (nothing is rebuilt).
 
         Args:
             collect_garbage: False: the recipe's cache releases skip Python's garbage
                 collector this time (a :class:`~hybridmem.HybridSwitch` whose garbage
                 policy says so); None: as the recipe says.
+            enough_free: device free bytes that end the recipe's ``await_free`` steps
+                at once (what the engine's release is known to reach: a
+                :class:`~hybridmem.HybridSwitch` passes what its last sleep gave
+                back); None: they wait for free memory to settle.
 
         Example:
             >>> with hm.phase("sleep").entering(collect_garbage=False):  # doctest: +SKIP
@@ -211,12 +251,14 @@ class Phase(ScopedContext):
         """
         if collect_garbage is not None:
             check_bool("collect_garbage", collect_garbage)
-        return _PhaseUse(self, collect_garbage)
+        if enough_free is not None:
+            check_number("enough_free", enough_free, minimum=0, integer=True)
+        return _PhaseUse(self, collect_garbage, enough_free)
 
     def _enter(self) -> object:
-        return self._open(None)
+        return self._open(None, None)
 
-    def _open(self, collect_garbage: bool | None) -> object:
+    def _open(self, collect_garbage: bool | None, enough_free: int | None) -> object:
         entered: list[ScopedContext] = []
         try:
             for prepared in self._prepared:
@@ -231,13 +273,15 @@ class Phase(ScopedContext):
             raise
         logger.debug("%s entered (%d steps)", self._label, len(self.steps))
         span = _timeline.begin(f"phase:{self.name}", "phase", backend=self.profile.name)
-        return entered, span, collect_garbage
+        return entered, span, collect_garbage, enough_free
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
         self._leave(token, exc, skip_waits=False)
 
     def _leave(self, token: object, exc: BaseException | None, *, skip_waits: bool) -> None:
-        entered, span, collect_garbage = cast(tuple[list[ScopedContext], Any, "bool | None"], token)
+        entered, span, collect_garbage, enough_free = cast(
+            tuple[list[ScopedContext], Any, "bool | None", "int | None"], token
+        )
         errors: list[BaseException] = []
         # Exit actions run first (in reverse recipe order), inside the phase's scopes.
         for prepared in reversed(self._prepared):
@@ -245,7 +289,7 @@ class Phase(ScopedContext):
             if step.when != "exit" or (skip_waits and step.action == "await_free"):
                 continue
             try:
-                prepared.run(collect_garbage)
+                prepared.run(collect_garbage, enough_free)
             except Exception as error:  # keep going: the scopes must still be restored
                 errors.append(error)
         for scope in reversed(entered):
@@ -261,25 +305,30 @@ class Phase(ScopedContext):
             logger.warning("%s: an exit step failed too: %r", self._label, failure)
 
     async def _aexit(self, token: object, exc: BaseException | None) -> None:
+        enough_free = cast("tuple[Any, ...]", token)[3]
         for prepared in reversed(self._prepared):  # the waits first, polling without blocking
             if prepared.step.when == "exit" and prepared.step.action == "await_free":
-                await await_free_async(prepared.args.get("device"), prepared.timeout_s)
+                await await_free_async(prepared.args.get("device"), prepared.timeout_s, enough_free)
         self._leave(token, exc, skip_waits=True)
 
 
 class _PhaseUse(ScopedContext):
     """One use of a built :class:`Phase` with per-use options (see :meth:`Phase.entering`)."""
 
-    def __init__(self, phase: Phase, collect_garbage: bool | None) -> None:
+    def __init__(self, phase: Phase, collect_garbage: bool | None, enough_free: int | None) -> None:
         super().__init__()
         self.phase = phase
         self.collect_garbage = collect_garbage
+        self.enough_free = enough_free
 
     def __repr__(self) -> str:
-        return f"{self.phase!r}.entering(collect_garbage={self.collect_garbage!r})"
+        return (
+            f"{self.phase!r}.entering(collect_garbage={self.collect_garbage!r}, "
+            f"enough_free={self.enough_free!r})"
+        )
 
     def _enter(self) -> object:
-        return self.phase._open(self.collect_garbage)
+        return self.phase._open(self.collect_garbage, self.enough_free)
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
         self.phase._exit(token, exc)

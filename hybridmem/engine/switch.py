@@ -63,6 +63,7 @@ from hybridmem.engine.switch_parts import (
 from hybridmem.engine.switch_ranks import RankProtocol
 from hybridmem.engine.switch_recovery import Recovery
 from hybridmem.engine.switch_reload import Reloading
+from hybridmem.engine.switch_settle import EngineReturn
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.release import GarbageGate, release_cache
 from hybridmem.observe import timeline as _timeline
@@ -198,6 +199,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         self._async_mode = False
         self._cycle = 0
         self._out_of_step = False
+        self._returns = EngineReturn()  # what the engine's sleeps gave back (confirm)
+        self._enough: int | None = None  # free bytes that end this cycle's confirm wait
 
     def __repr__(self) -> str:
         return f"HybridSwitch({self.engine!r}, backend={self.profile.name!r}, rank={self.rank})"
@@ -209,11 +212,14 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
     # ------------------------------------------------------------------ #
     # The stages, as (name, operation) pairs; an operation may return an awaitable
     # ------------------------------------------------------------------ #
-    def _enter_phase(self, name: str) -> None:
+    def _enter_phase(self, name: str, enough_free: int | None = None) -> None:
         phase = self._phases[name]
         releases = any(s.action == "release_cache" for s in phase.steps)
         # The recipes' releases skip gc too when the garbage policy says so.
-        entered = phase.entering(collect_garbage=None if not releases or self._gc_now() else False)
+        entered = phase.entering(
+            collect_garbage=None if not releases or self._gc_now() else False,
+            enough_free=enough_free,
+        )
         entered.__enter__()
         self._state.phases.append(entered)
 
@@ -243,7 +249,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
     def _offload(self) -> None:
         if self.offloader is not None:
             self._state.offloaded = True  # before: a failed offload may have moved some
-            self.offloader.offload(release_cache=False)  # the next stage releases
+            # Released as the copies land (decision 83); ``release`` collects the rest.
+            self.offloader.offload()
 
     def _wake(self, tag: str) -> Awaitable[Any] | None:
         # Counted as awake before the call: a failed wake may have taken memory.
@@ -306,25 +313,26 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         return self._then(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
 
     def _put_to_sleep(self) -> Awaitable[Any] | None:
-        self._enter_phase("sleep")  # the rollout phase was left by ``reload_early``
+        # ``_enough``: set from this stage's first reading (``_start_stage``)
+        self._enter_phase("sleep", self._enough)  # rollout was left by ``reload_early``
         return self._sleep()
 
     def _confirm(self) -> object:
         # The sleep recipe's own wait (SGLang's) has just watched free memory settle; a
         # second found it settled, 20 ms for nothing (decision 73). The room check stays.
-        settled = self._settles_on_sleep
+        settled, enough = self._settles_on_sleep, self._enough
 
         def settle() -> object:
             if self._async_mode:
 
                 async def settle_async() -> None:
                     if not settled:
-                        await phases.await_free_async(self.device, self.confirm_timeout_s)
+                        await phases.await_free_async(self.device, self.confirm_timeout_s, enough)
                     await self._await_room_async()
 
                 return settle_async()
             if not settled:
-                phases.await_free(self.device, timeout_s=self.confirm_timeout_s)
+                phases.await_free(self.device, timeout_s=self.confirm_timeout_s, enough=enough)
             self._await_room()
             return None
 
@@ -385,6 +393,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
 
     def _start_stage(self, name: str) -> Stage:
         info = self._memory()
+        if name == "sleep":  # free memory as high as the last sleep took it ends its wait
+            self._enough = self._returns.mark(info, shared=self._shared_device)
         span = _timeline.begin(
             f"stage:{name}",
             "stage",
@@ -397,6 +407,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
 
     def _finish_stage(self, report: SwitchReport, stage: Stage) -> None:
         info = self._memory()
+        if stage.name == "confirm":  # what this sleep gave back, for the next (decision 82)
+            self._returns.learn(info)
         _timeline.end(stage.span, memory=info)
         seconds = time.perf_counter() - stage.clock
         report.stages.append(StageReport(stage.name, seconds, stage.before, info, stage.wall))
