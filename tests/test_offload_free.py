@@ -65,6 +65,28 @@ def landings(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> list[
     return log
 
 
+def fresh() -> tuple[Any, Any, list[Any], hm.Offloader]:
+    """The test model, its snapshot and an Offloader of it (nothing offloaded)."""
+    model, optimizer = make_model()
+    return model, optimizer, snapshot(model, optimizer), hm.Offloader(model, optimizer)
+
+
+def fail_call(
+    monkeypatch: pytest.MonkeyPatch, point: str, number: int, error: BaseException
+) -> None:
+    """Make call ``number`` (from 1) of the seam's ``point`` raise ``error``."""
+    fake = getattr(_torch, point)
+    calls = [0]
+
+    def failing(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == number:
+            raise error
+        return fake(*args)
+
+    monkeypatch.setattr(_torch, point, failing)
+
+
 def chunks_of(log: list[str]) -> list[list[str]]:
     """The offload's log cut after each release: what happened per chunk."""
     cut: list[list[str]] = [[]]
@@ -79,9 +101,7 @@ def chunks_of(log: list[str]) -> list[list[str]]:
 def test_each_chunk_is_freed_after_its_copies_land_and_released_at_once(
     landings: list[str],
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
+    model, optimizer, before, off = fresh()
     report = off.offload()
     chunks = chunks_of(landings)
     assert landings.count("record") == len(chunks) - 1 >= 2  # several chunks
@@ -115,9 +135,7 @@ def test_without_release_cache_all_is_freed_once_every_copy_landed(landings: lis
 def test_a_chunk_that_fails_to_free_puts_back_the_chunks_before_it(
     landings: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
+    model, optimizer, before, off = fresh()
     off.offload()
     off.reload()
     first = chunks_of(landings)[0].count("free")
@@ -136,9 +154,7 @@ def test_a_chunk_that_fails_to_free_puts_back_the_chunks_before_it(
 def test_a_chunk_that_cannot_be_put_back_leaves_the_earlier_ones_offloaded(
     landings: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
+    model, optimizer, before, off = fresh()
     off.offload()
     off.reload()
     first = chunks_of(landings)[0].count("free")
@@ -156,19 +172,8 @@ def test_a_chunk_that_cannot_be_put_back_leaves_the_earlier_ones_offloaded(
 def test_a_release_or_wait_that_fails_midway_puts_back_what_was_freed(
     landings: list[str], monkeypatch: pytest.MonkeyPatch, point: str
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
-    fake = getattr(_torch, point)
-    calls = [0]
-
-    def second_fails(*args: Any) -> None:
-        calls[0] += 1
-        if calls[0] == 2:
-            raise RuntimeError(f"injected: {point}")
-        fake(*args)
-
-    monkeypatch.setattr(_torch, point, second_fails)
+    model, optimizer, before, off = fresh()
+    fail_call(monkeypatch, point, 2, RuntimeError(f"injected: {point}"))
     with pytest.raises(hm.OffloadError, match="those were reloaded from the host pool") as info:
         off.offload()
     assert isinstance(info.value.__cause__, RuntimeError)
@@ -179,19 +184,8 @@ def test_a_release_or_wait_that_fails_midway_puts_back_what_was_freed(
 def test_putting_back_the_earlier_chunks_can_fail_too_and_they_stay_retrievable(
     landings: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
-    fake_wait = _torch.synchronize_event
-    waits = [0]
-
-    def second_wait_fails(event: Any) -> None:
-        waits[0] += 1
-        if waits[0] == 2:
-            raise RuntimeError("injected: wait")
-        fake_wait(event)
-
-    monkeypatch.setattr(_torch, "synchronize_event", second_wait_fails)
+    model, optimizer, before, off = fresh()
+    fail_call(monkeypatch, "synchronize_event", 2, RuntimeError("injected: wait"))
     real = fail_resizes(monkeypatch, allocations=(1,))  # putting back fails
     with pytest.raises(hm.OffloadError, match=r"stay offloaded.*reload\(\) brings") as info:
         off.offload()
@@ -204,17 +198,8 @@ def test_putting_back_the_earlier_chunks_can_fail_too_and_they_stay_retrievable(
 def test_an_interrupt_between_chunks_puts_back_what_was_freed_and_goes_on(
     landings: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, optimizer = make_model()
-    before = snapshot(model, optimizer)
-    off = hm.Offloader(model, optimizer)
-    waits = [0]
-
-    def interrupted(event: Any) -> None:
-        waits[0] += 1
-        if waits[0] == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(_torch, "synchronize_event", interrupted)
+    model, optimizer, before, off = fresh()
+    fail_call(monkeypatch, "synchronize_event", 2, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         off.offload()
     assert off.offloaded_groups == frozenset()

@@ -40,6 +40,16 @@ def _listed(slots: Sequence[Slot]) -> str:
     return ", ".join(sorted({s.group for s in slots}, key=GROUPS.index))
 
 
+def _stranded(what: str, freed: Sequence[Slot], again: BaseException) -> OffloadError:
+    """The error for storages freed whose putting back failed too: they stay offloaded."""
+    return OffloadError(
+        f"{what}, and putting back the {len(freed)} storages freed before it failed too "
+        f"({again!r}): those stay offloaded (of {_listed(freed)}), their data intact in "
+        "the host pool; Offloader.reload() brings them back, every other target is as it was",
+        offloaded=frozenset(s.group for s in freed),
+    )
+
+
 def free_slots(slots: Sequence[Slot], restore: Slots, unallocate: Slots) -> None:
     """Free the slots' device storage and mark them offloaded, all or none.
 
@@ -66,13 +76,7 @@ def free_slots(slots: Sequence[Slot], restore: Slots, unallocate: Slots) -> None
             for slot in freed:
                 slot.offloaded = True
             unallocate(freed)  # back to freed: what reload() starts from
-            raise OffloadError(
-                f"offload failed freeing {failed} ({exc!r}), and putting back the "
-                f"{len(freed)} storages freed before it failed too ({again!r}): those "
-                f"stay offloaded (of {_listed(freed)}), their data intact in the host "
-                "pool; Offloader.reload() brings them back, every other target is as it was",
-                offloaded=frozenset(s.group for s in freed),
-            ) from exc
+            raise _stranded(f"offload failed freeing {failed} ({exc!r})", freed, again) from exc
         raise OffloadError(
             f"offload failed freeing {failed} ({exc!r}); the {len(freed)} storages freed "
             "before it were put back from the host pool: every target is as it was"
@@ -171,13 +175,8 @@ def _undo(freed: Sequence[Slot], total: int, exc: BaseException, restore: Slots)
         try:
             restore(freed)
         except BaseException as again:
-            raise OffloadError(
-                f"offload failed after {done} of {total} storages were freed ({exc!r}), "
-                f"and reloading those failed too ({again!r}): they stay offloaded (of "
-                f"{_listed(freed)}), their data intact in the host pool; "
-                "Offloader.reload() brings them back, every other target is as it was",
-                offloaded=frozenset(s.group for s in freed),
-            ) from exc
+            what = f"offload failed after {done} of {total} storages were freed ({exc!r})"
+            raise _stranded(what, freed, again) from exc
         for slot in freed:
             slot.offloaded = False
     if isinstance(exc, OffloadError) and stuck:
