@@ -22,6 +22,11 @@ Each total is printed against ``copy`` measured in the same run, with the device
 free memory at the end (every method must return the same). The data is checked
 bit for bit once per method.
 
+The host buffer is torch's pinned memory (``cudaHostAlloc``), not the Offloader's
+pool. On the H200 ``chunk512`` cost 1.004x here, but the same release in the
+Offloader slowed its copies into its pool (47-49 GB/s against 54.7 in the switch),
+and was taken back (decision 83).
+
 Run on a GPU: ``python benchmarks/release_during_offload.py [--gib 16] [--mib 64]
 [--chunks 512,1024,2048] [--sync-gib 1.5] [--repeats 5] [--json F]``.
 """

@@ -249,8 +249,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
     def _offload(self) -> None:
         if self.offloader is not None:
             self._state.offloaded = True  # before: a failed offload may have moved some
-            # Released as the copies land (decision 83); ``release`` collects the rest.
-            self.offloader.offload()
+            self.offloader.offload(release_cache=False)  # the next stage releases
 
     def _wake(self, tag: str) -> Awaitable[Any] | None:
         # Counted as awake before the call: a failed wake may have taken memory.
