@@ -101,7 +101,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
             that cannot hold it. Where the backend's ``sleep`` recipe waits for free
             memory to settle itself (``sglang``: an ``await_free`` step, bounded by
             its own ``timeout_s``), that wait is the settling, and this bounds the
-            wait for room only.
+            wait for room only. After a first cycle, free memory as high as the last
+            sleep took it ends either wait (decision 82).
         collect_garbage: when releases run a ``gc.collect()`` pass:
             ``"adaptive"`` (default): the switch's own release of each direction
             (after the offload; after the engine sleeps) collects the young
@@ -312,8 +313,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         return self._then(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
 
     def _put_to_sleep(self) -> Awaitable[Any] | None:
-        # ``_enough``: set from this stage's first reading (``_start_stage``)
-        self._enter_phase("sleep", self._enough)  # rollout was left by ``reload_early``
+        # ``_enough`` (decision 82) was read at this stage's start; ``reload_early`` left rollout
+        self._enter_phase("sleep", self._enough)
         return self._sleep()
 
     def _confirm(self) -> object:
