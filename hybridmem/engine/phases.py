@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from hybridmem import _torch
 from hybridmem._checks import check_bool, check_number
@@ -207,6 +207,15 @@ class _Prepared:
                 offloader.reload(args.get("groups"))
 
 
+class _Entered(NamedTuple):
+    """What entering a phase leaves for its exit: the scopes entered and the per-use options."""
+
+    scopes: list[ScopedContext]
+    span: Any
+    collect_garbage: bool | None
+    enough_free: int | None
+
+
 class Phase(ScopedContext):
     """A phase of a hybrid engine, composed from its backend's recipe (see :func:`phase`).
 
@@ -273,15 +282,13 @@ class Phase(ScopedContext):
             raise
         logger.debug("%s entered (%d steps)", self._label, len(self.steps))
         span = _timeline.begin(f"phase:{self.name}", "phase", backend=self.profile.name)
-        return entered, span, collect_garbage, enough_free
+        return _Entered(entered, span, collect_garbage, enough_free)
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
         self._leave(token, exc, skip_waits=False)
 
     def _leave(self, token: object, exc: BaseException | None, *, skip_waits: bool) -> None:
-        entered, span, collect_garbage, enough_free = cast(
-            tuple[list[ScopedContext], Any, "bool | None", "int | None"], token
-        )
+        entered, span, collect_garbage, enough_free = cast(_Entered, token)
         errors: list[BaseException] = []
         # Exit actions run first (in reverse recipe order), inside the phase's scopes.
         for prepared in reversed(self._prepared):
@@ -305,7 +312,7 @@ class Phase(ScopedContext):
             logger.warning("%s: an exit step failed too: %r", self._label, failure)
 
     async def _aexit(self, token: object, exc: BaseException | None) -> None:
-        enough_free = cast("tuple[Any, ...]", token)[3]
+        enough_free = cast(_Entered, token).enough_free
         for prepared in reversed(self._prepared):  # the waits first, polling without blocking
             if prepared.step.when == "exit" and prepared.step.action == "await_free":
                 await await_free_async(prepared.args.get("device"), prepared.timeout_s, enough_free)
