@@ -22,13 +22,18 @@ Each total is printed against ``copy`` measured in the same run, with the device
 free memory at the end (every method must return the same). The data is checked
 bit for bit once per method.
 
-The host buffer is torch's pinned memory (``cudaHostAlloc``), not the Offloader's
-pool. On the H200 ``chunk512`` cost 1.004x here, but the same release in the
-Offloader slowed its copies into its pool (47-49 GB/s against 54.7 in the switch),
-and was taken back (decision 83).
+The host buffer (``--pool``) is torch's pinned memory (``torch``: ``cudaHostAlloc``
+rounded up to a power of two), the Offloader's pool (``offloader``: huge pages
+registered portable and mapped), huge pages registered portable only
+(``huge-unmapped``), 4 KiB pages registered portable and mapped (``small-mapped``),
+or an exact ``cuMemHostAlloc`` (``hostalloc``, portable and mapped). On the H200
+``chunk512`` cost 1.004x with ``torch``, but the same release in the Offloader
+slowed its copies into its pool (47-49 GB/s against 54.7 in the switch), and was
+taken back (decision 83); ``--pool`` is how to find which property of the pool
+does it.
 
 Run on a GPU: ``python benchmarks/release_during_offload.py [--gib 16] [--mib 64]
-[--chunks 512,1024,2048] [--sync-gib 1.5] [--repeats 5] [--json F]``.
+[--chunks 512,1024,2048] [--sync-gib 1.5] [--repeats 5] [--pool torch] [--json F]``.
 """
 
 from __future__ import annotations
@@ -47,6 +52,39 @@ sys.path.insert(0, str(REPO))
 
 MiB = 1 << 20
 GiB = 1 << 30
+POOLS = ("torch", "offloader", "huge-unmapped", "small-mapped", "hostalloc")
+
+
+def host_buffer(pool: str, nbytes: int) -> Any:
+    """A uint8 CPU tensor of ``nbytes`` pinned the way ``pool`` says (kept for the run)."""
+    import ctypes
+
+    import torch
+
+    from hybridmem import _torch
+    from hybridmem._platform import cuda_driver
+    from hybridmem._platform.host_memory import huge_page_region
+
+    if pool == "torch":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if pool == "hostalloc":  # exact size; CU_MEMHOSTALLOC_PORTABLE | DEVICEMAP
+        pointer = ctypes.c_void_p()
+        alloc = cuda_driver.function("cuMemHostAlloc")
+        cuda_driver.check(
+            "cuMemHostAlloc", alloc(ctypes.byref(pointer), ctypes.c_size_t(nbytes), 3)
+        )
+        assert pointer.value is not None
+        array = (ctypes.c_uint8 * nbytes).from_address(pointer.value)
+        return torch.frombuffer(array, dtype=torch.uint8)
+    region = huge_page_region(nbytes) if pool != "small-mapped" else None
+    buffer = (
+        torch.frombuffer(region, dtype=torch.uint8)
+        if region is not None
+        else torch.empty(nbytes, dtype=torch.uint8)
+    )
+    if not _torch.pin_host_tensor(buffer, mapped=pool != "huge-unmapped"):
+        raise RuntimeError(f"could not pin the {pool} buffer")
+    return buffer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", default="512,1024,2048", help="progressive chunk sizes (MiB)")
     parser.add_argument("--sync-gib", type=float, default=1.5, help="device copy (GiB)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pool", choices=POOLS, default="torch", help="the host buffer")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.mib <= 0 or args.repeats < 1:
@@ -70,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [int(c) for c in args.chunks.split(",") if c]
     count = max(1, int(args.gib * GiB) // (args.mib * MiB))
     numel = args.mib * MiB
-    host = torch.empty(count * numel, dtype=torch.uint8, pin_memory=True)
     cuda: Any = torch.cuda  # its Stream and Event are untyped
+    torch.empty(1, device="cuda")  # a current context, for the hostalloc pool
+    host = host_buffer(args.pool, count * numel)
     side, third = cuda.Stream(), cuda.Stream()
     sync_numel = int(args.sync_gib * GiB) // 4
     sync_src = torch.ones(sync_numel, dtype=torch.float32, device="cuda")
@@ -152,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             ends[method] = torch.cuda.mem_get_info()[0]
     ceiling = statistics.median(times["copy"])
     nbytes = count * numel
-    print(f"{nbytes / GiB:.1f} GiB in {count} tensors of {args.mib} MiB; {args.repeats} runs each")
+    print(
+        f"{nbytes / GiB:.1f} GiB in {count} tensors of {args.mib} MiB into the {args.pool} "
+        f"pool; {args.repeats} runs each"
+    )
     print(f"{'method':<12}{'median ms':>10}{'min ms':>9}{'/ copy':>8}{'GB/s':>8}{'free GiB':>10}")
     rows: list[dict[str, Any]] = []
     for method in methods:
@@ -172,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{median / ceiling:>8.3f}{nbytes / median / 1e9:>8.1f}{ends[method] / GiB:>10.2f}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"gib": nbytes / GiB, "rows": rows}, indent=1))
+        result = {"gib": nbytes / GiB, "pool": args.pool, "rows": rows}
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -157,9 +157,9 @@ class Reloading:
     def _reload_early(self) -> object:
         """Stage ``reload_early``: leave the rollout phase; reload now where there is room.
 
-        After the phase: the trainer state's memory is allocated under the trainer's
-        allocator settings. The head's wait runs in a worker thread under the async
-        driver (the event loop keeps running).
+        After the phase: the trainer state's memory is allocated under the process's
+        own allocator settings, not the rollout phase's (decision 84). The head's wait
+        runs in a worker thread under the async driver (the event loop keeps running).
         """
 
         def reload() -> object:

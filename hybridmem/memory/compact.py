@@ -216,8 +216,9 @@ def compact(
     Call it once after building the model (or after loading a checkpoint) and before
     the first switch, for the tensors that stay on the device through rollout
     (parameters a trainer keeps resident, buffers). The optimizer state an
-    :class:`~hybridmem.Offloader` moves needs none: its reload allocates in the
-    settings of the training phase. Building the model inside
+    :class:`~hybridmem.Offloader` moves is reallocated at every reload, in the
+    settings in force there: ``HybridSwitch`` reloads between phases, in the
+    process's own (decision 84). Building the model inside
     ``hm.phase("train")`` (or ``hm.expandable_segments(True)``) has the same effect.
 
     The storages go through pinned host memory (as many bytes as they hold, released
