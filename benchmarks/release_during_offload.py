@@ -27,10 +27,10 @@ rounded up to a power of two), the Offloader's pool (``offloader``: huge pages
 registered portable and mapped), huge pages registered portable only
 (``huge-unmapped``), 4 KiB pages registered portable and mapped (``small-mapped``),
 or an exact ``cuMemHostAlloc`` (``hostalloc``, portable and mapped). On the H200
-``chunk512`` cost 1.004x with ``torch``, but the same release in the Offloader
-slowed its copies into its pool (47-49 GB/s against 54.7 in the switch), and was
-taken back (decision 83); ``--pool`` is how to find which property of the pool
-does it.
+``chunk512`` cost 1.004-1.006x with every one of them. The same release in the
+Offloader did not pay in the switch (decision 83) for another reason: the switch
+had reloaded the state into classic segments, whose ``cudaFree`` waits for the
+whole device (decision 84).
 
 Run on a GPU: ``python benchmarks/release_during_offload.py [--gib 16] [--mib 64]
 [--chunks 512,1024,2048] [--sync-gib 1.5] [--repeats 5] [--pool torch] [--json F]``.
