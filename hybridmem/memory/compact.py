@@ -218,8 +218,8 @@ def compact(
     (parameters a trainer keeps resident, buffers). The optimizer state an
     :class:`~hybridmem.Offloader` moves is reallocated at every reload, in the
     settings in force there: ``HybridSwitch`` reloads between phases, in the
-    process's own (decision 84). Building the model inside
-    ``hm.phase("train")`` (or ``hm.expandable_segments(True)``) has the same effect.
+    process's own (decision 84). Building the model inside ``hm.phase("train")``
+    (or ``hm.expandable_segments(True)``) has the effect of compacting it.
 
     The storages go through pinned host memory (as many bytes as they hold, released
     at the end): a few tens of milliseconds per GiB on an H200. Do not compact
