@@ -15,8 +15,10 @@ import torch
 
 from hybridmem.bench import anatomy, engine_memory
 from hybridmem.bench.engine_memory import (
+    KV_ALIGN,
     HandmadeMemory,
     SaverMemory,
+    kv_pieces,
     make_engine_memory,
     preload_env,
     resolve,
@@ -326,3 +328,70 @@ def test_the_engine_packs_on_request_and_reports_it(cpu_cuda: FakeCuda) -> None:
     assert memory.pack
     memory.pack_report = "compact: packed"
     assert engine.run("pack_report", []) == ("ok", "compact: packed")
+
+
+LAYERED = {
+    "model.layers.0.w": ((4, 4), "float32"),
+    "model.layers.0.b": ((4,), "float32"),
+    "model.layers.1.w": ((4, 4), "float32"),
+    "model.layers.10.w": ((4, 4), "float32"),
+    "lm_head.weight": ((4, 4), "float32"),
+}
+
+
+def test_kv_pieces_are_two_per_named_layer() -> None:
+    assert kv_pieces(LAYERED) == 6  # layers 0, 1 and 10: a K and a V tensor each
+    assert kv_pieces(SHAPES) == 1  # no layer named: one tensor, as before
+
+
+def test_the_kv_cache_is_made_of_one_tensor_per_layer_and_kind(cpu_cuda: FakeCuda) -> None:
+    memory = HandmadeMemory(LAYERED, 3 << 30, 0)
+    assert memory.wake(["kv_cache"]) == 6 * (512 << 20)
+    assert [part.nbytes for part in memory.kv_parts] == [512 << 20] * 6
+    assert memory.kv is memory.kv_parts[0]  # what generation writes
+    assert all(part.nbytes % KV_ALIGN == 0 for part in memory.kv_parts)
+    memory.sleep()
+    assert memory.kv is None
+    assert memory.kv_parts == []
+
+
+def test_an_uneven_kv_cache_is_cut_to_whole_pages(cpu_cuda: FakeCuda) -> None:
+    memory = HandmadeMemory(LAYERED, 1 << 30, 0)
+    made = memory.wake(["kv_cache"])
+    assert made == 6 * ((1 << 30) // 6 // KV_ALIGN * KV_ALIGN)
+    assert made <= 1 << 30
+    assert sum(part.nbytes for part in memory.kv_parts) == made
+
+
+def test_an_oom_in_any_piece_makes_the_whole_cache_1_gib_smaller(
+    cpu_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = torch.empty  # cpu_cuda's
+    calls: list[int] = []
+
+    def empty(*shape: Any, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        calls.append(shape[0])
+        if len(calls) == 3:  # the third piece of the first try: the device is full
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return made(*shape, dtype=dtype, device=device)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    memory = HandmadeMemory(LAYERED, 3 << 30, 0)
+    obtained = memory.wake(["kv_cache"])
+    each = (2 << 30) // 6 // KV_ALIGN * KV_ALIGN
+    assert obtained == 6 * each == memory.kv_bytes  # 2 GiB in six pieces, not 3 GiB
+    assert len(memory.kv_parts) == 6
+    assert calls[:3] == [(3 << 30) // 6 // KV_ALIGN * KV_ALIGN] * 3
+
+
+def test_a_cache_that_fits_nowhere_is_none(
+    cpu_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(*shape: Any, **kwargs: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "empty", full)
+    memory = HandmadeMemory(LAYERED, 2 << 30, 0)
+    assert memory.wake(["kv_cache"]) == 0
+    assert memory.kv is None
+    assert memory.kv_parts == []

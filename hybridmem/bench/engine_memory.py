@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,12 @@ from hybridmem.memory.one_segment import one_segment
 
 __all__ = [
     "ENGINE_MEMORIES",
+    "KV_ALIGN",
     "EngineMemory",
     "HandmadeMemory",
     "SaverMemory",
     "available",
+    "kv_pieces",
     "make_engine_memory",
     "memory_saver",
     "not_preloaded",
@@ -167,6 +170,29 @@ def preload_env(kind: str) -> Iterator[None]:
             os.environ["LD_PRELOAD"] = before
 
 
+#: The KV cache's tensors are sized in whole 2 MiB pages (the driver's granularity).
+KV_ALIGN = 2 << 20
+
+
+def kv_pieces(shapes: Shapes) -> int:
+    """How many tensors the KV cache is made of: two per layer of the model, as SGLang.
+
+    SGLang's ``MHATokenToKVPool`` makes a ``k_buffer`` and a ``v_buffer`` per layer
+    (``sglang/srt/mem_cache/memory_pool.py``), so torch_memory_saver creates and maps
+    that many allocations at each KV wake. A KV cache made as one tensor is one
+    allocation, which the driver creates 20-50 times slower after a trainer's free
+    (``benchmarks/results/h200-2026-12-03/kv_pieces_probe.txt``). Layers are counted
+    from the weights' names (``...layers.N...``); none named: one tensor.
+
+    Example:
+        >>> one = ((4, 4), "float32")
+        >>> kv_pieces({"model.layers.0.w": one, "model.layers.1.w": one})
+        4
+    """
+    layers = {m.group(1) for name in shapes if (m := re.search(r"layers\.(\d+)\.", name))}
+    return 2 * len(layers) if layers else 1
+
+
 class EngineMemory:
     """An engine's weights and KV cache: wake by tags, sleep, say what is held."""
 
@@ -178,6 +204,7 @@ class EngineMemory:
         self.device = device
         self.weights: dict[str, torch.Tensor] | None = None
         self.kv: torch.Tensor | None = None
+        self.kv_parts: list[torch.Tensor] = []  # the KV cache's tensors (kv: the first)
         self.kv_bytes = 0
         #: the weights made from now on are packed (what a hybridmem user's engine
         #: does, with hm.one_segment): no rounding of the allocator per weight stays
@@ -201,16 +228,33 @@ class EngineMemory:
             for name, (shape, dtype) in self.shapes.items()
         }
 
-    def _new_kv(self, target: int) -> tuple[torch.Tensor | None, int]:
-        """Allocate up to ``target`` bytes, stepping down by 1 GiB on OOM."""
+    def _new_kv(self, target: int) -> list[torch.Tensor]:
+        """Up to ``target`` bytes in :func:`kv_pieces` tensors (1 GiB less on OOM; [] if none).
+
+        Each piece is a whole number of :data:`KV_ALIGN` pages; a cache too small to
+        cut into that many pages is one tensor.
+        """
         size = target // GiB * GiB
+        pieces = kv_pieces(self.shapes)
         while size > 0:
+            each = size // pieces // KV_ALIGN * KV_ALIGN
+            count = pieces if each else 1
             try:
-                return torch.empty(size, dtype=torch.uint8, device="cuda"), size
+                return [
+                    torch.empty(each or size, dtype=torch.uint8, device="cuda")
+                    for _ in range(count)
+                ]
             except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache()  # the pieces made before the OOM went with the list
                 size -= GiB
-        return None, 0
+        return []
+
+    def _keep_kv(self, parts: list[torch.Tensor]) -> int:
+        """Hold ``parts`` as the KV cache (``kv``: the first, which generation writes)."""
+        self.kv_parts = parts
+        self.kv = parts[0] if parts else None
+        self.kv_bytes = sum(part.nbytes for part in parts)
+        return self.kv_bytes
 
     def wake(self, tags: list[str]) -> int:
         """Take memory back for ``tags``; return the KV cache's bytes (0: no KV wake)."""
@@ -235,12 +279,12 @@ class HandmadeMemory(EngineMemory):
         if "weights" in tags:
             self.weights = self._new_weights()
         if "kv_cache" in tags:
-            self.kv, self.kv_bytes = self._new_kv(self.kv_target)
-            return self.kv_bytes
+            return self._keep_kv(self._new_kv(self.kv_target))
         return 0
 
     def sleep(self) -> None:
-        self.weights = self.kv = None
+        self.weights = None
+        self._keep_kv([])
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -287,9 +331,7 @@ class SaverMemory(EngineMemory):
             elif tag == "weights" and self.weights is None:
                 self.weights = self._in_region("weights", self._new_weights)
             elif tag == "kv_cache" and self.kv is None:
-                self.kv, self.kv_bytes = self._in_region(
-                    "kv_cache", lambda: self._new_kv(self.kv_target)
-                )
+                self._keep_kv(self._in_region("kv_cache", lambda: self._new_kv(self.kv_target)))
             if tag == "kv_cache":
                 obtained = self.kv_bytes
         return obtained
