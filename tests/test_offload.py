@@ -645,6 +645,11 @@ def test_injected_faults_never_lose_data(
     monkeypatch: pytest.MonkeyPatch,
     plan: list[tuple[str, str, set[int]]],
 ) -> None:
+    run_fault_plan(monkeypatch, plan)
+
+
+def run_fault_plan(monkeypatch: pytest.MonkeyPatch, plan: list[tuple[str, str, set[int]]]) -> None:
+    """Run ``plan`` (action, seam point, which calls fail) and check nothing is lost."""
     # A reload by kernel reads the pool's "device mapping": on the CPU, the pool.
     monkeypatch.setattr(_torch, "host_device_view", lambda host, device: host)
     model, optimizer = make_model()

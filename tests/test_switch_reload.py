@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem.engine.switch_reload import early_margin
+from hybridmem.allocator.scopes import ExpandableSegments
+from hybridmem.engine.backends.registry import Step, get_backend
+from hybridmem.engine.switch_reload import early_margin, trainer_allocation
 from tests.conftest import FakeTorch
 from tests.test_switch import AsyncSGLang, FakeOffloader, FakeVLLM
 
@@ -189,3 +191,67 @@ def test_a_gpu_shared_with_another_ranks_switch_never_reloads_early(
         assert ("reload" in log) is not early  # else after every rank's engine slept
         log.clear()
     assert {s.device for s in seen} == {"GPU-a"}  # each status names this rank's GPU
+
+
+class ModeOffloader(FakeOffloader):
+    """Logs the allocator settings each reload allocates under (the fake seam's last)."""
+
+    fake: FakeTorch
+
+    def reload(self, groups: Any = None, **kw: Any) -> Any:
+        self.log.append(f"mode:{self.fake.last}")
+        return super().reload(groups, **kw)
+
+
+def mode_switch(fake: FakeTorch, need: int, backend: Any = "vllm") -> tuple[Any, list[str]]:
+    log: list[str] = []
+    offloader = ModeOffloader(log, need=need)
+    offloader.fake = fake
+    switch = hm.HybridSwitch(
+        hm.VLLMEngine(FakeVLLM(log, fake)),
+        backend,
+        offloader,
+        barrier=None,
+        confirm_timeout_s=0.0,
+    )
+    return switch, log
+
+
+@pytest.mark.parametrize(("need", "reload"), [(4 * GiB, "reload:queued"), (60 * GiB, "reload")])
+def test_the_state_is_reloaded_where_the_trainer_trains(
+    fake_gpu: FakeTorch, need: int, reload: str
+) -> None:
+    # Decision 85: in the train recipe's expandable segments, early (room) or after the
+    # sleep (none); then the process's classic mode is written back.
+    switch, log = mode_switch(fake_gpu, need)
+    assert fake_gpu.last is None  # the process runs classic segments (no env)
+    cycle(switch)
+    at = log.index(reload)
+    assert log[at - 1] == "mode:expandable_segments:True"
+    assert [e for e in log if e.startswith("mode:")] == ["mode:expandable_segments:True"]
+    assert fake_gpu.applied[-2:] == ["expandable_segments:True", "expandable_segments:False"]
+
+
+def test_a_backend_without_a_train_mode_reloads_in_the_process_settings(
+    fake_gpu: FakeTorch,
+) -> None:
+    plain = hm.BackendProfile("plain-reload", "no train recipe", {})
+    switch, log = mode_switch(fake_gpu, 60 * GiB, plain)
+    before = fake_gpu.last
+    cycle(switch)
+    assert [entry for entry in log if entry.startswith("mode:")] == [f"mode:{before}"]
+
+
+def test_trainer_allocation_reads_the_train_step() -> None:
+    off = hm.BackendProfile(
+        "classic-train",
+        "trains in classic segments",
+        {"train": (Step("es", "expandable_segments", "scope", {"enabled": False}),)},
+    )
+    scope = trainer_allocation(off)
+    assert isinstance(scope, ExpandableSegments)
+    assert scope.enabled is False
+    assert scope._release_cache is False  # the switch has just released: no second one
+    sglang = trainer_allocation(get_backend("sglang"))
+    assert isinstance(sglang, ExpandableSegments)
+    assert sglang.enabled is True

@@ -99,6 +99,14 @@ def import_cuda_tensor(rebuild: Any, args: tuple[Any, ...], device: int) -> torc
     return result
 
 
+def new_event() -> Any:
+    """Return a CUDA event without timing (the cheapest kind) to record and wait for.
+
+    For the current device's streams; all torch versions (``torch.cuda.Event``).
+    """
+    return _CUDA_EVENT(enable_timing=False)
+
+
 def new_ipc_event(device: int) -> Any:
     """Return a CUDA event another process can open (``cudaEventInterprocess``).
 

@@ -250,7 +250,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
     def _offload(self) -> None:
         if self.offloader is not None:
             self._state.offloaded = True  # before: a failed offload may have moved some
-            self.offloader.offload(release_cache=False)  # the next stage releases
+            self.offloader.offload()  # released as its copies land (decisions 83, 85)
 
     def _wake(self, tag: str) -> Awaitable[Any] | None:
         # Counted as awake before the call: a failed wake may have taken memory.

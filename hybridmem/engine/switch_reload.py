@@ -29,12 +29,22 @@ at once ran slower than kernels alone (0.62-0.71), and a tail by kernel held the
 engine's sleep up (84-110 ms against 22-64 ms with the copy engines, in the bench at 8
 and 32 GiB).
 
+Where (decision 85): every reload allocates the trainer state in the allocator mode
+the backend's ``train`` recipe trains in (expandable segments, for the built-in
+backends; :func:`trainer_allocation`), whatever mode the process runs in between
+phases. Reloaded in classic segments, the state's next offload freed classic
+segments, whose ``cudaFree`` waits for the whole device: the offload's release as its
+copies land (decision 83) then waited for all of them (31-34 ms after the copies at
+32 GiB in the bench; 1-2 ms as they land). A profile whose ``train`` recipe has no
+``expandable_segments`` step reloads in the process's own mode.
+
 A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
 declared here for the type checker only.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,11 +53,20 @@ from hybridmem._checks import check_bool
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
+from hybridmem.allocator.scopes import expandable_segments
+from hybridmem.engine.backends.registry import BackendProfile
 from hybridmem.engine.reports import SwitchReport
 from hybridmem.engine.switch_parts import SwitchState, in_thread
 from hybridmem.memory.offload import RELOAD_WAYS, Offloader
 
-__all__ = ["TAIL_SHARE", "TAIL_STAGES", "Reloading", "early_margin", "tail_bytes"]
+__all__ = [
+    "TAIL_SHARE",
+    "TAIL_STAGES",
+    "Reloading",
+    "early_margin",
+    "tail_bytes",
+    "trainer_allocation",
+]
 
 #: The least room, beyond the trainer state, that an early reload leaves the device.
 EARLY_MARGIN_BYTES = 256 << 20
@@ -113,6 +132,33 @@ def tail_bytes(reports: list[SwitchReport], host_bytes: int) -> int:
     return min(host_bytes, int(host_bytes / offload * TAIL_SHARE * window))
 
 
+def trainer_allocation(profile: BackendProfile) -> contextlib.AbstractContextManager[Any]:
+    """The allocator mode of ``profile``'s ``train`` recipe, for allocating trainer state.
+
+    Args:
+        profile: the switch's backend profile.
+
+    Returns:
+        ``hm.expandable_segments(enabled)`` as the recipe's ``expandable_segments``
+        step says (without releasing the cache: the switch has just released it), or
+        a scope that changes nothing where the recipe has no such step.
+
+    Scope: process-global while entered (as every allocator scope); enter and leave
+    it in one thread.
+
+    Example:
+        >>> from hybridmem.engine.backends.registry import get_backend
+        >>> with trainer_allocation(get_backend("sglang")):   # doctest: +SKIP
+        ...     offloader.reload()
+    """
+    for step in profile.recipes.get("train", ()):
+        if step.action == "expandable_segments" and step.when == "scope":
+            enabled = bool(step.args.get("enabled", True))
+            force = bool(step.args.get("force", False))
+            return expandable_segments(enabled, release_cache=False, force=force)
+    return contextlib.nullcontext()
+
+
 def __getattr__(name: str) -> Any:
     # The engine room cannot reach hybridmem._moved (a higher room): the one name this
     # module lost says so here (CHANGELOG.md's table; tests/test_moved.py checks it).
@@ -128,6 +174,7 @@ class Reloading:
     """Reload the trainer state early (room permitting) or after the engine's sleep."""
 
     if TYPE_CHECKING:  # the switch's, used here
+        profile: BackendProfile
         offloader: Offloader | None
         device: int | None
         reports: list[SwitchReport]
@@ -157,8 +204,8 @@ class Reloading:
     def _reload_early(self) -> object:
         """Stage ``reload_early``: leave the rollout phase; reload now where there is room.
 
-        After the phase: the trainer state's memory is allocated under the process's
-        own allocator settings, not the rollout phase's (decision 84). The head's wait
+        After the phase: the trainer state's memory is allocated in the train recipe's
+        allocator mode (:func:`trainer_allocation`, decision 85). The head's wait
         runs in a worker thread under the async driver (the event loop keeps running).
         """
 
@@ -194,11 +241,12 @@ class Reloading:
         total = self.offloader.host_bytes
         tail = tail_bytes(self.reports, total)
         try:
-            if tail < total:  # the host waits: no engine frees while these copies run
-                self.offloader.reload(by="copy_engine", max_bytes=total - tail)
-            if self.offloader.offloaded_groups:  # through the sleep, by copy engine too
-                self.offloader.reload(non_blocking=True, by="copy_engine")
-                self._queued = True
+            with trainer_allocation(self.profile):  # where it trains (decision 85)
+                if tail < total:  # the host waits: no engine frees while these copies run
+                    self.offloader.reload(by="copy_engine", max_bytes=total - tail)
+                if self.offloader.offloaded_groups:  # through the sleep, by copy engine too
+                    self.offloader.reload(non_blocking=True, by="copy_engine")
+                    self._queued = True
         except OffloadError as exc:  # what was not reloaded is intact: after the sleep
             logger.info("HybridSwitch: early reload refused (%s); reloading after the sleep", exc)
             return
@@ -221,5 +269,6 @@ class Reloading:
         # Not ``else``: a switch that failed after queueing one leaves the flag, and
         # what a later cycle offloaded must still come back.
         if self.offloader is not None and self._state.offloaded:
-            self.offloader.reload(by=self.reload_by)
+            with trainer_allocation(self.profile):  # where it trains (decision 85)
+                self.offloader.reload(by=self.reload_by)
             self._state.offloaded = False

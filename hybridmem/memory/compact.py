@@ -217,8 +217,8 @@ def compact(
     the first switch, for the tensors that stay on the device through rollout
     (parameters a trainer keeps resident, buffers). The optimizer state an
     :class:`~hybridmem.Offloader` moves is reallocated at every reload, in the
-    settings in force there: ``HybridSwitch`` reloads between phases, in the
-    process's own (decision 84). Building the model inside ``hm.phase("train")``
+    settings in force there: ``HybridSwitch`` reloads it in its backend's ``train``
+    recipe's mode (decision 85). Building the model inside ``hm.phase("train")``
     (or ``hm.expandable_segments(True)``) has the effect of compacting it.
 
     The storages go through pinned host memory (as many bytes as they hold, released

@@ -40,6 +40,7 @@ from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem._scope import ScopedContext
 from hybridmem.memory.host_pool import HostPool
+from hybridmem.memory.offload_free import Landing, free_as_landed, free_slots
 from hybridmem.memory.offload_parts import (
     RELOAD_WAYS,
     OffloadReport,
@@ -245,8 +246,11 @@ class Offloader:
         Args:
             groups: ``None`` for all, or some of ``"parameters"``, ``"buffers"``,
                 ``"gradients"``, ``"optimizer"``, ``"tensors"``.
-            release_cache: return the freed memory to the driver afterwards
-                (``torch.cuda.empty_cache()``), so another process can use it.
+            release_cache: return the freed memory to the driver
+                (``torch.cuda.empty_cache()``), so another process can use it: every
+                512 MiB of copies, as they land, while the later ones run (the
+                release overlaps the copies, :mod:`~hybridmem.memory.offload_free`).
+                False: free once every copy has landed; the caller releases.
 
         Returns:
             An :class:`OffloadReport` (also logged at INFO).
@@ -263,7 +267,8 @@ class Offloader:
         if disabled():
             return self._report("offload", [], start)
         dropped = drop_grads(self._targets) if self.grads == "drop" and "gradients" in wanted else 0
-        streamed = self._stream_to_host(wanted)
+        landing = Landing() if release_cache else None  # freed and released as they land
+        streamed = self._stream_to_host(wanted, landing)
         if streamed is not None:
             todo, side = streamed
         else:
@@ -284,48 +289,20 @@ class Offloader:
                         "bytes) while other groups were offloaded; reload everything before "
                         "changing targets"
                     )
-            side, _ = self._copy(todo, to_host=True)
-        _torch.synchronize_stream(side)  # no host read, no free, before the copies land
-        check_freeable(todo)  # the copies only wrote the pool: nothing is lost yet
-        self._free(todo)
-        if release_cache:
-            _torch.empty_cache()
-        return self._report("offload", todo, start, dropped)
-
-    def _free(self, slots: Sequence[Slot]) -> None:
-        """Free the slots' device storage and mark them offloaded, all or none.
-
-        A failure puts back those freed before it. If putting them back fails too,
-        they stay offloaded (their data is in the pool), so that reload() finds them.
-        """
-        freed: list[Slot] = []
-        try:
-            for slot in slots:
-                _torch.resize_storage(slot.storage, 0)
-                freed.append(slot)
-        except BaseException as exc:
-            failed = slots[len(freed)].name
+            landing = Landing() if release_cache else None  # the walk's copies were dropped
+            side, _ = self._copy(todo, to_host=True, landing=landing)
+        if landing is None:  # the caller releases: free once every copy has landed
+            _torch.synchronize_stream(side)  # no host read, no free, before the copies land
+            check_freeable(todo)  # the copies only wrote the pool: nothing is lost yet
+            free_slots(todo, self._restore, self._unallocate)
+        else:
             try:
-                self._restore(freed)
-            except BaseException as again:
-                for slot in freed:
-                    slot.offloaded = True
-                self._unallocate(freed)  # back to freed: what reload() starts from
-                groups = frozenset(s.group for s in freed)
-                raise OffloadError(
-                    f"offload failed freeing {failed} ({exc!r}), and putting back the "
-                    f"{len(freed)} storages freed before it failed too ({again!r}): those "
-                    f"stay offloaded (of {', '.join(sorted(groups, key=GROUPS.index))}), "
-                    "their data intact in the host pool; Offloader.reload() brings them "
-                    "back, every other target is as it was",
-                    offloaded=groups,
-                ) from exc
-            raise OffloadError(
-                f"offload failed freeing {failed} ({exc!r}); the {len(freed)} storages freed "
-                "before it were put back from the host pool: every target is as it was"
-            ) from exc
-        for slot in slots:
-            slot.offloaded = True
+                check_freeable(todo)
+            except BaseException:
+                _torch.synchronize_stream(side)  # nothing is freed; the pool must not be
+                raise
+            free_as_landed(todo, landing, side, self._restore, self._unallocate)
+        return self._report("offload", todo, start, dropped)
 
     def _restore(self, slots: Sequence[Slot]) -> None:
         """Reallocate and refill freed storages from the pool (blocking)."""
@@ -429,7 +406,9 @@ class Offloader:
         with contextlib.suppress(BaseException):
             _torch.empty_cache()  # give the partial allocations back to the driver
 
-    def _stream_to_host(self, wanted: list[Group]) -> tuple[list[Slot], Any] | None:
+    def _stream_to_host(
+        self, wanted: list[Group], landing: Landing | None
+    ) -> tuple[list[Slot], Any] | None:
         """Copy to the pool while walking the targets, if they still match the plan.
 
         Every offload walks the targets (they may have changed since the last
@@ -468,6 +447,8 @@ class Offloader:
                     if group in wanted:
                         self._host.copy_one(slot, self._device, to_host=True)
                         todo.append(slot)
+                        if landing is not None:
+                            landing.copied(side, slot.nbytes)
                 else:
                     if next(planned, None) is None:
                         return (todo, side) if todo else None
@@ -480,7 +461,12 @@ class Offloader:
         return None
 
     def _copy(
-        self, slots: Sequence[Slot], *, to_host: bool, kernel_after: int | None = None
+        self,
+        slots: Sequence[Slot],
+        *,
+        to_host: bool,
+        kernel_after: int | None = None,
+        landing: Landing | None = None,
     ) -> tuple[Any, Any]:
         """Queue the copies between device storage and pool on the side stream.
 
@@ -510,6 +496,8 @@ class Offloader:
                 allocate(slot)
             with _torch.stream_scope(side):
                 self._host.copy_one(slot, self._device, to_host=to_host, by_kernel=index >= split)
+            if landing is not None:
+                landing.copied(side, slot.nbytes)
         return side, current
 
     def _report(

@@ -205,6 +205,15 @@ def _cycles(
         ]
         boundaries.append({key: int(stage.free_after or 0) for key, stage in stages})
         trainer_reserved.append({key: int(stage.reserved_after or 0) for key, stage in stages})
+    # Reloaded where it trains (decision 85): the train recipe's expandable segments,
+    # not the classic ones this process runs in between phases.
+    state = [
+        t
+        for per in optimizer.state.values()
+        for t in per.values()
+        if torch.is_tensor(t) and t.is_cuda
+    ]
+    state_expandable = [not _torch.is_legacy_ipc_capable(t) for t in state]
     client.conn.send(("stop",))
     _, checks, engine_name = conn.recv()
     engine_process.join(timeout=60)
@@ -228,6 +237,7 @@ def _cycles(
         "last": [str(r) for r in last],
         "rank": switch.rank,
         "engine": engine_name,
+        "state_expandable": state_expandable,
     }
 
 

@@ -109,3 +109,21 @@ def test_a_reload_by_kernel_is_exact_and_reads_the_pools_mapping() -> None:
     assert facts["non_blocking_exact"]
     assert facts["head_then_tail_exact"] == [True, True]  # the switch's early reload
     assert facts["peer_exit"] == 0
+
+
+def test_an_offload_releases_as_its_copies_land() -> None:
+    """Decision 83: each 512 MiB is freed and released while the later copies run."""
+    facts = run_scenario("offload_lands_by_chunks", "tests.gpu.landing_scenarios")
+    print(f"\noffload_lands_by_chunks: {facts}")
+    chunks = -(-facts["state"] // facts["chunk"])
+    for label in ("planned", "streamed"):
+        assert facts[f"{label}_exact"]
+        assert facts[f"{label}_releases"] == chunks  # one release per landing
+        # everything offloaded went back to the driver (within one 20 MiB block)
+        assert facts[f"{label}_returned"] >= facts["state"] - 20 * MiB
+        assert facts[f"{label}_reserved_drop"] >= facts["state"] - 20 * MiB
+    assert "freed in earlier chunks were reloaded" in facts["fault"]
+    assert facts["fault_offloaded"] == []
+    assert facts["fault_exact"]
+    assert facts["after_fault_exact"]
+    assert facts["final_exact"]

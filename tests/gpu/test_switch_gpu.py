@@ -51,6 +51,9 @@ def _check_fifty(facts: dict[str, Any]) -> None:
     assert facts["cycles"] == 50
     assert facts["engine_exit"] == 0  # no pidfd error in the restricted engine
     assert all(facts["weights_match"])  # the engine saw each cycle's trained weights
+    # The reloaded optimizer state lives in expandable segments (decision 85).
+    assert facts["state_expandable"]
+    assert all(facts["state_expandable"])
     assert facts["kv_taken"] > 10 * 1024 * MiB  # a real KV cache came and went
     # The engine's hand-back: free memory the sleep gained, the trainer's own reserved
     # change over it (an early reload, a release) counted out.
