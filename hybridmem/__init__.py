@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from hybridmem.ipc.receiver import BucketReceiver
     from hybridmem.ipc.shareable import allow_ptrace_from_any, ipc_safe, ipc_shareable
     from hybridmem.memory.compact import compact
-    from hybridmem.memory.offload import Offloader, offloaded
+    from hybridmem.memory.offload import Offloader
+    from hybridmem.memory.offload_scope import offloaded
     from hybridmem.memory.one_segment import one_segment
     from hybridmem.memory.release import aggressive_cache_release, release_cache
     from hybridmem.observe.leakwatch import LeakWatch
@@ -97,7 +98,7 @@ _LAZY = {
     "ipc_shareable": "hybridmem.ipc.shareable",
     "list_backends": "hybridmem.engine.backends",
     "memory_info": "hybridmem.observe.memory",
-    "offloaded": "hybridmem.memory.offload",
+    "offloaded": "hybridmem.memory.offload_scope",
     "one_segment": "hybridmem.memory.one_segment",
     "phase": "hybridmem.engine.phases",
     "record": "hybridmem.observe.timeline",

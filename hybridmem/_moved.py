@@ -34,7 +34,7 @@ MOVED: Mapping[str, str] = MappingProxyType(
         "hybridmem.CacheRelease": "hybridmem.memory.release.CacheRelease",
         "hybridmem.ReleaseReport": "hybridmem.memory.release.ReleaseReport",
         "hybridmem.DeviceRelease": "hybridmem.memory.release.DeviceRelease",
-        "hybridmem.Offloaded": "hybridmem.memory.offload.Offloaded",
+        "hybridmem.Offloaded": "hybridmem.memory.offload_scope.Offloaded",
         "hybridmem.OffloadReport": "hybridmem.memory.offload.OffloadReport",
         "hybridmem.IpcSafe": "hybridmem.ipc.shareable.IpcSafe",
         "hybridmem.IpcCapabilities": "hybridmem.ipc.capabilities.IpcCapabilities",

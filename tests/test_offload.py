@@ -663,6 +663,10 @@ def run_fault_plan(monkeypatch: pytest.MonkeyPatch, plan: list[tuple[str, str, s
                     off.offload()
                 elif action == "offload_params":
                     off.offload("parameters")
+                elif action == "offload_in_flight":  # start_offload, then finish
+                    off.start_offload().finish()
+                elif action == "offload_cancelled":
+                    off.start_offload().cancel()
                 elif action == "reload":
                     off.reload()
                 elif action == "reload_by_kernel":

@@ -224,7 +224,16 @@ def test_landing_records_an_event_every_chunk_and_yields_the_total_last() -> Non
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["offload", "reload", "offload_params", "reload_optimizer"]),
+            st.sampled_from(
+                [
+                    "offload",
+                    "reload",
+                    "offload_params",
+                    "reload_optimizer",
+                    "offload_in_flight",
+                    "offload_cancelled",
+                ]
+            ),
             st.sampled_from([*_FAULT_POINTS, "synchronize_event", "record_event"]),
             st.sets(st.integers(0, 12), min_size=1, max_size=3),
         ),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -38,9 +39,13 @@ from hybridmem._env import disabled
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
-from hybridmem._scope import ScopedContext
 from hybridmem.memory.host_pool import HostPool
-from hybridmem.memory.offload_free import Landing, free_as_landed, free_slots
+from hybridmem.memory.offload_free import (
+    Landing,
+    OffloadInFlight,
+    free_as_landed,
+    free_slots,
+)
 from hybridmem.memory.offload_parts import (
     RELOAD_WAYS,
     OffloadReport,
@@ -63,7 +68,7 @@ from hybridmem.memory.targets import (
 )
 from hybridmem.observe import timeline as _timeline
 
-__all__ = ["GROUPS", "RELOAD_WAYS", "OffloadReport", "Offloaded", "Offloader", "offloaded"]
+__all__ = ["GROUPS", "RELOAD_WAYS", "OffloadInFlight", "OffloadReport", "Offloader"]
 
 _ALIGN = 512  # bytes; each storage starts on this boundary in the pinned pool
 
@@ -135,6 +140,7 @@ class Offloader:
         self._host = HostPool(pin_memory)
         self._stream: Any = None
         self._stream_device: torch.device | None = None
+        self._in_flight: OffloadInFlight | None = None  # start_offload's, until it ends
 
     @staticmethod
     def _parse_device(device: DeviceArg) -> torch.device | None:
@@ -260,12 +266,42 @@ class Offloader:
             ValueError: a target's memory is not this process's to free (imported
                 through CUDA IPC or DLPack); both are checked before anything is freed.
             OffloadError: freeing failed midway; what was freed was put back.
+            RuntimeError: an offload is in flight (:meth:`start_offload`).
         """
+        return self.start_offload(groups, release_cache=release_cache).finish()
+
+    def start_offload(
+        self, groups: str | Iterable[str] | None = None, *, release_cache: bool = True
+    ) -> OffloadInFlight:
+        """Queue an offload's copies and return before any storage is freed.
+
+        The targets stay on the device, intact and readable (not to be written: the
+        copies read them), until :meth:`OffloadInFlight.finish` frees them as
+        :meth:`offload` does, or :meth:`OffloadInFlight.cancel` drops the offload.
+        Meanwhile the device runs other work beside the copies (the switch syncs the
+        engine's weights there). ``offload()`` is ``start_offload().finish()``.
+
+        Args:
+            groups, release_cache: as for :meth:`offload`.
+
+        Returns:
+            The :class:`OffloadInFlight`; every other call of this Offloader is
+            refused until it is finished or cancelled.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`offload`, before anything is freed.
+            RuntimeError: an offload is already in flight.
+
+        Example:
+            >>> flight = off.start_offload()           # doctest: +SKIP
+            >>> push_weights(); flight.finish()
+        """
+        self._check_idle("start_offload")
         wanted = select_groups(groups)
         check_bool("release_cache", release_cache)
         start = time.perf_counter()
         if disabled():
-            return self._report("offload", [], start)
+            return OffloadInFlight.done(self._report("offload", [], start))
         dropped = drop_grads(self._targets) if self.grads == "drop" and "gradients" in wanted else 0
         landing = Landing() if release_cache else None  # freed and released as they land
         streamed = self._stream_to_host(wanted, landing)
@@ -281,7 +317,7 @@ class Offloader:
                         "offload-nothing",
                         "Offloader: no target tensor is on a GPU; nothing to move",
                     )
-                return self._report("offload", [], start, dropped)
+                return OffloadInFlight.done(self._report("offload", [], start, dropped))
             for slot in todo:
                 if slot.storage.nbytes() != slot.nbytes:
                     raise RuntimeError(
@@ -291,18 +327,30 @@ class Offloader:
                     )
             landing = Landing() if release_cache else None  # the walk's copies were dropped
             side, _ = self._copy(todo, to_host=True, landing=landing)
-        if landing is None:  # the caller releases: free once every copy has landed
-            _torch.synchronize_stream(side)  # no host read, no free, before the copies land
-            check_freeable(todo)  # the copies only wrote the pool: nothing is lost yet
-            free_slots(todo, self._restore, self._unallocate)
-        else:
-            try:
-                check_freeable(todo)
-            except BaseException:
-                _torch.synchronize_stream(side)  # nothing is freed; the pool must not be
-                raise
-            free_as_landed(todo, landing, side, self._restore, self._unallocate)
-        return self._report("offload", todo, start, dropped)
+        try:
+            check_freeable(todo)
+        except BaseException:
+            _torch.synchronize_stream(side)  # nothing is freed; the pool must not be
+            raise
+
+        def free() -> OffloadReport:
+            if landing is None:  # the caller releases: free once every copy has landed
+                _torch.synchronize_stream(side)  # no free before the copies land
+                free_slots(todo, self._restore, self._unallocate)
+            else:
+                free_as_landed(todo, landing, side, self._restore, self._unallocate)
+            return self._report("offload", todo, start, dropped)
+
+        self._in_flight = OffloadInFlight(free, partial(_torch.synchronize_stream, side))
+        return self._in_flight
+
+    def _check_idle(self, call: str) -> None:
+        """Refuse ``call`` while an offload started with :meth:`start_offload` is in flight."""
+        if self._in_flight is not None and self._in_flight.pending:
+            raise RuntimeError(
+                f"Offloader.{call}() while an offload is in flight: call finish() or "
+                "cancel() on what start_offload() returned first"
+            )
 
     def _restore(self, slots: Sequence[Slot]) -> None:
         """Reallocate and refill freed storages from the pool (blocking)."""
@@ -354,8 +402,10 @@ class Offloader:
                 its cause) or a copy failed: nothing was reloaded, the data is
                 intact in the host pool, and calling ``reload()`` again retries.
             RuntimeError: a storage was reallocated by someone else while offloaded
-                (reloading would overwrite it).
+                (reloading would overwrite it), or an offload is in flight
+                (:meth:`start_offload`).
         """
+        self._check_idle("reload")
         wanted = select_groups(groups)
         check_bool("non_blocking", non_blocking)
         kernel_after = check_reload_way(by, copy_engine_first)
@@ -513,7 +563,8 @@ class Offloader:
         return report
 
     def close(self) -> None:
-        """Unpin and free the host pool. Refused while anything is offloaded."""
+        """Unpin and free the host pool. Refused while anything is offloaded or in flight."""
+        self._check_idle("close")
         if self.offloaded_groups:
             raise RuntimeError(
                 f"cannot close: {sorted(self.offloaded_groups)} are offloaded; reload() them first"
@@ -523,64 +574,12 @@ class Offloader:
         self._stream = None
 
 
-class Offloaded(ScopedContext):
-    """Offload on entry, reload on exit (see :func:`offloaded`)."""
-
-    def __init__(self, offloader: Offloader, groups: str | Iterable[str] | None) -> None:
-        super().__init__()
-        self.offloader = offloader
-        self.groups = None if groups is None else select_groups(groups)
-        self._depth = [0]  # shared by the fresh copies a decorator makes
-
-    def __repr__(self) -> str:
-        return f"offloaded({self.offloader!r}, groups={self.groups})"
-
-    def _enter(self) -> object:
-        if self._depth[0] == 0:
-            self.offloader.offload(self.groups)
-        self._depth[0] += 1
-        return None
-
-    def _exit(self, token: object, exc: BaseException | None) -> None:
-        self._depth[0] -= 1
-        if self._depth[0] == 0:
-            self.offloader.reload(self.groups)
-
-
-def offloaded(
-    *targets: Target,
-    groups: str | Iterable[str] | None = None,
-    pin_memory: bool = True,
-    grads: Literal["keep", "drop"] = "keep",
-    max_host_bytes: int | None = None,
-    device: torch.device | str | int | None = None,
-) -> Offloaded:
-    """Keep ``targets`` offloaded to pinned host memory for a block or call.
-
-    Offloads on entry and reloads (blocking) on exit, also when the block raises.
-    One pinned pool serves every entry, including every call of a decorated
-    function; nested entries offload once and reload at the outermost exit.
-
-    Args:
-        *targets: as for :class:`Offloader` (or one existing ``Offloader``).
-        groups: the groups to move (default: all).
-        pin_memory, grads, max_host_bytes, device: as for :class:`Offloader`.
-
-    Returns:
-        An :class:`Offloaded` context/decorator; ``.offloader`` is the Offloader.
-
-    Example:
-        >>> with hm.offloaded(model, optimizer):       # doctest: +SKIP
-        ...     engine.generate(prompts)
-    """
-    if len(targets) == 1 and isinstance(targets[0], Offloader):
-        offloader = targets[0]
-    else:
-        offloader = Offloader(
-            *targets,
-            pin_memory=pin_memory,
-            grads=grads,
-            max_host_bytes=max_host_bytes,
-            device=device,
+def __getattr__(name: str) -> Any:
+    # The scoped form moved to offload_scope (this module's 600 lines; CHANGELOG.md's
+    # table, tests/test_moved.py). Not re-exported: offload_scope imports this module.
+    if name in ("Offloaded", "offloaded"):
+        raise AttributeError(
+            f"{__name__}.{name} moved: use hybridmem.memory.offload_scope.{name} "
+            "(hm.offloaded is unchanged)"
         )
-    return Offloaded(offloader, groups)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

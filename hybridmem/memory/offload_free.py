@@ -24,10 +24,10 @@ from typing import Any
 
 from hybridmem import _torch
 from hybridmem._errors import OffloadError
-from hybridmem.memory.offload_parts import Slot
+from hybridmem.memory.offload_parts import OffloadReport, Slot
 from hybridmem.memory.targets import GROUPS
 
-__all__ = ["LANDING_CHUNK_BYTES", "Landing", "free_as_landed", "free_slots"]
+__all__ = ["LANDING_CHUNK_BYTES", "Landing", "OffloadInFlight", "free_as_landed", "free_slots"]
 
 #: Bytes of copies between two landings: every 512 MiB cost 1.004x the copies alone
 #: on the H200 (the last chunk's release is all that is left after them).
@@ -194,3 +194,69 @@ def _undo(freed: Sequence[Slot], total: int, exc: BaseException, restore: Slots)
             f"offload failed after {done} of {total} storages were freed ({exc!r}); "
             "those were reloaded from the host pool: every target is as it was"
         ) from exc
+
+
+class OffloadInFlight:
+    """An offload whose copies are queued and whose device storage is not freed yet.
+
+    Made by :meth:`Offloader.start_offload <hybridmem.memory.offload.Offloader.start_offload>`.
+    :meth:`finish` frees the storages (as their copies land, with ``release_cache``)
+    and reports, as ``offload()`` does; :meth:`cancel` waits for the copies and frees
+    nothing, so every target stays as it was. One of the two, once; until then the
+    Offloader refuses every other call.
+
+    Args:
+        free: frees the storages and returns the report (the Offloader's).
+        wait: waits for the queued copies.
+
+    Example:
+        >>> flight = off.start_offload()   # doctest: +SKIP
+        >>> sync_weights(); report = flight.finish()
+
+    Scope: the Offloader's device; not thread-safe.
+    """
+
+    def __init__(self, free: Callable[[], OffloadReport], wait: Callable[[], None]) -> None:
+        self._free: Callable[[], OffloadReport] | None = free
+        self._wait = wait
+        self.report: OffloadReport | None = None  # set by finish()
+
+    @classmethod
+    def done(cls, report: OffloadReport) -> OffloadInFlight:
+        """An offload with nothing to copy: its ``finish()`` returns ``report``."""
+        return cls(lambda: report, lambda: None)
+
+    @property
+    def pending(self) -> bool:
+        """Whether neither :meth:`finish` nor :meth:`cancel` has run (or one failed)."""
+        return self._free is not None
+
+    def __repr__(self) -> str:
+        return f"OffloadInFlight(pending={self.pending})"
+
+    def finish(self) -> OffloadReport:
+        """Wait for the copies, free the storages, return the report (also logged).
+
+        Raises:
+            RuntimeError: already finished or cancelled.
+            OffloadError: freeing failed midway, as for ``offload()``; the offload
+                has ended either way (what was freed was put back or is named).
+        """
+        free = self._take("finish")
+        self.report = free()
+        return self.report
+
+    def cancel(self) -> None:
+        """Wait for the copies and free nothing: every target stays as it was.
+
+        Raises:
+            RuntimeError: already finished or cancelled.
+        """
+        self._take("cancel")
+        self._wait()
+
+    def _take(self, call: str) -> Callable[[], OffloadReport]:
+        if self._free is None:
+            raise RuntimeError(f"OffloadInFlight.{call}(): this offload has already ended")
+        free, self._free = self._free, None  # ended, even if what follows fails
+        return free
