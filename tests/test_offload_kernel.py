@@ -282,7 +282,7 @@ def quarter_tail(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     """The tail is a quarter of the pool once a cycle was timed; each call's arguments."""
     asked: list[tuple[Any, ...]] = []
 
-    def tail(reports: list[SwitchReport], host_bytes: int) -> int:
+    def tail(reports: list[SwitchReport], host_bytes: int, offload_s: float | None = None) -> int:
         asked.append((len(reports), host_bytes))
         timed = any(r.direction == "to_trainer" for r in reports)  # a sleep was timed
         return host_bytes // 4 if timed else 0

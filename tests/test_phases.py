@@ -355,3 +355,24 @@ def test_entering_passes_the_garbage_policy_without_rebuilding(fake_gpu: FakeTor
     )
     with pytest.raises(TypeError, match="collect_garbage must be True or False"):
         wake.entering(collect_garbage="young")  # type: ignore[arg-type]
+
+
+def test_entering_can_skip_the_releases_on_entry_and_keeps_the_scopes(
+    fake_gpu: FakeTorch,
+) -> None:
+    # The switch, while an offload's copies run: a release synchronizes the device.
+    wake = hm.phase("wake_up", backend="vllm")
+    fake_gpu.events.clear()
+    with wake.entering(enter_releases=False):  # classic already: nothing to release
+        assert not expandable()
+    assert not [e for e in fake_gpu.events if e.startswith(("sync:", "gc", "empty_cache"))]
+    with hm.expandable_segments(True):
+        fake_gpu.events.clear()
+        with wake.entering(enter_releases=False):
+            assert not expandable()  # the recipe's scope still applies (and its mode
+        assert expandable()  # change releases: allocator blocks must not mix kinds)
+    assert "ipc_collect" not in fake_gpu.events  # the recipe's release_cache step did not run
+    assert "gc" not in fake_gpu.events
+    assert "enter_releases=False" in repr(wake.entering(enter_releases=False))
+    with pytest.raises(TypeError, match="enter_releases must be True or False"):
+        wake.entering(enter_releases=None)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import hybridmem as hm
 from hybridmem.engine import phases
 from hybridmem.engine.ranks import RankStatus
 from hybridmem.engine.reports import StageReport, SwitchReport
+from hybridmem.memory.offload import OffloadInFlight, OffloadReport
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch, fail_resizes
 
@@ -76,6 +77,22 @@ class FakeOffloader(hm.Offloader):
         self.left = max(self.host_bytes, 1)  # before: a failed offload may have moved some
         if self.fail == "offload":
             raise Boom("offload")
+        return OffloadReport.of("offload", [], time.perf_counter(), 0, None)
+
+    def start_offload(self, groups: Any = None, **kw: Any) -> Any:
+        """The copies queued (weights under them); finish or cancel logs what ran."""
+        self.log.append("offload:queued")
+        if self.fail == "offload":
+            raise Boom("offload")
+
+        def finish() -> Any:
+            self.log.append("offload:landed")
+            self.left = max(self.host_bytes, 1)
+            if self.fail == "land":
+                raise Boom("land")
+            return OffloadReport.of("offload", [], time.perf_counter(), 0, None)
+
+        return OffloadInFlight(finish, lambda: self.log.append("offload:cancelled"))
 
     def reload(self, groups: Any = None, **kw: Any) -> Any:
         head = kw.get("max_bytes") is not None
@@ -146,6 +163,7 @@ def test_staged_order_and_allocator_state(trainer: FakeTorch) -> None:
         "barrier",
         "wake_weights",
         "weight_sync",
+        "offload_land",
         "free_staging",
         "barrier_kv",
         "wake_kv",
@@ -327,6 +345,10 @@ def test_ranks_never_wake_kv_before_every_rank_offloaded(fake_gpu: FakeTorch) ->
             time.sleep(self.delay)
             with lock:
                 times["offload_done"].append(time.monotonic())
+
+        def start_offload(self, groups: Any = None, **kw: Any) -> Any:
+            # The weights under the copies: the offload is done at offload_land.
+            return OffloadInFlight(lambda: self.offload(), lambda: None)
 
     def rank(delay: float) -> None:
         switch = hm.HybridSwitch(Timed(), plain, Slow(delay), barrier=barrier.wait)

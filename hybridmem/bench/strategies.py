@@ -273,9 +273,11 @@ class Hybridmem(Strategy):
 
     def to_rollout(self) -> Moved:
         report = self.switch.to_rollout()
-        offload = report.stage("offload")
+        # The copies' own time: with the weights under them the stage only queued them.
+        offloaded = self.switch.offload_report
+        copy_s = offloaded.seconds if offloaded else report.stage("offload").seconds
         nbytes = self.offloader.host_bytes
-        return Moved(copy_s=offload.seconds, copy_bytes=nbytes, sync_s=self._sync_s)
+        return Moved(copy_s=copy_s, copy_bytes=nbytes, sync_s=self._sync_s)
 
     def to_trainer(self) -> Moved:
         report = self.switch.to_trainer()

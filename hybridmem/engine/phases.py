@@ -241,7 +241,11 @@ class Phase(ScopedContext):
         return self._label
 
     def entering(
-        self, *, collect_garbage: bool | None = None, enough_free: int | None = None
+        self,
+        *,
+        collect_garbage: bool | None = None,
+        enough_free: int | None = None,
+        enter_releases: bool = True,
     ) -> ScopedContext:
         """This phase with per-use options, for one ``with`` (nothing is rebuilt).
 
@@ -253,6 +257,10 @@ class Phase(ScopedContext):
                 at once (what the engine's release is known to reach: a
                 :class:`~hybridmem.HybridSwitch` passes what its last sleep gave
                 back); None: they wait for free memory to settle.
+            enter_releases: False: the recipe's cache releases on entry are skipped
+                this time (a :class:`~hybridmem.HybridSwitch` whose offload is still
+                copying: a release synchronizes the device, so it would wait for the
+                copies; the switch releases once they have landed).
 
         Example:
             >>> with hm.phase("sleep").entering(collect_garbage=False):  # doctest: +SKIP
@@ -262,17 +270,21 @@ class Phase(ScopedContext):
             check_bool("collect_garbage", collect_garbage)
         if enough_free is not None:
             check_number("enough_free", enough_free, minimum=0, integer=True)
-        return _PhaseUse(self, collect_garbage, enough_free)
+        check_bool("enter_releases", enter_releases)
+        return _PhaseUse(self, collect_garbage, enough_free, enter_releases)
 
     def _enter(self) -> object:
         return self._open(None, None)
 
-    def _open(self, collect_garbage: bool | None, enough_free: int | None) -> object:
+    def _open(
+        self, collect_garbage: bool | None, enough_free: int | None, releases: bool = True
+    ) -> object:
         entered: list[ScopedContext] = []
         try:
             for prepared in self._prepared:
                 if prepared.step.when == "enter":
-                    prepared.run(collect_garbage)
+                    if releases or prepared.step.action != "release_cache":
+                        prepared.run(collect_garbage)
                 elif prepared.scope is not None:
                     prepared.scope.__enter__()
                     entered.append(prepared.scope)
@@ -322,20 +334,28 @@ class Phase(ScopedContext):
 class _PhaseUse(ScopedContext):
     """One use of a built :class:`Phase` with per-use options (see :meth:`Phase.entering`)."""
 
-    def __init__(self, phase: Phase, collect_garbage: bool | None, enough_free: int | None) -> None:
+    def __init__(
+        self,
+        phase: Phase,
+        collect_garbage: bool | None,
+        enough_free: int | None,
+        enter_releases: bool = True,
+    ) -> None:
         super().__init__()
         self.phase = phase
         self.collect_garbage = collect_garbage
         self.enough_free = enough_free
+        self.enter_releases = enter_releases
 
     def __repr__(self) -> str:
+        skipped = "" if self.enter_releases else ", enter_releases=False"
         return (
             f"{self.phase!r}.entering(collect_garbage={self.collect_garbage!r}, "
-            f"enough_free={self.enough_free!r})"
+            f"enough_free={self.enough_free!r}{skipped})"
         )
 
     def _enter(self) -> object:
-        return self.phase._open(self.collect_garbage, self.enough_free)
+        return self.phase._open(self.collect_garbage, self.enough_free, self.enter_releases)
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
         self.phase._exit(token, exc)

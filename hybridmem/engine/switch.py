@@ -49,6 +49,7 @@ from hybridmem.engine.ranks import (
     RankSync,
 )
 from hybridmem.engine.reports import StageReport, SwitchReport
+from hybridmem.engine.switch_offload import Offloading
 from hybridmem.engine.switch_parts import (
     BLOCKING,
     STAGE_PHASES,
@@ -59,6 +60,7 @@ from hybridmem.engine.switch_parts import (
     SwitchState,
     adapter,
     in_thread,
+    then_run,
 )
 from hybridmem.engine.switch_ranks import RankProtocol
 from hybridmem.engine.switch_recovery import Recovery
@@ -72,7 +74,7 @@ from hybridmem.observe.memory import MemoryInfo, memory_info
 __all__ = ["HybridSwitch"]
 
 
-class HybridSwitch(RankProtocol, Recovery, Reloading):
+class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
     """Run the staged trainer -> rollout -> trainer switch around generation.
 
     Args:
@@ -123,6 +125,11 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
             engine still holds its memory, the rest during the sleep (False: after
             the sleep, always); a reload after the sleep copied by ``"kernel"`` or
             ``"copy_engine"`` (``Offloader.reload``; decisions 80 and 81).
+        weights_under_offload: wake and sync the engine's weights while the
+            offload's copies run, where the device has room for them beside the
+            trainer state (what they took in the last cycle, plus 256 MiB;
+            :mod:`~hybridmem.engine.switch_offload`, decision 86). False: after the
+            offload, always.
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -146,6 +153,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         collect_garbage: bool | Literal["once", "adaptive"] = "adaptive",
         reload_early: bool = True,
         reload_by: Literal["kernel", "copy_engine"] = "kernel",
+        weights_under_offload: bool = True,
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         # Built once, entered every cycle (a phase re-enters; the garbage policy of a
@@ -180,6 +188,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
             )
         check_number("confirm_timeout_s", confirm_timeout_s, minimum=0)
         self._init_reload(reload_early, reload_by)
+        self._init_offloading(weights_under_offload)
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
@@ -213,13 +222,19 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
     # ------------------------------------------------------------------ #
     # The stages, as (name, operation) pairs; an operation may return an awaitable
     # ------------------------------------------------------------------ #
-    def _enter_phase(self, name: str, enough_free: int | None = None) -> None:
+    def _enter_phase(
+        self, name: str, enough_free: int | None = None, *, enter_releases: bool = True
+    ) -> None:
         phase = self._phases[name]
-        releases = any(s.action == "release_cache" for s in phase.steps)
-        # The recipes' releases skip gc too when the garbage policy says so.
+        steps = [s for s in phase.steps if enter_releases or s.when != "enter"]
+        # The recipes' releases skip gc too when the garbage policy says so, and while
+        # the offload's copies run ("once" goes to the release after they land).
+        releases = any(s.action == "release_cache" for s in steps)
+        gc = releases and not self._copying and self._gc_now()  # "once" is used up here
         entered = phase.entering(
-            collect_garbage=None if not releases or self._gc_now() else False,
+            collect_garbage=None if not releases or gc else False,
             enough_free=enough_free,
+            enter_releases=enter_releases,
         )
         entered.__enter__()
         self._state.phases.append(entered)
@@ -233,24 +248,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         entered.__exit__(*info)
         return None
 
-    @staticmethod
-    def _then(first: Awaitable[Any] | None, then: Callable[[], object]) -> Any:
-        """Run ``then`` after ``first`` (awaiting both when they are awaitable)."""
-        if first is None:
-            return then()
-
-        async def chain() -> None:
-            await first
-            result = then()
-            if inspect.isawaitable(result):
-                await result
-
-        return chain()
-
-    def _offload(self) -> None:
-        if self.offloader is not None:
-            self._state.offloaded = True  # before: a failed offload may have moved some
-            self.offloader.offload()  # released as its copies land (decisions 83, 85)
+    _then = staticmethod(then_run)  # run a callable after an awaitable, or now
 
     def _wake(self, tag: str) -> Awaitable[Any] | None:
         # Counted as awake before the call: a failed wake may have taken memory.
@@ -298,7 +296,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading):
         return None
 
     def _wake_weights(self) -> Awaitable[Any] | None:
-        self._enter_phase("wake_up")
+        # Under the offload's copies the recipe's release would wait for them (decision 86).
+        self._enter_phase("wake_up", enter_releases=not self._copying)
         return self._wake("weights")
 
     def _sync(self) -> object:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "SwitchState",
     "adapter",
     "in_thread",
+    "then_run",
 ]
 
 #: The stages of each direction, in order, as data: (stage, the method that runs it).
@@ -37,10 +39,11 @@ __all__ = [
 STAGES: dict[str, tuple[tuple[str, str | None], ...]] = {
     "to_rollout": (
         ("offload", "_offload"),
-        ("release", "_release"),
+        ("release", "_release_offloaded"),
         ("barrier", None),
         ("wake_weights", "_wake_weights"),
         ("weight_sync", "_sync"),
+        ("offload_land", "_offload_land"),  # the copies' frees, when the weights ran under them
         ("free_staging", "_free_staging"),
         ("barrier_kv", None),
         ("wake_kv", "_wake_kv"),
@@ -137,3 +140,26 @@ async def in_thread(fn: Callable[[], object]) -> object:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(task)
         raise
+
+
+def then_run(first: Awaitable[Any] | None, then: Callable[[], object]) -> Any:
+    """Run ``then`` after ``first``, awaiting both where they are awaitable.
+
+    ``first`` None: ``then()`` now, its result returned (an awaitable stays for the
+    driver to await); else a coroutine that awaits ``first``, runs ``then`` and
+    awaits what it returns.
+
+    Example:
+        >>> then_run(None, lambda: 3)
+        3
+    """
+    if first is None:
+        return then()
+
+    async def chain() -> None:
+        await first
+        result = then()
+        if inspect.isawaitable(result):
+            await result
+
+    return chain()

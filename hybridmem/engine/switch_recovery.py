@@ -49,6 +49,8 @@ class Recovery:
 
         def _exchange(self, point: str, failure: Failure | None) -> list[RankStatus]: ...
 
+        def _cancel_offload(self) -> None: ...
+
     def _reload_need(self) -> int:
         if self.offloader is None or not self._state.offloaded:
             return 0
@@ -97,6 +99,10 @@ class Recovery:
         """Back to the trainer phase with every rank, or say exactly what remains; raises."""
         problems: list[str] = []
         state = self._state
+        try:  # an offload whose copies still run: nothing is freed, drop it first
+            yield Call(self._cancel_offload, True, "recover:cancel")
+        except Exception as error:
+            problems.append(f"cancelling the offload in flight failed: {error!r}")
         if state.weights or state.kv:
             try:
                 yield Call(self._sleep, False, "recover:sleep")

@@ -57,7 +57,7 @@ from hybridmem.allocator.scopes import expandable_segments
 from hybridmem.engine.backends.registry import BackendProfile
 from hybridmem.engine.reports import SwitchReport
 from hybridmem.engine.switch_parts import SwitchState, in_thread
-from hybridmem.memory.offload import RELOAD_WAYS, Offloader
+from hybridmem.memory.offload import RELOAD_WAYS, Offloader, OffloadReport
 
 __all__ = [
     "TAIL_SHARE",
@@ -111,12 +111,13 @@ TAIL_SHARE = 0.5
 TAIL_STAGES = ("sleep", "confirm")
 
 
-def tail_bytes(reports: list[SwitchReport], host_bytes: int) -> int:
+def tail_bytes(reports: list[SwitchReport], host_bytes: int, offload_s: float | None = None) -> int:
     """Bytes of an early reload to queue just before the engine sleeps (the tail).
 
     What the copy engines move in the last cycle's :data:`TAIL_STAGES` (the engine's
-    sleep and the wait for its memory) at :data:`TAIL_SHARE` of the last
-    ``offload`` stage's rate (the same pool and bus, the other way). The rest (the
+    sleep and the wait for its memory) at :data:`TAIL_SHARE` of the last offload's
+    rate (the same pool and bus, the other way): ``host_bytes`` over ``offload_s``
+    (the Offloader's report), else over the last ``offload`` stage. The rest (the
     head) goes first, and the host waits for it: those copies run at the full rate
     while the engine still holds its memory. 0 before any full cycle: all of it
     first, then the sleep.
@@ -126,7 +127,9 @@ def tail_bytes(reports: list[SwitchReport], host_bytes: int) -> int:
         0
     """
     window = sum(_seconds(reports, "to_trainer", stage) or 0.0 for stage in TAIL_STAGES)
-    offload = _seconds(reports, "to_rollout", "offload")
+    # The offload's own seconds where known: with the weights under its copies
+    # (decision 86) the ``offload`` stage only queues them.
+    offload = offload_s or _seconds(reports, "to_rollout", "offload")
     if not window or not offload or host_bytes <= 0:
         return 0
     return min(host_bytes, int(host_bytes / offload * TAIL_SHARE * window))
@@ -174,6 +177,7 @@ class Reloading:
     """Reload the trainer state early (room permitting) or after the engine's sleep."""
 
     if TYPE_CHECKING:  # the switch's, used here
+        offload_report: OffloadReport | None
         profile: BackendProfile
         offloader: Offloader | None
         device: int | None
@@ -239,7 +243,8 @@ class Reloading:
         if not need or free is None or free < need + early_margin(need):
             return
         total = self.offloader.host_bytes
-        tail = tail_bytes(self.reports, total)
+        last = self.offload_report
+        tail = tail_bytes(self.reports, total, last.seconds if last else None)
         try:
             with trainer_allocation(self.profile):  # where it trains (decision 85)
                 if tail < total:  # the host waits: no engine frees while these copies run
