@@ -8,18 +8,20 @@ device runs in between. On the CPU: the fake seam's events and the fakes' logs.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
 import hybridmem as hm
+from hybridmem.engine import phases
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.engine.switch_offload import WEIGHTS_MARGIN_BYTES, weights_need
 from hybridmem.engine.switch_reload import tail_bytes
 from hybridmem.memory.offload import OffloadInFlight
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
-from tests.test_switch import Boom, FakeOffloader, make
+from tests.test_switch import AsyncSGLang, Boom, FakeOffloader, _no_wait, make
 
 GiB = 1 << 30
 QUEUED = ["offload:queued", "barrier", "wake:weights", "sync(expandable=False)", "offload:landed"]
@@ -168,3 +170,38 @@ def test_weights_need_reads_the_last_switch_to_rollout() -> None:
     assert weights_need([SwitchReport("to_rollout", 0, stages)]) == 4 * GiB
     failed_early = SwitchReport("to_rollout", 0, stages[:1])
     assert weights_need([SwitchReport("to_rollout", 0, stages), failed_early]) is None
+
+
+def test_the_async_driver_lands_the_copies_off_the_loop(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(phases, "await_free_async", _no_wait)
+    log: list[str] = []
+
+    async def sync(adapter: hm.EngineAdapter) -> None:
+        log.append("sync")
+
+    switch = hm.HybridSwitch(
+        AsyncSGLang(log),
+        "sglang",
+        FakeOffloader(log),
+        sync_weights=sync,
+        barrier=None,
+        confirm_timeout_s=0.0,
+    )
+
+    async def cycles() -> None:
+        for _ in range(2):
+            log.clear()
+            async with switch.rollout():
+                log.append("generate")
+
+    asyncio.run(cycles())
+    assert log[:5] == [
+        "offload:queued",
+        "resume:weights",
+        "sync",
+        "offload:landed",
+        "resume:kv_cache",
+    ]
+    assert switch.offload_report is not None
