@@ -27,7 +27,8 @@ import torch.multiprocessing as tmp
 
 import hybridmem as hm
 from hybridmem import _torch
-from hybridmem.memory.offload import OffloadReport
+from hybridmem.engine.reports import SwitchReport
+from hybridmem.memory.offload import OffloadInFlight, OffloadReport
 from tests.gpu.runner import off_the_median, window_drift
 
 MiB = 1 << 20
@@ -124,14 +125,26 @@ class ToyEngineClient:
 
 
 class SlowOffloader(hm.Offloader):
-    """An offloader whose offload takes ``delay`` seconds longer, on purpose."""
+    """An offloader whose offload takes ``delay`` seconds longer, on purpose.
+
+    The delay is in the flight's ``finish``: ``offload()`` is
+    ``start_offload().finish()``, and the switch that runs the engine's weights under
+    the copies finishes in its ``offload_land`` stage (decision 86), so both are slow.
+    """
 
     delay = 0.0
 
-    def offload(self, *args: Any, **kwargs: Any) -> OffloadReport:
-        report = super().offload(*args, **kwargs)
-        time.sleep(self.delay)
-        return report
+    def start_offload(self, *args: Any, **kwargs: Any) -> OffloadInFlight:
+        flight = super().start_offload(*args, **kwargs)
+        finish = flight.finish
+
+        def slow_finish() -> OffloadReport:
+            report = finish()
+            time.sleep(self.delay)
+            return report
+
+        setattr(flight, "finish", slow_finish)  # noqa: B010 (a method replaced on purpose)
+        return flight
 
 
 def _cycles(
@@ -223,6 +236,10 @@ def _cycles(
             # offload_land frees where the weights ran under the copies (decision 86)
             "offload_end": r.stage("offload_land").started + r.stage("offload_land").seconds,
             "wake_kv_start": r.stage("wake_kv").started,
+            # The weights ran under the offload's copies (decision 86): the offload
+            # stage freed nothing and offload_land freed the state.
+            "weights_under": _freed(r, "offload") < 16 * MiB
+            and _freed(r, "offload_land") >= 64 * MiB,
         }
         for r in switch.reports
         if r.direction == "to_rollout"
@@ -240,6 +257,12 @@ def _cycles(
         "engine": engine_name,
         "state_expandable": state_expandable,
     }
+
+
+def _freed(report: SwitchReport, stage: str) -> int:
+    """Device free memory a stage of ``report`` gained (0 where not measured)."""
+    measured = report.stage(stage)
+    return int(measured.free_after or 0) - int(measured.free_before or 0)
 
 
 def _fifty(engine: str, cycles: int = 50, reload_early: bool | None = None) -> dict[str, Any]:

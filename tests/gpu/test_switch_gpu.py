@@ -55,6 +55,12 @@ def _check_fifty(facts: dict[str, Any]) -> None:
     assert facts["state_expandable"]
     assert all(facts["state_expandable"])
     assert facts["kv_taken"] > 10 * 1024 * MiB  # a real KV cache came and went
+    # The engine's weights ran under the offload's copies from the second cycle on,
+    # once the first measured what they take (decision 86).
+    under = [t["weights_under"] for t in facts["times"]]
+    print(f"weights under the offload's copies, per cycle: {under}")
+    assert not under[0]
+    assert all(under[1:]), [i + 1 for i, u in enumerate(under) if not u]
     # The engine's hand-back: free memory the sleep gained, the trainer's own reserved
     # change over it (an early reload, a release) counted out.
     assert facts["handed_back"] >= facts["kv_taken"]
