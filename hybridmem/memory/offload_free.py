@@ -228,7 +228,7 @@ class OffloadInFlight:
 
     @property
     def pending(self) -> bool:
-        """Whether neither :meth:`finish` nor :meth:`cancel` has run (or one failed)."""
+        """Whether neither :meth:`finish` nor :meth:`cancel` was called (a failed one counts)."""
         return self._free is not None
 
     def __repr__(self) -> str:
