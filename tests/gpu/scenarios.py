@@ -186,9 +186,9 @@ def devices() -> dict[str, Any]:
     t = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
     del t
     out: dict[str, Any] = {"count": torch.cuda.device_count()}
-    has = torch._C._cuda_hasPrimaryContext  # type: ignore[attr-defined]
-    out["ctx0_before"] = bool(has(0))
-    out["ctx1_before"] = bool(has(1))
+    has = _torch.has_context  # the seam: torch's stubs declare the call from 2.15 on
+    out["ctx0_before"] = has(0)
+    out["ctx1_before"] = has(1)
     report = hm.release_cache()
     out["released_devices"] = [d.device for d in report.devices]
     out["returned"] = report.bytes_returned
