@@ -166,3 +166,21 @@ def test_private_pool_ranges_reads_the_snapshots_pool_ids(monkeypatch: pytest.Mo
     assert blocks.private_pool_ranges(1) == [(1 << 31, 2 << 20)]
     monkeypatch.setattr(blocks, "snapshot", lambda: None)  # CUDA not initialised
     assert blocks.private_pool_ranges(0) == []
+
+
+def test_the_cuda_tensor_rebuild_takes_the_device_where_the_seam_puts_it() -> None:
+    """``import_cuda_tensor`` replaces argument 6 of torch's rebuild: still the device?
+
+    Checked on the installed torch (each CI job: the newest, the CPU build, the oldest),
+    without a GPU: a torch that moved or added an argument would otherwise open a
+    consumer's storage on a wrong device, or fail only on a GPU.
+    """
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from hybridmem._torch import ipc
+
+    names = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    assert len(names) == ipc._REBUILD_ARG_COUNT, names
+    assert names[ipc._REBUILD_DEVICE_ARG] == "storage_device", names

@@ -58,7 +58,8 @@ def device_index_by_uuid(uuid: str) -> int | None:
 
 
 # torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments (torch 1.x to
-# 2.13): position 6 is the device index the consumer opens the storage on.
+# 2.15; tests/test_torch_seam.py checks the installed torch's signature): position 6
+# is the device index the consumer opens the storage on.
 _REBUILD_DEVICE_ARG = 6
 _REBUILD_ARG_COUNT = 15
 
