@@ -134,16 +134,18 @@ def test_ci_newest_job_tests_at_least_the_newest_recorded_torch() -> None:
 
     This workplace's pip was capped at torch 2.14.1 while users' ``pip install torch``
     gave 2.15.0: a plain ``pip install torch`` in the job tested the older one and
-    passed. The floor in ``.ci/newest.txt`` must follow the recorded parsers: a release
-    recorded (so supported) is a release CI's newest job runs on.
+    passed. The floor in ``.ci/requirements-newest.txt`` must follow the recorded
+    parsers: a release recorded (so supported) is a release CI's newest job runs on.
     """
     from hybridmem.allocator.rules import RECORDED_VERSIONS
 
-    floor = re.findall(r"^torch>=([\d.]+)\s*$", (REPO / ".ci/newest.txt").read_text(), re.M)
+    floor = re.findall(
+        r"^torch>=([\d.]+)\s*$", (REPO / ".ci/requirements-newest.txt").read_text(), re.M
+    )
     assert floor == [RECORDED_VERSIONS[-1]], (floor, RECORDED_VERSIONS[-1])
     script = (REPO / ".ci/run").read_text()
-    assert re.search(r"^\s*venv_for newest -r \.ci/newest\.txt\s*$", script, re.M), (
-        "the newest job must install torch from .ci/newest.txt"
+    assert re.search(r"^\s*venv_for newest -r \.ci/requirements-newest\.txt\s*$", script, re.M), (
+        "the newest job must install torch from .ci/requirements-newest.txt"
     )
     readme = (REPO / "README.md").read_text()
     assert f"newest torch that installs ({RECORDED_VERSIONS[-1]}" in readme
