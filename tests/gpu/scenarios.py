@@ -197,7 +197,7 @@ def devices() -> dict[str, Any]:
     out["all_devices"] = [d.device for d in all_report.devices]
     with hm.expandable_segments(True):
         torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
-    out["ctx0_after"] = bool(has(0))
+    out["ctx0_after"] = has(0)
     return out
 
 
