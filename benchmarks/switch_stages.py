@@ -8,7 +8,8 @@ strategy in-process for each plan named (a size in GiB of trainer state, or
 seconds) to ``LOG``, and prints the summary and per-cycle seconds of each plan.
 ``TAIL_SHARE=0.75`` in the environment sizes the early reload's tail at another share
 of the offload's rate (``hybridmem.engine.switch_reload.TAIL_SHARE``); ``RELOAD_BY``
-sets ``HybridSwitch(reload_by=...)``.
+sets ``HybridSwitch(reload_by=...)``; ``KV_UNDER=0`` sets
+``HybridSwitch(kv_under_offload=False)`` (decision 89: the KV cache after the copies).
 
 Run on a GPU with torch_memory_saver installed: ``python benchmarks/switch_stages.py
 LOG 8 32 quick``.
@@ -52,10 +53,14 @@ def main() -> int:
 
     if os.environ.get("TAIL_SHARE"):
         switch_reload.TAIL_SHARE = float(os.environ["TAIL_SHARE"])
-    way = os.environ.get("RELOAD_BY")
-    if way:
+    options: dict[str, Any] = {}
+    if os.environ.get("RELOAD_BY"):
+        options["reload_by"] = os.environ["RELOAD_BY"]
+    if os.environ.get("KV_UNDER") == "0":
+        options["kv_under_offload"] = False
+    if options:
         made: Any = getattr(strategies, "HybridSwitch")  # noqa: B009 (not re-exported)
-        setattr(strategies, "HybridSwitch", functools.partial(made, reload_by=way))  # noqa: B010
+        setattr(strategies, "HybridSwitch", functools.partial(made, **options))  # noqa: B010
     handler = logging.FileHandler(sys.argv[1])
     handler.setFormatter(logging.Formatter("%(relativeCreated)9.1f %(message)s"))
     log = logging.getLogger("hybridmem")

@@ -330,6 +330,8 @@ def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
         last_anatomy={},
     )
     engine.call = lambda *command: ("ok", 0, 0)
+    read: list[str] = []
+    engine.read_handback = lambda: read.append("hand-back")  # after the switch, untimed
 
     class Strategy:
         def train_scope(self) -> Any:
@@ -348,3 +350,65 @@ def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
     assert got.errors == []
     assert got.engine_wake_s == [0.25]  # counted from 0 at each switch, not from 9
     assert got.engine_sleep_s == [0.125]
+    assert read == ["hand-back"]
+    assert got.handback[-1] == 0.999
+
+
+def _client_on(fake: Any, conn_answers: dict[str, tuple[Any, ...]]) -> Any:
+    from hybridmem.bench import engine as bench_engine
+
+    conn = ScriptedChannel(answer=lambda command: [conn_answers[command[0]]])
+    return bench_engine.EngineClient(conn, 0, H200)  # type: ignore[arg-type]
+
+
+def test_the_hand_back_is_read_after_the_switch_with_the_kv_wake_given_back(
+    fake_gpu: Any,
+) -> None:
+    """The figure of the moment before the KV wake, read once the switch is done."""
+    from hybridmem.bench.plan import handback_ratio
+
+    device = fake_gpu.devices[0]  # the trainer: 2 GiB allocated, 10 GiB reserved
+    device.reserved = device.allocated  # released: nothing cached
+    engine: dict[str, tuple[Any, ...]] = {
+        "stats": ("ok", 3 * GiB, 3 * GiB + 64 * 2**20),
+        "anatomy": ("ok", {}),
+    }
+
+    def wake_taking(nbytes: int) -> Any:
+        def wake(command: Any) -> list[Any]:
+            device.other += nbytes  # the engine's KV cache, on the same GPU
+            return [("ok", nbytes)]
+
+        return wake
+
+    answers = dict(engine)
+    client = _client_on(fake_gpu, answers)
+    client.read_handback()  # no KV wake yet: nothing read
+    assert client.last_handback == 0.0
+    free_before = device.free
+    client.conn.answer = lambda c: wake_taking(40 * GiB)(c) if c[0] == "wake" else [answers[c[0]]]
+    fake_gpu.events.clear()
+    client.resume_memory_occupation(["kv_cache"])
+    assert not [e for e in fake_gpu.events if e.startswith("sync:")]  # copies may still run
+    assert client.last_kv == 40 * GiB
+    client.read_handback()
+    # As read before the wake: free memory over free plus both processes' caches.
+    cached_engine = 64 * 2**20
+    assert client.last_handback == pytest.approx(free_before / (free_before + cached_engine))
+    assert client.last_handback == handback_ratio(
+        free_before,
+        device.total,
+        device.allocated + 3 * GiB,
+        device.total - free_before - device.reserved - engine["stats"][2],
+    )
+    assert client.last_missing["trainer_cached"] == 0
+    assert client.last_missing["engine_cached"] == cached_engine
+    # Copies that landed after the KV wake and left 1 GiB cached: the shortfall shows.
+    client.resume_memory_occupation(["kv_cache"])
+    device.reserved += GiB
+    client.read_handback()
+    assert client.last_missing["trainer_cached"] == GiB
+    assert client.last_handback < 0.99
+    before = client.last_handback
+    client.read_handback()  # read once per KV wake
+    assert client.last_handback == before

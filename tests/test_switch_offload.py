@@ -16,12 +16,12 @@ import pytest
 import hybridmem as hm
 from hybridmem.engine import phases
 from hybridmem.engine.reports import StageReport, SwitchReport
-from hybridmem.engine.switch_offload import WEIGHTS_MARGIN_BYTES, weights_need
+from hybridmem.engine.switch_offload import WEIGHTS_MARGIN_BYTES, kv_need, weights_need
 from hybridmem.engine.switch_reload import tail_bytes
 from hybridmem.memory.offload import OffloadInFlight
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
-from tests.test_switch import AsyncSGLang, Boom, FakeOffloader, _no_wait, make
+from tests.test_switch import AsyncSGLang, Boom, FakeOffloader, FakeVLLM, _no_wait, make
 
 GiB = 1 << 30
 QUEUED = ["offload:queued", "barrier", "wake:weights", "sync(expandable=False)", "offload:landed"]
@@ -36,7 +36,7 @@ def to_rollout_log(switch: hm.HybridSwitch, log: list[str]) -> list[str]:
 def test_from_the_second_cycle_the_weights_wake_and_sync_under_the_copies(
     fake_gpu: FakeTorch,
 ) -> None:
-    switch, log = make(fake_gpu)
+    switch, log = make(fake_gpu, kv_under_offload=False)  # the KV cache: tests below
     assert switch.weights_under_offload
     first = to_rollout_log(switch, log)
     assert first[0] == "offload"  # nothing known of the weights yet: offloaded in full
@@ -201,7 +201,248 @@ def test_the_async_driver_lands_the_copies_off_the_loop(
         "offload:queued",
         "resume:weights",
         "sync",
+        "resume:kv_cache",  # the fake engine takes no memory: room for it under the copies
         "offload:landed",
-        "resume:kv_cache",
     ]
     assert switch.offload_report is not None
+
+
+# --------------------------------------------------------------------------- #
+# Decision 89: the KV cache woken under the copies too, where the device has room
+# --------------------------------------------------------------------------- #
+UNDER_KV = [*QUEUED[:-1], "barrier", "wake:kv_cache", "offload:landed"]
+
+
+def test_from_the_second_cycle_the_kv_cache_wakes_under_the_copies_too(
+    fake_gpu: FakeTorch,
+) -> None:
+    switch, log = make(fake_gpu)
+    assert switch.kv_under_offload
+    first = to_rollout_log(switch, log)
+    assert first.index("offload") < first.index("wake:kv_cache")
+    assert switch._kv_need == 30 * GiB  # what the fake engine's KV cache took
+    switch.to_trainer()
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
+    real, device = offloader.start_offload, fake_gpu.devices[0]
+
+    def freeing(groups: Any = None, **kw: Any) -> Any:  # the landing frees 4 GiB
+        flight = real(groups, **kw)
+
+        def finish() -> Any:
+            device.other -= 4 * GiB  # (as if: the trainer state freed)
+            return flight.finish()
+
+        return OffloadInFlight(finish, flight.cancel)
+
+    offloader.start_offload = freeing  # type: ignore[method-assign]
+    for _ in range(2):
+        assert to_rollout_log(switch, log) == UNDER_KV
+        report = switch.reports[-1]
+        names = [s.name for s in report.stages]
+        assert names.index("wake_kv") < names.index("offload_land_late")
+        freed = report.stage("offload_land_late")
+        assert freed.free_after is not None
+        assert freed.free_before is not None
+        assert freed.free_after - freed.free_before == 4 * GiB
+        # not re-learned where the landing blurs the reading (it would say 26 GiB)
+        assert switch._kv_need == 30 * GiB
+        switch.to_trainer()
+        device.other += 4 * GiB
+        assert "reload" in log  # what was offloaded came back
+
+
+def test_one_release_runs_once_the_copies_landed_after_the_kv_wake(fake_gpu: FakeTorch) -> None:
+    switch, log = make(fake_gpu)
+    switch.to_rollout()
+    switch.to_trainer()
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
+    real = offloader.start_offload
+
+    def marked(groups: Any = None, **kw: Any) -> Any:
+        flight = real(groups, **kw)
+        fake_gpu.events.append("queued")
+
+        def finish() -> Any:
+            fake_gpu.events.append("landing")
+            return flight.finish()
+
+        return OffloadInFlight(finish, flight.cancel)
+
+    offloader.start_offload = marked  # type: ignore[method-assign]
+    fake_gpu.events.clear()
+    log.clear()
+    switch.to_rollout()
+    assert log.index("wake:kv_cache") < log.index("offload:landed")
+    between = fake_gpu.events[fake_gpu.events.index("queued") : fake_gpu.events.index("landing")]
+    assert not [e for e in between if e.startswith(("sync:", "empty_cache", "ipc"))], between
+    after = fake_gpu.events[fake_gpu.events.index("landing") :]
+    # the staging's release (its IPC leftovers too) is the landing's: one for both
+    assert after.count("ipc_collect") >= 1
+    assert "empty_cache" in after
+    assert [e for e in fake_gpu.events if e.startswith("sync:")] == ["sync:0"]
+
+
+def test_without_room_for_the_kv_cache_the_copies_land_before_its_wake(
+    fake_gpu: FakeTorch,
+) -> None:
+    switch, log = make(fake_gpu)
+    switch.to_rollout()
+    switch.to_trainer()
+    device = fake_gpu.devices[0]
+    # room for the weights (2 GiB and the margin), not for the KV cache (30 GiB) too
+    device.other = device.total - device.reserved - 20 * GiB
+    assert to_rollout_log(switch, log) == [*QUEUED, "barrier", "wake:kv_cache"]
+    report = switch.reports[-1]
+    assert report.stage("offload_land_late").free_before == report.stage("wake_kv").free_after
+    switch.to_trainer()
+    device.other = 1 << 30
+    # the learned need came from that cycle, whose copies landed first: still 30 GiB
+    assert switch._kv_need == 30 * GiB
+    assert to_rollout_log(switch, log) == UNDER_KV
+
+
+def test_switched_off_the_copies_always_land_before_the_kv_wake(fake_gpu: FakeTorch) -> None:
+    switch, log = make(fake_gpu, kv_under_offload=False)
+    for cycle in range(3):
+        got = to_rollout_log(switch, log)
+        assert got == [
+            *(QUEUED if cycle else ["offload", *QUEUED[1:-1]]),
+            "barrier",
+            "wake:kv_cache",
+        ]
+        switch.to_trainer()
+    assert switch._kv_need is None  # nothing learned for a switch that does not use it
+    with pytest.raises(TypeError, match="kv_under_offload"):
+        make(fake_gpu, kv_under_offload="yes")
+
+
+def test_a_failed_kv_wake_under_the_copies_cancels_them_and_frees_nothing(
+    fake_gpu: FakeTorch,
+) -> None:
+    switch, log = make(fake_gpu)
+    switch.to_rollout()
+    switch.to_trainer()
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
+    offloader.left = 0
+    engine = switch.engine.engine
+    assert isinstance(engine, FakeVLLM)
+    engine.fail = "wake:kv_cache"
+    log.clear()
+    with pytest.raises(Boom):
+        switch.to_rollout()
+    assert log[: len(UNDER_KV) - 1] == UNDER_KV[:-1]
+    assert "offload:cancelled" in log
+    assert "offload:landed" not in log
+    assert "sleep:1" in log  # the weights (and what the KV wake took) were put back to sleep
+    assert "reload" not in log  # nothing was freed: nothing to bring back
+    assert not switch._copying
+    assert fake_gpu.devices[0].other == 1 << 30  # the engine holds nothing
+    engine.fail = ""
+    assert to_rollout_log(switch, log) == UNDER_KV  # the next cycle runs
+    switch.to_trainer()
+
+
+def test_a_failed_late_landing_reloads_what_was_offloaded(fake_gpu: FakeTorch) -> None:
+    switch, log = make(fake_gpu)
+    switch.to_rollout()
+    switch.to_trainer()
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
+    offloader.fail = "land"
+    log.clear()
+    with pytest.raises(Boom):
+        switch.to_rollout()
+    assert log[: len(UNDER_KV)] == UNDER_KV
+    assert "offload:cancelled" not in log  # the flight ended at finish()
+    assert log.index("sleep:1") < log.index("reload")  # the engine let go first
+    assert log[-1] == "reload"  # recovery brought the state back
+
+
+def test_kv_need_reads_from_barrier_kv_to_after_the_last_exchange() -> None:
+    def info(free: int) -> MemoryInfo:
+        return MemoryInfo(0, True, free=free, total=80 * GiB)
+
+    stages = [
+        StageReport("free_staging", 0.0, info(60 * GiB), info(61 * GiB), 0.0),
+        StageReport("barrier_kv", 0.0, info(61 * GiB), info(61 * GiB), 0.0),
+        StageReport("wake_kv", 0.0, info(61 * GiB), info(40 * GiB), 0.0),
+    ]
+    report = SwitchReport("to_rollout", 0, stages)
+    # another rank's wake may still have been mapping this GPU when wake_kv ended here
+    assert kv_need(report, 31 * GiB) == 30 * GiB
+    assert kv_need(report, 62 * GiB) == 0  # never negative
+    assert kv_need(report, None) is None  # not measured
+    assert kv_need(SwitchReport("to_rollout", 0, stages[:1]), 31 * GiB) is None
+
+
+def test_ranks_wake_kv_only_where_each_gpu_has_room_or_landed(fake_gpu: FakeTorch) -> None:
+    """Two ranks (threads): one lands before ``barrier_kv``, one under the KV wake."""
+    import threading
+    import time
+
+    plain = hm.BackendProfile("plain", "no allocator steps", {})
+    barrier = threading.Barrier(2)
+    times: dict[str, list[float]] = {"landed-0": [], "landed-1": [], "wake_kv": []}
+    lock = threading.Lock()
+
+    class Timed(hm.EngineAdapter):
+        def __init__(self) -> None:
+            super().__init__(object(), ())
+
+        def sleep(self) -> None:
+            return None
+
+        def wake_up(self, tags: Any) -> None:
+            if list(tags) == ["kv_cache"]:
+                with lock:
+                    times["wake_kv"].append(time.monotonic())
+
+    class Landing(FakeOffloader):
+        def __init__(self, rank: int) -> None:
+            super().__init__([])
+            self.rank = rank
+
+        def offload(self, groups: Any = None, **kw: Any) -> Any:
+            with lock:
+                times[f"landed-{self.rank}"].append(time.monotonic())
+
+        def start_offload(self, groups: Any = None, **kw: Any) -> Any:
+            return OffloadInFlight(lambda: self.offload(), lambda: None)
+
+    def rank(index: int) -> None:
+        # rank 1: no room for the KV cache beside its copies (as if: switched off)
+        switch = hm.HybridSwitch(
+            Timed(), plain, Landing(index), barrier=barrier.wait, kv_under_offload=index == 0
+        )
+        for _ in range(3):
+            with switch.rollout():
+                pass
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for cycle in range(3):
+        woke = times["wake_kv"][2 * cycle : 2 * cycle + 2]
+        assert times["landed-1"][cycle] <= min(woke)  # landed before any rank's KV wake
+        if cycle:  # from the second cycle rank 0's copies land after its KV wake
+            assert times["landed-0"][cycle] >= min(woke)
+
+
+def test_the_kv_cache_under_the_copies_has_its_own_release_point(fake_gpu: FakeTorch) -> None:
+    switch, _ = make(fake_gpu)  # "adaptive"
+    switch.to_rollout()
+    switch.to_trainer()
+    switch.to_rollout()  # the first landing after a KV wake: a full pass at its new point
+    switch.to_trainer()
+    passes = switch.garbage.full_passes
+    for _ in range(3):  # then like with like: young generations only
+        fake_gpu.events.clear()
+        switch.to_rollout()
+        assert [e for e in fake_gpu.events if e.startswith("gc")] == ["gc:1"]
+        switch.to_trainer()
+    assert switch.garbage.full_passes == passes

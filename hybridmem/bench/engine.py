@@ -205,7 +205,8 @@ class EngineClient:
 
     ``release_memory_occupation()`` and ``resume_memory_occupation(tags)``, as an
     ``sglang.Engine`` has them, so strategies drive it through
-    :class:`hybridmem.SGLangEngine`; the hand-back is measured before the KV wake.
+    :class:`hybridmem.SGLangEngine`; the hand-back is read after the switch, with what
+    the KV wake took given back (:meth:`read_handback`).
     """
 
     def __init__(
@@ -222,6 +223,9 @@ class EngineClient:
         self.last_kv = 0
         self.last_handback = 0.0
         self.last_missing: dict[str, int] = {}
+        #: what the last KV wake took of device free memory, and the engine's
+        #: ``(allocated, reserved)`` before it (:meth:`read_handback` reads them)
+        self._before_kv: tuple[int, int, int] | None = None
         #: ``(allocated, reserved)`` torch counted for the trainer's torch_memory_saver
         #: region when it was made (the ``tms`` strategy), and what of it is paused now:
         #: torch keeps counting a paused region, though its memory is back on the device.
@@ -241,38 +245,66 @@ class EngineClient:
         return tuple(answer)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Wake ``tags`` (``weights``, ``kv_cache``; None: both); measure before the KV."""
-        tags = list(tags) if tags is not None else ["weights", "kv_cache"]
-        if "kv_cache" in tags:
-            _, engine_allocated, engine_reserved = self.call("stats")
-            torch.cuda.synchronize()
-            info = memory_info()  # one reading: the allocator's counters and the device's
-            assert info.free is not None  # this process has a context: a full reading
-            assert info.total is not None
-            free, total = info.free, info.total
-            allocated = info.allocated - self.trainer_hidden[0]
-            reserved = info.reserved - self.trainer_hidden[1]
-            live = allocated + engine_allocated
-            # The contexts as they are now: lazily loaded kernels and library
-            # workspaces grow them after the start, and no switch can free them.
-            context = (total - free) - reserved - engine_reserved
-            from hybridmem.bench.plan import handback_ratio
+        """Wake ``tags`` (``weights``, ``kv_cache``; None: both); note what the KV wake took.
 
-            self.last_handback = handback_ratio(free, total, live, context)
-            # What kept the hand-back below 1: caches either process kept.
-            self.last_missing = {
-                "trainer_cached": reserved - allocated,
-                "engine_cached": engine_reserved - engine_allocated,
-                "context_growth": context - self.context_bytes,
-            }
-            if self.anatomy:  # what those caches are made of, and who holds them
-                self.last_anatomy = {
-                    "trainer": cache_anatomy(),
-                    "engine": self.call("anatomy")[1],
-                }
+        No synchronize here: the trainer's offload may still be copying under the KV
+        wake (decision 89). :meth:`read_handback` reads the hand-back once the switch
+        is done.
+        """
+        tags = list(tags) if tags is not None else ["weights", "kv_cache"]
+        if "kv_cache" not in tags:
+            self.call("wake", tags)
+            return
+        _, engine_allocated, engine_reserved = self.call("stats")
+        device = _torch.current_device()
+        assert device is not None  # the trainer has made its state on the GPU
+        free_before = _torch.mem_get_info(device)[0]
         answer = self.call("wake", tags)
-        if "kv_cache" in tags:
-            self.last_kv = int(answer[1])
+        self.last_kv = int(answer[1])
+        took = free_before - _torch.mem_get_info(device)[0]
+        self._before_kv = (took, engine_allocated, engine_reserved)
+
+    def read_handback(self) -> None:
+        """The hand-back, read after the switch to rollout, as if just before the KV wake.
+
+        Device free memory over what could be free, with what the KV wake took (device
+        free memory it used; what the engine counted before it) given back: the
+        moment the trainer state has gone and the engine has yet to take its cache,
+        whether or not the offload's copies still ran under the KV wake (where they
+        did, that moment never exists; its landing frees are counted here). Sets
+        :attr:`last_handback` and :attr:`last_missing` (and :attr:`last_anatomy`);
+        nothing when no KV wake was seen since the last reading.
+        """
+        if self._before_kv is None:
+            return
+        took, engine_allocated, engine_reserved = self._before_kv
+        self._before_kv = None
+        device = _torch.current_device()
+        assert device is not None
+        _torch.synchronize(device)  # the switch is done: nothing of it waits on this
+        info = memory_info(device)  # one reading: the allocator's counters and the device's
+        assert info.free is not None  # this process has a context: a full reading
+        assert info.total is not None
+        free, total = info.free + took, info.total
+        allocated = info.allocated - self.trainer_hidden[0]
+        reserved = info.reserved - self.trainer_hidden[1]
+        live = allocated + engine_allocated
+        # The contexts as they are now: lazily loaded kernels and library
+        # workspaces grow them after the start, and no switch can free them.
+        context = (total - free) - reserved - engine_reserved
+        from hybridmem.bench.plan import handback_ratio
+
+        self.last_handback = handback_ratio(free, total, live, context)
+        # What kept the hand-back below 1: caches either process kept.
+        self.last_missing = {
+            "trainer_cached": reserved - allocated,
+            "engine_cached": engine_reserved - engine_allocated,
+            "context_growth": context - self.context_bytes,
+        }
+        if self.anatomy:  # what those caches are made of, and who holds them
+            seconds = self.engine_seconds
+            self.last_anatomy = {"trainer": cache_anatomy(), "engine": self.call("anatomy")[1]}
+            self.engine_seconds = seconds  # untimed, as the reading is
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Put the engine to sleep (its regions paused, or its tensors freed)."""

@@ -267,6 +267,7 @@ def _cycle(
             out = strategy.to_rollout()
         to_rollout = time.perf_counter() - started
         wake = engine.memory_seconds
+        engine.read_handback()  # untimed: the switch is done (decision 89)
         figures.kv_obtained.append(engine.last_kv)
         figures.handback.append(engine.last_handback)
         figures.missing.append(dict(engine.last_missing))

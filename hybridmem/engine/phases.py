@@ -19,7 +19,7 @@ from hybridmem.memory.offload_parts import check_reload_way
 from hybridmem.memory.release import check_release_args, release_cache
 from hybridmem.observe import timeline as _timeline
 
-__all__ = ["Phase", "await_free", "await_free_async", "check_wait", "phase"]
+__all__ = ["Phase", "PhaseUse", "await_free", "await_free_async", "check_wait", "phase"]
 
 POLL_S = 0.01  # how often free memory is read while waiting for it
 
@@ -246,7 +246,8 @@ class Phase(ScopedContext):
         collect_garbage: bool | None = None,
         enough_free: int | None = None,
         enter_releases: bool = True,
-    ) -> ScopedContext:
+        exit_releases: bool = True,
+    ) -> PhaseUse:
         """This phase with per-use options, for one ``with`` (nothing is rebuilt).
 
         Args:
@@ -261,6 +262,9 @@ class Phase(ScopedContext):
                 this time (a :class:`~hybridmem.HybridSwitch` whose offload is still
                 copying: a release synchronizes the device, so it would wait for the
                 copies; the switch releases once they have landed).
+            exit_releases: False: the recipe's cache releases on exit are skipped
+                this time, for the same reason (decision 89). The returned use's
+                ``exit_releases`` attribute may still be set until it is left.
 
         Example:
             >>> with hm.phase("sleep").entering(collect_garbage=False):  # doctest: +SKIP
@@ -271,7 +275,8 @@ class Phase(ScopedContext):
         if enough_free is not None:
             check_number("enough_free", enough_free, minimum=0, integer=True)
         check_bool("enter_releases", enter_releases)
-        return _PhaseUse(self, collect_garbage, enough_free, enter_releases)
+        check_bool("exit_releases", exit_releases)
+        return PhaseUse(self, collect_garbage, enough_free, enter_releases, exit_releases)
 
     def _enter(self) -> object:
         return self._open(None, None)
@@ -296,16 +301,20 @@ class Phase(ScopedContext):
         span = _timeline.begin(f"phase:{self.name}", "phase", backend=self.profile.name)
         return _Entered(entered, span, collect_garbage, enough_free)
 
-    def _exit(self, token: object, exc: BaseException | None) -> None:
-        self._leave(token, exc, skip_waits=False)
+    def _exit(self, token: object, exc: BaseException | None, releases: bool = True) -> None:
+        self._leave(token, exc, skip_waits=False, releases=releases)
 
-    def _leave(self, token: object, exc: BaseException | None, *, skip_waits: bool) -> None:
+    def _leave(
+        self, token: object, exc: BaseException | None, *, skip_waits: bool, releases: bool = True
+    ) -> None:
         entered, span, collect_garbage, enough_free = cast(_Entered, token)
         errors: list[BaseException] = []
         # Exit actions run first (in reverse recipe order), inside the phase's scopes.
         for prepared in reversed(self._prepared):
             step = prepared.step
             if step.when != "exit" or (skip_waits and step.action == "await_free"):
+                continue
+            if not releases and step.action == "release_cache":
                 continue
             try:
                 prepared.run(collect_garbage, enough_free)
@@ -323,15 +332,15 @@ class Phase(ScopedContext):
         for failure in errors:  # an exception is already in flight: say what else failed
             logger.warning("%s: an exit step failed too: %r", self._label, failure)
 
-    async def _aexit(self, token: object, exc: BaseException | None) -> None:
+    async def _aexit(self, token: object, exc: BaseException | None, releases: bool = True) -> None:
         enough_free = cast(_Entered, token).enough_free
         for prepared in reversed(self._prepared):  # the waits first, polling without blocking
             if prepared.step.when == "exit" and prepared.step.action == "await_free":
                 await await_free_async(prepared.args.get("device"), prepared.timeout_s, enough_free)
-        self._leave(token, exc, skip_waits=True)
+        self._leave(token, exc, skip_waits=True, releases=releases)
 
 
-class _PhaseUse(ScopedContext):
+class PhaseUse(ScopedContext):
     """One use of a built :class:`Phase` with per-use options (see :meth:`Phase.entering`)."""
 
     def __init__(
@@ -340,15 +349,19 @@ class _PhaseUse(ScopedContext):
         collect_garbage: bool | None,
         enough_free: int | None,
         enter_releases: bool = True,
+        exit_releases: bool = True,
     ) -> None:
         super().__init__()
         self.phase = phase
         self.collect_garbage = collect_garbage
         self.enough_free = enough_free
         self.enter_releases = enter_releases
+        #: read when the use is left: a switch decides after entering (decision 89)
+        self.exit_releases = exit_releases
 
     def __repr__(self) -> str:
         skipped = "" if self.enter_releases else ", enter_releases=False"
+        skipped += "" if self.exit_releases else ", exit_releases=False"
         return (
             f"{self.phase!r}.entering(collect_garbage={self.collect_garbage!r}, "
             f"enough_free={self.enough_free!r}{skipped})"
@@ -358,10 +371,10 @@ class _PhaseUse(ScopedContext):
         return self.phase._open(self.collect_garbage, self.enough_free, self.enter_releases)
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
-        self.phase._exit(token, exc)
+        self.phase._exit(token, exc, self.exit_releases)
 
     async def _aexit(self, token: object, exc: BaseException | None) -> None:
-        await self.phase._aexit(token, exc)
+        await self.phase._aexit(token, exc, self.exit_releases)
 
 
 def phase(name: str, backend: str | BackendProfile | None = None, **overrides: object) -> Phase:

@@ -4,9 +4,9 @@ Order (vLLM RFC #15254, verl #302; SGLang's multi-stage wake-up lowered peak mem
 192 -> 131.8 GB for Qwen-32B): offload trainer state -> release -> [barrier] -> wake
 weights -> weight sync -> free staging -> [barrier] -> wake KV cache -> rollout ->
 (reload early, where there is room) -> sleep -> confirm the memory came back ->
-release -> [barrier] -> reload. Never old
-weights + new weights + KV cache at once, and with many ranks no rank wakes its KV
-cache while another rank on the node is still offloading.
+release -> [barrier] -> reload. Never old weights + new weights + KV cache at once;
+with many ranks no rank wakes its KV cache until every GPU has room for it (its
+offload landed, or room beside the copies still running: ``switch_offload``).
 
 One class holds one state machine (what is offloaded, what is awake, which phases
 are entered); its parts live in modules of their own (issue #27): the stages as data,
@@ -130,6 +130,9 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             trainer state (what they took in the last cycle, plus 256 MiB;
             :mod:`~hybridmem.engine.switch_offload`, decision 86). False: after the
             offload, always.
+        kv_under_offload: wake the KV cache under those copies too, where the device
+            has room for what its last wake took (after landed copies) plus 512 MiB
+            (decision 89). False: after the copies land, always.
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -154,6 +157,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         reload_early: bool = True,
         reload_by: Literal["kernel", "copy_engine"] = "kernel",
         weights_under_offload: bool = True,
+        kv_under_offload: bool = True,
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         # Built once, entered every cycle (a phase re-enters; the garbage policy of a
@@ -188,7 +192,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             )
         check_number("confirm_timeout_s", confirm_timeout_s, minimum=0)
         self._init_reload(reload_early, reload_by)
-        self._init_offloading(weights_under_offload)
+        self._init_offloading(weights_under_offload, kv_under_offload)
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
@@ -239,9 +243,13 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         entered.__enter__()
         self._state.phases.append(entered)
 
-    def _exit_phase(self, exc: BaseException | None = None) -> Awaitable[None] | None:
-        """Leave the innermost phase; in async mode its waits poll without blocking."""
+    def _exit_phase(
+        self, exc: BaseException | None = None, *, releases: bool = True
+    ) -> Awaitable[None] | None:
+        """Leave the innermost phase (``releases`` False: without its recipe's releases)."""
         entered = self._state.phases.pop()
+        if not releases:
+            entered.exit_releases = False
         info = (type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         if self._async_mode:
             return entered.__aexit__(*info)
@@ -295,18 +303,9 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         release_cache(self.device, collect_garbage=gc)
         return None
 
-    def _wake_weights(self) -> Awaitable[Any] | None:
-        # Under the offload's copies the recipe's release would wait for them (decision 86).
-        self._enter_phase("wake_up", enter_releases=not self._copying)
-        return self._wake("weights")
-
     def _sync(self) -> object:
         self._enter_phase("weight_sync")
         return None if self.sync_weights is None else self.sync_weights(self.engine)
-
-    def _free_staging(self) -> object:
-        # weight_sync: its recipe collects IPC leftovers and releases
-        return self._then(self._exit_phase(), lambda: self._release("free_staging"))
 
     def _start_rollout(self) -> object:
         return self._then(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
@@ -413,6 +412,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         report.stages.append(StageReport(stage.name, seconds, stage.before, info, stage.wall))
 
     def _finish(self, report: SwitchReport) -> SwitchReport:
+        if report.direction == "to_rollout":  # every rank's KV wake has returned
+            self._learn_kv_need(report)
         self.reports.append(report)
         logger.info("%s", report)
         return report

@@ -1,4 +1,4 @@
-"""The switch's offload, and the engine's weights woken and synced under its copies.
+"""The switch's offload, and the engine's weights (and KV cache) woken under its copies.
 
 Why (issue #25, item 3; decisions 85 and 86): at 32 GiB of trainer state the switch to
 rollout spent 22-24 ms in its weight stages after an offload of 315 ms, about 7% of
@@ -23,6 +23,20 @@ Where the process runs expandable segments between phases, entering ``wake_up``
 changes the allocator mode, and that change releases the cache (a synchronize):
 the weights then wait for the copies, correct but no faster.
 
+The KV cache too (decision 89, built from decision 88's probe): where the copies still
+run after the weight sync and the device has room for what the KV cache's wake took in
+the last cycle whose copies had landed before it (:func:`kv_need`, plus
+:data:`KV_MARGIN_BYTES`), ``offload_land`` leaves the copies in flight,
+``free_staging`` leaves the ``weight_sync`` phase without its release, the engine's
+KV cache wakes, and ``offload_land_late`` frees as the copies land and releases once
+for both. Ranks: each rank's room is its own GPU's, measured from its ``barrier_kv``
+to after the direction's last exchange, when every rank's KV wake has returned, so a
+KV wake that one rank starts for the engine's every GPU is counted on each of them. A
+rank without room lands before ``barrier_kv`` as before, so after that barrier every
+GPU has either its room or its trainer state gone. Measured on an H200
+(``kv_under_probe.py.txt``): to rollout 1.18-1.22x -> 1.09-1.13x the ceiling at 8 GiB,
+1.07x -> 1.04-1.05x at 32.
+
 A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
 declared here for the type checker only.
 """
@@ -37,14 +51,16 @@ from hybridmem._checks import check_bool
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem.engine.reports import SwitchReport
-from hybridmem.engine.switch_parts import SwitchState
+from hybridmem.engine.switch_parts import SwitchState, then_run
 from hybridmem.memory.offload import Offloader, OffloadInFlight, OffloadReport
 from hybridmem.observe.memory import MemoryInfo
 
-__all__ = ["WEIGHTS_MARGIN_BYTES", "Offloading", "weights_need"]
+__all__ = ["KV_MARGIN_BYTES", "WEIGHTS_MARGIN_BYTES", "Offloading", "kv_need", "weights_need"]
 
 #: Room left beyond what the last cycle's weight stages took, for weights under copies.
 WEIGHTS_MARGIN_BYTES = 256 << 20
+#: Room left beyond what the KV cache's last wake took, for the KV cache under copies.
+KV_MARGIN_BYTES = 512 << 20
 
 #: The stages whose memory the weight stages take: their lowest free reading counts.
 WEIGHT_STAGES = ("wake_weights", "weight_sync")
@@ -75,8 +91,28 @@ def weights_need(reports: list[SwitchReport]) -> int | None:
     return None
 
 
+def kv_need(report: SwitchReport, free_after: int | None) -> int | None:
+    """Device memory a switch to rollout's KV wake took (None: not known).
+
+    The drop of device free memory from the start of ``barrier_kv`` (no rank can
+    have woken a KV cache yet) to ``free_after``, read once every rank's KV wake has
+    returned. Meaningful only where the offload landed before ``barrier_kv``.
+
+    Example:
+        >>> kv_need(SwitchReport("to_rollout", 0), 10) is None
+        True
+    """
+    try:
+        before = report.stage("barrier_kv").free_before
+    except KeyError:  # a switch that failed before it
+        return None
+    if before is None or free_after is None:
+        return None
+    return max(0, before - free_after)
+
+
 class Offloading:
-    """The ``offload``, ``release`` and ``offload_land`` stages of the switch to rollout."""
+    """The switch to rollout's ``offload``, ``release`` and landing stages."""
 
     if TYPE_CHECKING:  # the switch's, used here
         offloader: Offloader | None
@@ -87,11 +123,24 @@ class Offloading:
 
         def _memory(self) -> MemoryInfo: ...
 
+        def _exit_phase(
+            self, exc: BaseException | None = None, *, releases: bool = True
+        ) -> Awaitable[None] | None: ...
+
+        def _enter_phase(
+            self, name: str, enough_free: int | None = None, *, enter_releases: bool = True
+        ) -> None: ...
+
+        def _wake(self, tag: str) -> Awaitable[Any] | None: ...
+
         def _release(self, point: str = "release") -> Awaitable[Any] | None: ...
 
-    def _init_offloading(self, weights_under_offload: bool) -> None:
+    def _init_offloading(self, weights_under_offload: bool, kv_under_offload: bool) -> None:
         self.weights_under_offload = check_bool("weights_under_offload", weights_under_offload)
+        self.kv_under_offload = check_bool("kv_under_offload", kv_under_offload)
         self._flight: OffloadInFlight | None = None  # an offload whose copies still run
+        #: what the KV cache's wake took in the last cycle whose copies landed first
+        self._kv_need: int | None = None
         #: the Offloader's report of the last offload: its copies' time and bytes,
         #: whether the weights ran under them or not (the ``offload`` stage then
         #: only queued them)
@@ -126,6 +175,30 @@ class Offloading:
             )
         return fits
 
+    def _room_for_kv(self) -> bool:
+        """Whether the KV cache fits beside the copies still in flight now (decision 89)."""
+        if not self.kv_under_offload or self._kv_need is None:
+            return False
+        free = self._memory().free
+        fits = free is not None and free >= self._kv_need + KV_MARGIN_BYTES
+        if not fits:
+            logger.debug(
+                "HybridSwitch: no room for the KV cache under the offload (free %s, need %s)",
+                fmt_bytes(free or 0),
+                fmt_bytes(self._kv_need + KV_MARGIN_BYTES),
+            )
+        return fits
+
+    def _learn_kv_need(self, report: SwitchReport) -> None:
+        """After a switch to rollout whose copies landed before its KV wake: what it took."""
+        if self.offloader is None or not (self.kv_under_offload and self.weights_under_offload):
+            return  # no copies for the KV cache to wake under
+        if self._state.kv_under:
+            return  # a KV wake under the copies: the landing's frees blur its reading
+        need = kv_need(report, self._memory().free)
+        if need is not None:
+            self._kv_need = need
+
     def _offload(self) -> None:
         """Stage ``offload``: queue the copies (weights under them), or offload in full."""
         if self.offloader is None:
@@ -144,8 +217,42 @@ class Offloading:
         """
         return None if self._copying else self._release()
 
+    def _wake_weights(self) -> Awaitable[Any] | None:
+        """Stage ``wake_weights``: enter ``wake_up`` (without its release under the copies)."""
+        # Under the offload's copies the recipe's release would wait for them (decision 86).
+        self._enter_phase("wake_up", enter_releases=not self._copying)
+        return self._wake("weights")
+
     def _offload_land(self) -> Awaitable[Any] | None:
-        """Stage ``offload_land``: free the storages as their copies land, then release."""
+        """Stage ``offload_land``: free as the copies land and release; or leave them in flight.
+
+        Left in flight where the KV cache fits beside them (``offload_land_late`` lands them).
+        """
+        if not self._copying:
+            return None
+        if self._room_for_kv():
+            self._state.kv_under = True
+            return None
+        return self._land("release")
+
+    def _free_staging(self) -> object:
+        """Stage ``free_staging``: leave ``weight_sync``, its recipe collecting and releasing.
+
+        With the copies still in flight, its release (a synchronize) would wait for them:
+        ``offload_land_late`` releases instead, once for both.
+        """
+        if self._copying:
+            return self._exit_phase(releases=False)
+        return then_run(self._exit_phase(), lambda: self._release("free_staging"))
+
+    def _offload_land_late(self) -> Awaitable[Any] | None:
+        """Stage ``offload_land_late``: after the KV cache woke under the copies, land them."""
+        # Its own release point: the garbage gate compares like with like, and an engine
+        # in this process has its weights and KV cache allocated by now.
+        return self._land("offload_land_late") if self._copying else None
+
+    def _land(self, point: str) -> Awaitable[Any] | None:
+        """Free the storages as their copies land, then release (at ``point``)."""
         flight = self._flight
         if flight is None or not flight.pending:
             return None
@@ -159,13 +266,13 @@ class Offloading:
 
             async def land_async() -> None:
                 await asyncio.to_thread(land)
-                released = self._release()
+                released = self._release(point)
                 if released is not None:
                     await released
 
             return land_async()
         land()
-        return self._release()
+        return self._release(point)
 
     def _cancel_offload(self) -> None:
         """Drop an offload whose copies still run: nothing was freed (recovery)."""

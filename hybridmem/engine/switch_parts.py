@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridmem._scope import ScopedContext
 from hybridmem.engine.backends.adapters import EngineAdapter
 from hybridmem.engine.backends.registry import BackendProfile
+from hybridmem.engine.phases import PhaseUse
 from hybridmem.engine.ranks import SYNC_POINTS
 from hybridmem.observe.memory import MemoryInfo
 
@@ -47,6 +47,7 @@ STAGES: dict[str, tuple[tuple[str, str | None], ...]] = {
         ("free_staging", "_free_staging"),
         ("barrier_kv", None),
         ("wake_kv", "_wake_kv"),
+        ("offload_land_late", "_offload_land_late"),  # the same, when the KV cache did too
         ("rollout", "_start_rollout"),
     ),
     "to_trainer": (
@@ -118,12 +119,14 @@ STAGE_PHASES = ("wake_up", "weight_sync", "rollout", "sleep")
 
 @dataclass
 class SwitchState:
-    """What is offloaded, what is awake, which phases are entered."""
+    """What is offloaded, what is awake, which phases are entered, what runs under the copies."""
 
     offloaded: bool = False
     weights: bool = False
     kv: bool = False
-    phases: list[ScopedContext] = field(default_factory=list)
+    phases: list[PhaseUse] = field(default_factory=list)
+    #: the KV cache woke under the offload's copies this cycle (decision 89)
+    kv_under: bool = False
 
 
 async def in_thread(fn: Callable[[], object]) -> object:

@@ -155,12 +155,15 @@ def _cycles(
     delay: float = 0.0,
     engine: str = "handmade",
     reload_early: bool | None = None,
+    kv_under_offload: bool | None = None,
 ) -> dict[str, Any]:
     """Run ``cycles`` train/rollout cycles against a toy engine on ``device``.
 
-    ``reload_early`` None keeps the switch's default.
+    ``reload_early``, ``kv_under_offload`` None keep the switch's defaults.
     """
     early: dict[str, Any] = {} if reload_early is None else {"reload_early": reload_early}
+    if kv_under_offload is not None:
+        early["kv_under_offload"] = kv_under_offload
     from hybridmem.bench.engine_memory import preload_env
 
     torch.cuda.set_device(device)
@@ -233,13 +236,15 @@ def _cycles(
     bucket.close()
     reports = [
         {
-            # offload_land frees where the weights ran under the copies (decision 86)
-            "offload_end": r.stage("offload_land").started + r.stage("offload_land").seconds,
+            # offload_land frees where the weights ran under the copies (decision 86),
+            # offload_land_late where the KV cache did too (decision 89)
+            "offload_end": _end(r, "offload_land_late" if _kv_under(r) else "offload_land"),
             "wake_kv_start": r.stage("wake_kv").started,
             # The weights ran under the offload's copies (decision 86): the offload
-            # stage freed nothing and offload_land freed the state.
+            # stage freed nothing and a landing stage freed the state.
             "weights_under": _freed(r, "offload") < 16 * MiB
-            and _freed(r, "offload_land") >= 64 * MiB,
+            and _freed(r, "offload_land") + _freed(r, "offload_land_late") >= 64 * MiB,
+            "kv_under": _kv_under(r),
         }
         for r in switch.reports
         if r.direction == "to_rollout"
@@ -263,6 +268,17 @@ def _freed(report: SwitchReport, stage: str) -> int:
     """Device free memory a stage of ``report`` gained (0 where not measured)."""
     measured = report.stage(stage)
     return int(measured.free_after or 0) - int(measured.free_before or 0)
+
+
+def _end(report: SwitchReport, stage: str) -> float:
+    measured = report.stage(stage)
+    return measured.started + measured.seconds
+
+
+def _kv_under(report: SwitchReport) -> bool:
+    """The KV cache woke under the copies (decision 89): they landed after its wake."""
+    late = _freed(report, "offload_land_late")
+    return _freed(report, "offload_land") < 16 * MiB and late >= 64 * MiB
 
 
 def _fifty(engine: str, cycles: int = 50, reload_early: bool | None = None) -> dict[str, Any]:
@@ -339,6 +355,9 @@ def _rank(rank: int, world: int, port: int, cycles: int, out: str, use_barrier: 
             rank,
             barrier="auto" if use_barrier else None,
             delay=SLOW_OFFLOAD_S if rank == 1 else 0.0,
+            # The barrier's own guarantee: every rank's copies land before any KV wake.
+            # With room, decision 89 wakes it under them (tests/test_switch_offload.py).
+            kv_under_offload=False,
         )
         facts.pop("boundaries")
         facts.pop("trainer_reserved")

@@ -61,6 +61,12 @@ def _check_fifty(facts: dict[str, Any]) -> None:
     print(f"weights under the offload's copies, per cycle: {under}")
     assert not under[0]
     assert all(under[1:]), [i + 1 for i, u in enumerate(under) if not u]
+    # And the KV cache too, where the GPU has room for it beside the trainer state
+    # (the toy trainer's is small): its copies landed after the KV wake (decision 89).
+    kv_under = [t["kv_under"] for t in facts["times"]]
+    print(f"the KV cache under the offload's copies, per cycle: {kv_under}")
+    assert not kv_under[0]
+    assert all(kv_under[1:]), [i + 1 for i, u in enumerate(kv_under) if not u]
     # The engine's hand-back: free memory the sleep gained, the trainer's own reserved
     # change over it (an early reload, a release) counted out.
     assert facts["handed_back"] >= facts["kv_taken"]
