@@ -433,16 +433,18 @@ def test_ranks_wake_kv_only_where_each_gpu_has_room_or_landed(fake_gpu: FakeTorc
             assert times["landed-0"][cycle] >= min(woke)
 
 
-def test_the_kv_cache_under_the_copies_has_its_own_release_point(fake_gpu: FakeTorch) -> None:
+def test_the_landing_after_the_kv_wake_releases_at_the_staging_s_point(
+    fake_gpu: FakeTorch,
+) -> None:
+    """No full gc pass for the first cycle under the KV cache: like is compared with like."""
     switch, _ = make(fake_gpu)  # "adaptive"
-    switch.to_rollout()
-    switch.to_trainer()
-    switch.to_rollout()  # the first landing after a KV wake: a full pass at its new point
+    switch.to_rollout()  # the first cycle: a full pass at each of its release points
     switch.to_trainer()
     passes = switch.garbage.full_passes
-    for _ in range(3):  # then like with like: young generations only
+    for _ in range(3):  # then young generations only, from the first cycle under it on
         fake_gpu.events.clear()
         switch.to_rollout()
+        assert switch._state.kv_under
         assert [e for e in fake_gpu.events if e.startswith("gc")] == ["gc:1"]
         switch.to_trainer()
     assert switch.garbage.full_passes == passes
