@@ -33,6 +33,25 @@ def to_rollout_log(switch: hm.HybridSwitch, log: list[str]) -> list[str]:
     return list(log)
 
 
+def mark_the_flight(switch: hm.HybridSwitch, fake_gpu: FakeTorch) -> None:
+    """Log ``queued`` when the offload's copies are queued and ``landing`` as they land."""
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
+    real = offloader.start_offload
+
+    def marked(groups: Any = None, **kw: Any) -> Any:
+        flight = real(groups, **kw)
+        fake_gpu.events.append("queued")
+
+        def finish() -> Any:
+            fake_gpu.events.append("landing")
+            return flight.finish()
+
+        return OffloadInFlight(finish, flight.cancel)
+
+    offloader.start_offload = marked  # type: ignore[method-assign]
+
+
 def test_from_the_second_cycle_the_weights_wake_and_sync_under_the_copies(
     fake_gpu: FakeTorch,
 ) -> None:
@@ -61,21 +80,7 @@ def test_no_release_synchronizes_the_device_while_the_copies_run(fake_gpu: FakeT
     switch, _ = make(fake_gpu)
     switch.to_rollout()
     switch.to_trainer()
-    offloader = switch.offloader
-    assert isinstance(offloader, FakeOffloader)
-    real = offloader.start_offload
-
-    def marked(groups: Any = None, **kw: Any) -> Any:
-        flight = real(groups, **kw)
-        fake_gpu.events.append("queued")
-
-        def finish() -> Any:
-            fake_gpu.events.append("landing")
-            return flight.finish()
-
-        return OffloadInFlight(finish, flight.cancel)
-
-    offloader.start_offload = marked  # type: ignore[method-assign]
+    mark_the_flight(switch, fake_gpu)
     fake_gpu.events.clear()
     switch.to_rollout()
     between = fake_gpu.events[fake_gpu.events.index("queued") : fake_gpu.events.index("landing")]
@@ -256,21 +261,7 @@ def test_one_release_runs_once_the_copies_landed_after_the_kv_wake(fake_gpu: Fak
     switch, log = make(fake_gpu)
     switch.to_rollout()
     switch.to_trainer()
-    offloader = switch.offloader
-    assert isinstance(offloader, FakeOffloader)
-    real = offloader.start_offload
-
-    def marked(groups: Any = None, **kw: Any) -> Any:
-        flight = real(groups, **kw)
-        fake_gpu.events.append("queued")
-
-        def finish() -> Any:
-            fake_gpu.events.append("landing")
-            return flight.finish()
-
-        return OffloadInFlight(finish, flight.cancel)
-
-    offloader.start_offload = marked  # type: ignore[method-assign]
+    mark_the_flight(switch, fake_gpu)
     fake_gpu.events.clear()
     log.clear()
     switch.to_rollout()
