@@ -376,3 +376,26 @@ def test_entering_can_skip_the_releases_on_entry_and_keeps_the_scopes(
     assert "enter_releases=False" in repr(wake.entering(enter_releases=False))
     with pytest.raises(TypeError, match="enter_releases must be True or False"):
         wake.entering(enter_releases=None)  # type: ignore[arg-type]
+
+
+def test_entering_can_skip_the_releases_on_exit_decided_before_leaving(
+    fake_gpu: FakeTorch,
+) -> None:
+    # The switch, whose offload's copies still run when it leaves weight_sync (decision 89).
+    sync = hm.phase("weight_sync", backend="vllm")
+    releases = ("sync:", "empty_cache", "ipc_collect")
+    fake_gpu.events.clear()
+    with sync.entering():
+        pass
+    assert [e for e in fake_gpu.events if e.startswith(releases)]  # its release on exit
+    fake_gpu.events.clear()
+    with sync.entering(exit_releases=False):
+        pass
+    assert not [e for e in fake_gpu.events if e.startswith(releases)]
+    use = sync.entering()
+    with use:
+        use.exit_releases = False  # decided while inside: read when it is left
+    assert not [e for e in fake_gpu.events if e.startswith(releases)]
+    assert "exit_releases=False" in repr(use)
+    with pytest.raises(TypeError, match="exit_releases must be True or False"):
+        sync.entering(exit_releases="no")  # type: ignore[arg-type]
