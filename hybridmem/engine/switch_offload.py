@@ -163,29 +163,24 @@ class Offloading:
             )
             return False
         need = weights_need(self.reports)
-        if need is None:
-            return False
-        free = self._memory().free
-        fits = free is not None and free >= need + WEIGHTS_MARGIN_BYTES
-        if not fits:
-            logger.debug(
-                "HybridSwitch: no room for the weights under the offload (free %s, need %s)",
-                fmt_bytes(free or 0),
-                fmt_bytes(need + WEIGHTS_MARGIN_BYTES),
-            )
-        return fits
+        return need is not None and self._fits_now(need + WEIGHTS_MARGIN_BYTES, "the weights")
 
     def _room_for_kv(self) -> bool:
         """Whether the KV cache fits beside the copies still in flight now (decision 89)."""
         if not self.kv_under_offload or self._kv_need is None:
             return False
+        return self._fits_now(self._kv_need + KV_MARGIN_BYTES, "the KV cache")
+
+    def _fits_now(self, need: int, what: str) -> bool:
+        """Whether device free memory now holds ``need`` bytes (``what`` under the copies)."""
         free = self._memory().free
-        fits = free is not None and free >= self._kv_need + KV_MARGIN_BYTES
+        fits = free is not None and free >= need
         if not fits:
             logger.debug(
-                "HybridSwitch: no room for the KV cache under the offload (free %s, need %s)",
+                "HybridSwitch: no room for %s under the offload (free %s, need %s)",
+                what,
                 fmt_bytes(free or 0),
-                fmt_bytes(self._kv_need + KV_MARGIN_BYTES),
+                fmt_bytes(need),
             )
         return fits
 
