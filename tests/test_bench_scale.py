@@ -306,6 +306,25 @@ def test_the_engine_client_counts_only_wake_and_sleep_as_the_engines_own_calls(
     assert client.memory_seconds == 2.0
 
 
+@pytest.mark.parametrize(("copy_seconds", "expected"), [(0.05, 0.05), (None, 0.2)])
+def test_hybridmems_offload_rate_is_its_copies_own_time(
+    copy_seconds: float | None, expected: float
+) -> None:
+    """Decision 90: the report's wall time runs on to the landing after the KV wake."""
+    from hybridmem.bench.strategies import Hybridmem
+    from hybridmem.memory.offload_parts import OffloadReport
+
+    report = OffloadReport("offload", ("optimizer",), GiB, 3, 0.2, GiB, "cuda:0", 0, copy_seconds)
+    switch = SimpleNamespace(to_rollout=lambda: None, offload_report=report)
+    strategy = SimpleNamespace(
+        switch=switch, offloader=SimpleNamespace(host_bytes=GiB), _sync_s=0.01
+    )
+    moved = Hybridmem.to_rollout(strategy)  # type: ignore[arg-type]
+    assert moved.copy_s == expected
+    assert moved.copy_bytes == GiB
+    assert moved.sync_s == 0.01
+
+
 def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.memory import offload_free
+from hybridmem.memory.host_pool import HostPool
 from hybridmem.memory.offload_free import Landing
+from hybridmem.memory.offload_parts import CopyClock
 from tests.conftest import fail_resizes
 from tests.test_offload import (
     _FAULT_POINTS,
@@ -35,6 +37,12 @@ class FakeStream:
     """A stream the seam's fakes accept; the copies on the CPU have already run."""
 
 
+class TimedEvent:
+    """A fake timed event (the copy clock's): not logged with the landing's events."""
+
+    SECONDS = 0.125  # what the fake seam says lay between two of them
+
+
 @pytest.fixture
 def landings(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Fake streams and events; return the log of waits, frees and releases."""
@@ -48,7 +56,11 @@ def landings(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> list[
         "wait_stream": lambda waiter, waitee: None,
         "synchronize_stream": lambda stream: log.append("sync"),
         "new_event": lambda: object(),
-        "record_event": lambda event, stream: log.append("record"),
+        "new_timed_event": TimedEvent,
+        "record_event": lambda event, stream: (
+            None if isinstance(event, TimedEvent) else log.append("record")
+        ),
+        "event_seconds": lambda start, end: TimedEvent.SECONDS,
         "synchronize_event": lambda event: log.append("wait"),
         "empty_cache": lambda: log.append("empty_cache"),
     }
@@ -203,6 +215,74 @@ def test_an_interrupt_between_chunks_puts_back_what_was_freed_and_goes_on(
     with pytest.raises(KeyboardInterrupt):
         off.offload()
     assert off.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+@pytest.mark.parametrize("release_cache", [True, False])
+def test_the_report_times_the_copies_alone_between_two_events_on_their_stream(
+    landings: list[str], monkeypatch: pytest.MonkeyPatch, release_cache: bool
+) -> None:
+    """Decision 90: the copies' own time, whatever ran beside them before the frees."""
+    seen: list[str] = []
+    record = _torch.record_event
+
+    def clocked(event: Any, stream: Any) -> None:
+        if isinstance(event, TimedEvent):
+            assert isinstance(stream, FakeStream)  # the side stream, where the copies run
+            seen.append("clock")
+        record(event, stream)
+
+    copy_one = HostPool.copy_one
+
+    def copying(pool: HostPool, *args: Any, **kwargs: Any) -> None:
+        seen.append("copy")
+        copy_one(pool, *args, **kwargs)
+
+    monkeypatch.setattr(_torch, "record_event", clocked)
+    monkeypatch.setattr(HostPool, "copy_one", copying)
+    model, optimizer, before, off = fresh()
+    for label in ("planned", "streamed"):  # the first offload plans, the next walks
+        seen.clear()
+        flight = off.start_offload(release_cache=release_cache)
+        assert seen[0] == seen[-1] == "clock", label  # around the copies, and only them
+        assert seen.count("clock") == 2, label
+        assert seen.count("copy") >= 2, label
+        report = flight.finish()
+        assert report.copy_seconds == TimedEvent.SECONDS, label
+        assert report.copy_gbps == report.nbytes / TimedEvent.SECONDS / 1e9
+        assert f"copies {TimedEvent.SECONDS * 1e3:.1f} ms" in str(report)
+        reloaded = off.reload()
+        assert reloaded.copy_seconds is None  # a reload is not timed on the device
+        assert reloaded.copy_gbps == reloaded.gbps
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_an_unreadable_clock_leaves_the_offload_done_and_untimed(
+    landings: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreadable(start: Any, end: Any) -> float:
+        raise RuntimeError("injected: elapsed_time")
+
+    monkeypatch.setattr(_torch, "event_seconds", unreadable)
+    model, optimizer, before, off = fresh()
+    report = off.offload()
+    assert report.copy_seconds is None
+    assert off.offloaded_groups == {"parameters", "buffers", "gradients", "optimizer"}
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_without_a_stream_nothing_is_timed(cpu_as_device: list[int]) -> None:
+    clock = CopyClock()
+    clock.start(None)
+    clock.stop(None)
+    assert clock.seconds() is None
+    model, optimizer, before, off = fresh()  # the CPU's real seam: no side stream
+    report = off.offload()
+    assert report.nbytes > 0
+    assert report.copy_seconds is None
+    assert report.copy_gbps == report.gbps
+    off.reload()
     assert_bitwise_equal(before, snapshot(model, optimizer))
 
 

@@ -8,6 +8,7 @@ benchmark's (``benchmarks/reload_by_kernel.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -23,6 +24,7 @@ from hybridmem._torch import mapped, tensors
 from hybridmem.engine import switch_reload
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.engine.switch_reload import tail_bytes
+from hybridmem.memory.offload_parts import OffloadReport
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
 from tests.test_offload import assert_bitwise_equal, make_model, offloaded_model, snapshot
@@ -314,6 +316,31 @@ def test_an_early_reload_waits_for_a_head_and_queues_a_tail_for_the_sleep_by_cop
     assert log[-3:] == ["reload:head", "reload:queued", "sleep:1"]
     stages = [s.name for s in switch.reports[-1].stages]
     assert stages[:2] == ["reload_early", "sleep"]  # the sleep's time is the engine's own
+
+
+@pytest.mark.parametrize("copy_seconds", [0.25, None])
+def test_the_tail_is_sized_by_the_copies_own_time_not_the_reports_wall_time(
+    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, copy_seconds: float | None
+) -> None:
+    """Decision 90: the wall time ran on to a landing after the KV wake."""
+    asked: list[float | None] = []
+
+    def tail(reports: list[SwitchReport], host_bytes: int, offload_s: float | None = None) -> int:
+        asked.append(offload_s)
+        return 0
+
+    real = OffloadReport.of
+
+    def timed(*args: Any, **kwargs: Any) -> OffloadReport:
+        return dataclasses.replace(real(*args, **kwargs), seconds=1.0, copy_seconds=copy_seconds)
+
+    monkeypatch.setattr(switch_reload, "tail_bytes", tail)
+    monkeypatch.setattr(OffloadReport, "of", timed)
+    switch, _, _ = _switch(fake_gpu)
+    for _ in range(2):
+        with switch.rollout():
+            pass
+    assert asked == [copy_seconds or 1.0] * 2  # each to_trainer: the last offload's
 
 
 def test_a_refused_tail_leaves_the_rest_for_after_the_sleep(

@@ -108,6 +108,22 @@ def new_event() -> Any:
     return _CUDA_EVENT(enable_timing=False)
 
 
+def new_timed_event() -> Any:
+    """Return a CUDA event that can time (``enable_timing=True``), for :func:`event_seconds`.
+
+    For the current device's streams; all torch versions (``torch.cuda.Event``).
+    """
+    return _CUDA_EVENT(enable_timing=True)
+
+
+def event_seconds(start: Any, end: Any) -> float:
+    """Seconds on the device between two timed events' last records, both completed.
+
+    All torch versions (``torch.cuda.Event.elapsed_time``, in milliseconds).
+    """
+    return float(start.elapsed_time(end)) / 1e3
+
+
 def new_ipc_event(device: int) -> Any:
     """Return a CUDA event another process can open (``cudaEventInterprocess``).
 

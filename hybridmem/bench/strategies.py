@@ -273,9 +273,13 @@ class Hybridmem(Strategy):
 
     def to_rollout(self) -> Moved:
         report = self.switch.to_rollout()
-        # The copies' own time: with the weights under them the stage only queued them.
+        # The copies' own time: the stage only queued them, the weights and the KV
+        # cache woke under them, and their report's wall time runs to their late landing.
         offloaded = self.switch.offload_report
-        copy_s = offloaded.seconds if offloaded else report.stage("offload").seconds
+        if offloaded is not None:
+            copy_s = offloaded.copy_seconds or offloaded.seconds
+        else:
+            copy_s = report.stage("offload").seconds
         nbytes = self.offloader.host_bytes
         return Moved(copy_s=copy_s, copy_bytes=nbytes, sync_s=self._sync_s)
 

@@ -117,7 +117,8 @@ def tail_bytes(reports: list[SwitchReport], host_bytes: int, offload_s: float | 
     What the copy engines move in the last cycle's :data:`TAIL_STAGES` (the engine's
     sleep and the wait for its memory) at :data:`TAIL_SHARE` of the last offload's
     rate (the same pool and bus, the other way): ``host_bytes`` over ``offload_s``
-    (the Offloader's report), else over the last ``offload`` stage. The rest (the
+    (the Offloader's report: its copies' own time, decision 90), else over the last
+    ``offload`` stage. The rest (the
     head) goes first, and the host waits for it: those copies run at the full rate
     while the engine still holds its memory. 0 before any full cycle: all of it
     first, then the sleep.
@@ -244,7 +245,11 @@ class Reloading:
             return
         total = self.offloader.host_bytes
         last = self.offload_report
-        tail = tail_bytes(self.reports, total, last.seconds if last else None)
+        # The copies' own time (decision 90): the report's wall time ran on to a
+        # landing after the KV wake, and would size the tail too small.
+        tail = tail_bytes(
+            self.reports, total, (last.copy_seconds or last.seconds) if last else None
+        )
         try:
             with trainer_allocation(self.profile):  # where it trains (decision 85)
                 if tail < total:  # the host waits: no engine frees while these copies run

@@ -48,6 +48,7 @@ from hybridmem.memory.offload_free import (
 )
 from hybridmem.memory.offload_parts import (
     RELOAD_WAYS,
+    CopyClock,
     OffloadReport,
     Slot,
     allocate,
@@ -304,7 +305,8 @@ class Offloader:
             return OffloadInFlight.done(self._report("offload", [], start))
         dropped = drop_grads(self._targets) if self.grads == "drop" and "gradients" in wanted else 0
         landing = Landing() if release_cache else None  # freed and released as they land
-        streamed = self._stream_to_host(wanted, landing)
+        clock = CopyClock()  # the copies' own time: other work may run beside them
+        streamed = self._stream_to_host(wanted, landing, clock)
         if streamed is not None:
             todo, side = streamed
         else:
@@ -326,8 +328,9 @@ class Offloader:
                         "changing targets"
                     )
             landing = Landing() if release_cache else None  # the walk's copies were dropped
-            side, _ = self._copy(todo, to_host=True, landing=landing)
+            side, _ = self._copy(todo, to_host=True, landing=landing, clock=clock)
         try:
+            clock.stop(side)
             check_freeable(todo)
         except BaseException:
             _torch.synchronize_stream(side)  # nothing is freed; the pool must not be
@@ -339,7 +342,7 @@ class Offloader:
                 free_slots(todo, self._restore, self._unallocate)
             else:
                 free_as_landed(todo, landing, side, self._restore, self._unallocate)
-            return self._report("offload", todo, start, dropped)
+            return self._report("offload", todo, start, dropped, clock.seconds())
 
         self._in_flight = OffloadInFlight(free, partial(_torch.synchronize_stream, side))
         return self._in_flight
@@ -457,7 +460,7 @@ class Offloader:
             _torch.empty_cache()  # give the partial allocations back to the driver
 
     def _stream_to_host(
-        self, wanted: list[Group], landing: Landing | None
+        self, wanted: list[Group], landing: Landing | None, clock: CopyClock
     ) -> tuple[list[Slot], Any] | None:
         """Copy to the pool while walking the targets, if they still match the plan.
 
@@ -481,6 +484,7 @@ class Offloader:
             return None
         side = self._side_stream(self._device)
         _torch.wait_stream(side, _torch.current_stream(self._device))
+        clock.start(side)
         planned = iter(self._slots)
         todo: list[Slot] = []
         try:
@@ -517,6 +521,7 @@ class Offloader:
         to_host: bool,
         kernel_after: int | None = None,
         landing: Landing | None = None,
+        clock: CopyClock | None = None,
     ) -> tuple[Any, Any]:
         """Queue the copies between device storage and pool on the side stream.
 
@@ -537,6 +542,8 @@ class Offloader:
         side = self._side_stream(self._device)
         current = _torch.current_stream(self._device)
         _torch.wait_stream(side, current)
+        if clock is not None:  # (again, after a walk's dropped copies)
+            clock.start(side)
         split = kernel_split(slots, kernel_after)  # the slots from ``split`` on go by kernel
         if not to_host:  # mapping memory waits for kernels in flight: theirs first
             for slot in slots[split:]:
@@ -556,8 +563,11 @@ class Offloader:
         slots: Sequence[Slot],
         start: float,
         dropped: int = 0,
+        copy_seconds: float | None = None,
     ) -> OffloadReport:
-        report = OffloadReport.of(direction, slots, start, self.host_bytes, self._device, dropped)
+        report = OffloadReport.of(
+            direction, slots, start, self.host_bytes, self._device, dropped, copy_seconds
+        )
         if slots or dropped:
             logger.info("%s", report)
         return report

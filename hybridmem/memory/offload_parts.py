@@ -9,17 +9,19 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from hybridmem import _torch
 from hybridmem._checks import check_number
 from hybridmem._format import fmt_bytes
+from hybridmem._log import logger
 from hybridmem.memory.targets import GROUPS, Group, Target, flatten
 
 __all__ = [
     "RELOAD_WAYS",
+    "CopyClock",
     "OffloadReport",
     "Slot",
     "allocate",
@@ -55,6 +57,12 @@ class OffloadReport:
         host_pool_bytes: size of the pinned pool.
         device: the CUDA device.
         dropped_grad_bytes: gradient bytes freed without copying (``grads="drop"``).
+        copy_seconds: the copies' own time on the device, between timed CUDA events
+            recorded around them on their stream (:class:`CopyClock`); None where
+            not measured (a reload, or no CUDA stream). Unlike ``seconds`` it leaves
+            out the host's walk and frees, and, for an offload whose copies ran under
+            other work (:meth:`Offloader.start_offload`), the time that work took
+            after they landed.
     """
 
     direction: Literal["offload", "reload"]
@@ -65,6 +73,7 @@ class OffloadReport:
     host_pool_bytes: int
     device: str
     dropped_grad_bytes: int = 0
+    copy_seconds: float | None = None
 
     @classmethod
     def of(
@@ -75,6 +84,7 @@ class OffloadReport:
         host_pool_bytes: int,
         device: torch.device | None,
         dropped: int = 0,
+        copy_seconds: float | None = None,
     ) -> OffloadReport:
         """The report of ``slots`` moved since ``start`` (a ``time.perf_counter()``)."""
         return cls(
@@ -86,6 +96,7 @@ class OffloadReport:
             host_pool_bytes=host_pool_bytes,
             device=str(device) if device is not None else "none",
             dropped_grad_bytes=dropped,
+            copy_seconds=copy_seconds,
         )
 
     @property
@@ -93,17 +104,82 @@ class OffloadReport:
         """Throughput in GB/s (10^9 bytes per second)."""
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    @property
+    def copy_gbps(self) -> float:
+        """The copies' own rate in GB/s: over ``copy_seconds`` where measured, else ``gbps``."""
+        seconds = self.copy_seconds
+        return self.nbytes / seconds / 1e9 if seconds else self.gbps
+
     def __str__(self) -> str:
         dropped = (
             f", dropped {fmt_bytes(self.dropped_grad_bytes)} of gradients"
             if self.dropped_grad_bytes
             else ""
         )
+        copies = (
+            f", copies {self.copy_seconds * 1e3:.1f} ms ({self.copy_gbps:.1f} GB/s)"
+            if self.copy_seconds
+            else ""
+        )
         return (
             f"{self.direction} {','.join(self.groups) or 'nothing'} on {self.device}: "
             f"{fmt_bytes(self.nbytes)} in {self.tensors} storages, {self.seconds * 1e3:.1f} ms "
-            f"({self.gbps:.1f} GB/s), pinned pool {fmt_bytes(self.host_pool_bytes)}{dropped}"
+            f"({self.gbps:.1f} GB/s){copies}, pinned pool {fmt_bytes(self.host_pool_bytes)}"
+            f"{dropped}"
         )
+
+
+class CopyClock:
+    """Two timed CUDA events around an offload's copies on their stream: their own time.
+
+    The start is recorded once the stream has waited for the work that made the data,
+    so the time is the copies' alone. :meth:`seconds` reads it once the caller has
+    waited for the stream (the offload's frees do).
+
+    Example:
+        >>> clock = CopyClock()
+        >>> clock.start(None)  # no stream (not CUDA): nothing recorded
+        >>> clock.stop(None)
+        >>> clock.seconds() is None
+        True
+
+    Scope: one offload, on the thread that queues its copies.
+    """
+
+    __slots__ = ("_end", "_start")
+
+    def __init__(self) -> None:
+        self._start: Any = None
+        self._end: Any = None
+
+    def start(self, stream: Any) -> None:
+        """Record the start on ``stream`` before its first copy (again: a restart)."""
+        self._end = None
+        if stream is None:
+            self._start = None
+            return
+        self._start = _torch.new_timed_event()
+        _torch.record_event(self._start, stream)
+
+    def stop(self, stream: Any) -> None:
+        """Record the end on ``stream`` after its last copy (nothing if never started)."""
+        if self._start is not None and stream is not None:
+            self._end = _torch.new_timed_event()
+            _torch.record_event(self._end, stream)
+
+    def seconds(self) -> float | None:
+        """The copies' seconds on the device, once their stream has been waited for.
+
+        None where not recorded, or where the events cannot be read: a measurement
+        never fails the offload it measures (the reason is logged at DEBUG).
+        """
+        if self._start is None or self._end is None:
+            return None
+        try:
+            return _torch.event_seconds(self._start, self._end)
+        except Exception as exc:  # e.g. a sticky CUDA error: the frees already ran
+            logger.debug("CopyClock: the copies' time could not be read (%s)", exc)
+            return None
 
 
 class Slot:

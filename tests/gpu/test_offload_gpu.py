@@ -127,3 +127,7 @@ def test_an_offload_releases_as_its_copies_land() -> None:
     assert facts["fault_exact"]
     assert facts["after_fault_exact"]
     assert facts["final_exact"]
+    # decision 90: timed on the device, the copies alone, not the work beside them
+    assert 0 < facts["beside_copy_seconds"] < facts["beside_seconds"]
+    assert facts["beside_seconds"] >= facts["beside_s"]
+    assert facts["beside_copy_gbps"] > facts["beside_gbps"]
