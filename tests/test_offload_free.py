@@ -314,7 +314,15 @@ def test_landing_records_an_event_every_chunk_and_yields_the_total_last() -> Non
                     "offload_cancelled",
                 ]
             ),
-            st.sampled_from([*_FAULT_POINTS, "synchronize_event", "record_event"]),
+            st.sampled_from(
+                [
+                    *_FAULT_POINTS,
+                    "synchronize_event",
+                    "record_event",
+                    "new_timed_event",
+                    "event_seconds",
+                ]
+            ),
             st.sets(st.integers(0, 12), min_size=1, max_size=3),
         ),
         min_size=1,

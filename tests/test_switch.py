@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -318,24 +318,51 @@ def test_async_failure_puts_the_engine_to_sleep(trainer: FakeTorch) -> None:
     assert log == ["resume:weights", "release_memory_occupation"]
 
 
+class KVTimed(hm.EngineAdapter):
+    """An engine that notes the time of each KV-cache wake (the rank tests' threads)."""
+
+    def __init__(self, woke: list[float], lock: threading.Lock) -> None:
+        super().__init__(object(), ())
+        self.woke = woke
+        self.lock = lock
+
+    def sleep(self) -> None:
+        return None
+
+    def wake_up(self, tags: Any) -> None:
+        if list(tags) == ["kv_cache"]:
+            with self.lock:
+                self.woke.append(time.monotonic())
+
+
+def run_ranks(switch_of: Callable[[Any], hm.HybridSwitch], ranks: Sequence[Any]) -> None:
+    """Three cycles of ``switch_of(rank)``'s switch per rank, a thread each; re-raises."""
+    failed: list[BaseException] = []
+
+    def rank(arg: Any) -> None:
+        try:
+            switch = switch_of(arg)
+            for _ in range(3):
+                with switch.rollout():
+                    pass
+        except BaseException as exc:  # a rank that failed must fail the test
+            failed.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+
+
 def test_ranks_never_wake_kv_before_every_rank_offloaded(fake_gpu: FakeTorch) -> None:
     """Two ranks (threads), one slow to offload: nobody wakes its KV cache before it is done."""
     plain = hm.BackendProfile("plain", "no allocator steps", {})
     barrier = threading.Barrier(2)
     times: dict[str, list[float]] = {"offload_done": [], "wake_kv": []}
     lock = threading.Lock()
-
-    class Timed(hm.EngineAdapter):
-        def __init__(self) -> None:
-            super().__init__(object(), ())
-
-        def sleep(self) -> None:
-            return None
-
-        def wake_up(self, tags: Any) -> None:
-            if list(tags) == ["kv_cache"]:
-                with lock:
-                    times["wake_kv"].append(time.monotonic())
 
     class Slow(FakeOffloader):
         def __init__(self, delay: float) -> None:
@@ -351,21 +378,15 @@ def test_ranks_never_wake_kv_before_every_rank_offloaded(fake_gpu: FakeTorch) ->
             # The weights under the copies: the offload is done at offload_land.
             return OffloadInFlight(lambda: self.offload(), lambda: None)
 
-    def rank(delay: float) -> None:
+    def switch_of(delay: float) -> hm.HybridSwitch:
         # Each rank without room for the KV cache beside its copies (decision 89 lets
         # a rank with room land after the KV wake: tests/test_switch_offload.py).
-        switch = hm.HybridSwitch(
-            Timed(), plain, Slow(delay), barrier=barrier.wait, kv_under_offload=False
+        engine = KVTimed(times["wake_kv"], lock)
+        return hm.HybridSwitch(
+            engine, plain, Slow(delay), barrier=barrier.wait, kv_under_offload=False
         )
-        for _ in range(3):
-            with switch.rollout():
-                pass
 
-    threads = [threading.Thread(target=rank, args=(d,)) for d in (0.0, 0.05)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_ranks(switch_of, (0.0, 0.05))
     for cycle in range(3):
         done = times["offload_done"][2 * cycle : 2 * cycle + 2]
         woke = times["wake_kv"][2 * cycle : 2 * cycle + 2]

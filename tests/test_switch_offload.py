@@ -9,6 +9,8 @@ device runs in between. On the CPU: the fake seam's events and the fakes' logs.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -21,7 +23,16 @@ from hybridmem.engine.switch_reload import tail_bytes
 from hybridmem.memory.offload import OffloadInFlight
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
-from tests.test_switch import AsyncSGLang, Boom, FakeOffloader, FakeVLLM, _no_wait, make
+from tests.test_switch import (
+    AsyncSGLang,
+    Boom,
+    FakeOffloader,
+    FakeVLLM,
+    KVTimed,
+    _no_wait,
+    make,
+    run_ranks,
+)
 
 GiB = 1 << 30
 QUEUED = ["offload:queued", "barrier", "wake:weights", "sync(expandable=False)", "offload:landed"]
@@ -31,6 +42,16 @@ def to_rollout_log(switch: hm.HybridSwitch, log: list[str]) -> list[str]:
     log.clear()
     switch.to_rollout()
     return list(log)
+
+
+def after_one_cycle(fake_gpu: FakeTorch) -> tuple[hm.HybridSwitch, list[str], FakeOffloader]:
+    """A switch (``make``'s), its log and its offloader, after one whole cycle (learned)."""
+    switch, log = make(fake_gpu)
+    switch.to_rollout()
+    switch.to_trainer()
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
+    return switch, log, offloader
 
 
 def mark_the_flight(switch: hm.HybridSwitch, fake_gpu: FakeTorch) -> None:
@@ -90,9 +111,7 @@ def test_no_release_synchronizes_the_device_while_the_copies_run(fake_gpu: FakeT
 
 
 def test_without_room_for_the_weights_the_offload_finishes_first(fake_gpu: FakeTorch) -> None:
-    switch, log = make(fake_gpu)
-    switch.to_rollout()
-    switch.to_trainer()
+    switch, log, _ = after_one_cycle(fake_gpu)
     need = weights_need(switch.reports)
     assert need == 2 * GiB  # what the fake engine's weights took
     device = fake_gpu.devices[0]
@@ -110,11 +129,7 @@ def test_switched_off_the_offload_always_finishes_first(fake_gpu: FakeTorch) -> 
 
 
 def test_a_failed_weight_sync_cancels_the_copies_and_frees_nothing(fake_gpu: FakeTorch) -> None:
-    switch, log = make(fake_gpu)
-    switch.to_rollout()
-    switch.to_trainer()
-    offloader = switch.offloader
-    assert isinstance(offloader, FakeOffloader)
+    switch, log, offloader = after_one_cycle(fake_gpu)
     offloader.left = 0
     failing = {"on": True}
     sync = switch.sync_weights
@@ -139,11 +154,7 @@ def test_a_failed_weight_sync_cancels_the_copies_and_frees_nothing(fake_gpu: Fak
 
 
 def test_a_failed_landing_reloads_what_was_offloaded(fake_gpu: FakeTorch) -> None:
-    switch, log = make(fake_gpu)
-    switch.to_rollout()
-    switch.to_trainer()
-    offloader = switch.offloader
-    assert isinstance(offloader, FakeOffloader)
+    switch, log, offloader = after_one_cycle(fake_gpu)
     offloader.fail = "land"
     log.clear()
     with pytest.raises(Boom):
@@ -258,9 +269,7 @@ def test_from_the_second_cycle_the_kv_cache_wakes_under_the_copies_too(
 
 
 def test_one_release_runs_once_the_copies_landed_after_the_kv_wake(fake_gpu: FakeTorch) -> None:
-    switch, log = make(fake_gpu)
-    switch.to_rollout()
-    switch.to_trainer()
+    switch, log, _ = after_one_cycle(fake_gpu)
     mark_the_flight(switch, fake_gpu)
     fake_gpu.events.clear()
     log.clear()
@@ -278,9 +287,7 @@ def test_one_release_runs_once_the_copies_landed_after_the_kv_wake(fake_gpu: Fak
 def test_without_room_for_the_kv_cache_the_copies_land_before_its_wake(
     fake_gpu: FakeTorch,
 ) -> None:
-    switch, log = make(fake_gpu)
-    switch.to_rollout()
-    switch.to_trainer()
+    switch, log, _ = after_one_cycle(fake_gpu)
     device = fake_gpu.devices[0]
     # room for the weights (2 GiB and the margin), not for the KV cache (30 GiB) too
     device.other = device.total - device.reserved - 20 * GiB
@@ -312,11 +319,7 @@ def test_switched_off_the_copies_always_land_before_the_kv_wake(fake_gpu: FakeTo
 def test_a_failed_kv_wake_under_the_copies_cancels_them_and_frees_nothing(
     fake_gpu: FakeTorch,
 ) -> None:
-    switch, log = make(fake_gpu)
-    switch.to_rollout()
-    switch.to_trainer()
-    offloader = switch.offloader
-    assert isinstance(offloader, FakeOffloader)
+    switch, log, offloader = after_one_cycle(fake_gpu)
     offloader.left = 0
     engine = switch.engine.engine
     assert isinstance(engine, FakeVLLM)
@@ -337,11 +340,7 @@ def test_a_failed_kv_wake_under_the_copies_cancels_them_and_frees_nothing(
 
 
 def test_a_failed_late_landing_reloads_what_was_offloaded(fake_gpu: FakeTorch) -> None:
-    switch, log = make(fake_gpu)
-    switch.to_rollout()
-    switch.to_trainer()
-    offloader = switch.offloader
-    assert isinstance(offloader, FakeOffloader)
+    switch, log, offloader = after_one_cycle(fake_gpu)
     offloader.fail = "land"
     log.clear()
     with pytest.raises(Boom):
@@ -371,25 +370,10 @@ def test_kv_need_reads_from_barrier_kv_to_after_the_last_exchange() -> None:
 
 def test_ranks_wake_kv_only_where_each_gpu_has_room_or_landed(fake_gpu: FakeTorch) -> None:
     """Two ranks (threads): one lands before ``barrier_kv``, one under the KV wake."""
-    import threading
-    import time
-
     plain = hm.BackendProfile("plain", "no allocator steps", {})
     barrier = threading.Barrier(2)
     times: dict[str, list[float]] = {"landed-0": [], "landed-1": [], "wake_kv": []}
     lock = threading.Lock()
-
-    class Timed(hm.EngineAdapter):
-        def __init__(self) -> None:
-            super().__init__(object(), ())
-
-        def sleep(self) -> None:
-            return None
-
-        def wake_up(self, tags: Any) -> None:
-            if list(tags) == ["kv_cache"]:
-                with lock:
-                    times["wake_kv"].append(time.monotonic())
 
     class Landing(FakeOffloader):
         def __init__(self, rank: int) -> None:
@@ -403,20 +387,14 @@ def test_ranks_wake_kv_only_where_each_gpu_has_room_or_landed(fake_gpu: FakeTorc
         def start_offload(self, groups: Any = None, **kw: Any) -> Any:
             return OffloadInFlight(lambda: self.offload(), lambda: None)
 
-    def rank(index: int) -> None:
+    def switch_of(index: int) -> hm.HybridSwitch:
         # rank 1: no room for the KV cache beside its copies (as if: switched off)
-        switch = hm.HybridSwitch(
-            Timed(), plain, Landing(index), barrier=barrier.wait, kv_under_offload=index == 0
+        engine = KVTimed(times["wake_kv"], lock)
+        return hm.HybridSwitch(
+            engine, plain, Landing(index), barrier=barrier.wait, kv_under_offload=index == 0
         )
-        for _ in range(3):
-            with switch.rollout():
-                pass
 
-    threads = [threading.Thread(target=rank, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_ranks(switch_of, (0, 1))
     for cycle in range(3):
         woke = times["wake_kv"][2 * cycle : 2 * cycle + 2]
         assert times["landed-1"][cycle] <= min(woke)  # landed before any rank's KV wake
