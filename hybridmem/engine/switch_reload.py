@@ -118,10 +118,9 @@ def tail_bytes(reports: list[SwitchReport], host_bytes: int, offload_s: float | 
     sleep and the wait for its memory) at :data:`TAIL_SHARE` of the last offload's
     rate (the same pool and bus, the other way): ``host_bytes`` over ``offload_s``
     (the Offloader's report: its copies' own time, decision 90), else over the last
-    ``offload`` stage. The rest (the
-    head) goes first, and the host waits for it: those copies run at the full rate
-    while the engine still holds its memory. 0 before any full cycle: all of it
-    first, then the sleep.
+    ``offload`` stage. The rest (the head) goes first, and the host waits for it: those
+    copies run at the full rate while the engine still holds its memory. 0 before any
+    full cycle: all of it first, then the sleep.
 
     Example:
         >>> tail_bytes([], 1 << 30)
