@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -616,25 +616,33 @@ _FAULT_POINTS = [
 ]
 
 
-@given(
-    st.lists(
+def fault_plans(
+    actions: Sequence[str], points: Sequence[str]
+) -> st.SearchStrategy[list[tuple[str, str, set[int]]]]:
+    """Plans for :func:`run_fault_plan`: up to six actions, each with its seam point's faults."""
+    return st.lists(
         st.tuples(
-            st.sampled_from(
-                [
-                    "offload",
-                    "reload",
-                    "offload_params",
-                    "reload_optimizer",
-                    "reload_by_kernel",
-                    "reload_head_then_tail",  # the switch's early reload
-                ]
-            ),
-            st.sampled_from(_FAULT_POINTS),
+            st.sampled_from(list(actions)),
+            st.sampled_from(list(points)),
             # one fault, or several in one call (a failure, then its clean-up failing)
             st.sets(st.integers(0, 12), min_size=1, max_size=3),
         ),
         min_size=1,
         max_size=6,
+    )
+
+
+@given(
+    fault_plans(
+        [
+            "offload",
+            "reload",
+            "offload_params",
+            "reload_optimizer",
+            "reload_by_kernel",
+            "reload_head_then_tail",  # the switch's early reload
+        ],
+        _FAULT_POINTS,
     )
 )
 @settings(

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem import _torch
@@ -25,6 +24,7 @@ from tests.conftest import fail_resizes
 from tests.test_offload import (
     _FAULT_POINTS,
     assert_bitwise_equal,
+    fault_plans,
     make_model,
     run_fault_plan,
     snapshot,
@@ -302,31 +302,16 @@ def test_landing_records_an_event_every_chunk_and_yields_the_total_last() -> Non
 
 
 @given(
-    st.lists(
-        st.tuples(
-            st.sampled_from(
-                [
-                    "offload",
-                    "reload",
-                    "offload_params",
-                    "reload_optimizer",
-                    "offload_in_flight",
-                    "offload_cancelled",
-                ]
-            ),
-            st.sampled_from(
-                [
-                    *_FAULT_POINTS,
-                    "synchronize_event",
-                    "record_event",
-                    "new_timed_event",
-                    "event_seconds",
-                ]
-            ),
-            st.sets(st.integers(0, 12), min_size=1, max_size=3),
-        ),
-        min_size=1,
-        max_size=6,
+    fault_plans(
+        [
+            "offload",
+            "reload",
+            "offload_params",
+            "reload_optimizer",
+            "offload_in_flight",
+            "offload_cancelled",
+        ],
+        [*_FAULT_POINTS, "synchronize_event", "record_event", "new_timed_event", "event_seconds"],
     )
 )
 @settings(
