@@ -335,6 +335,25 @@ class KVTimed(hm.EngineAdapter):
                 self.woke.append(time.monotonic())
 
 
+class LandingTimed(FakeOffloader):
+    """An offloader that notes the time its copies landed, ``delay`` seconds after the call."""
+
+    def __init__(self, landed: list[float], lock: threading.Lock, delay: float = 0.0) -> None:
+        super().__init__([])
+        self.landed = landed
+        self.lock = lock
+        self.delay = delay
+
+    def offload(self, groups: Any = None, **kw: Any) -> Any:
+        time.sleep(self.delay)  # one rank slow to offload (the other waits at the barrier)
+        with self.lock:
+            self.landed.append(time.monotonic())
+
+    def start_offload(self, groups: Any = None, **kw: Any) -> Any:
+        # Under the weights (and the KV cache): it lands at offload_land(_late).
+        return OffloadInFlight(lambda: self.offload(), lambda: None)
+
+
 def run_ranks(switch_of: Callable[[Any], hm.HybridSwitch], ranks: Sequence[Any]) -> None:
     """Three cycles of ``switch_of(rank)``'s switch per rank, a thread each; re-raises."""
     failed: list[BaseException] = []
@@ -364,26 +383,16 @@ def test_ranks_never_wake_kv_before_every_rank_offloaded(fake_gpu: FakeTorch) ->
     times: dict[str, list[float]] = {"offload_done": [], "wake_kv": []}
     lock = threading.Lock()
 
-    class Slow(FakeOffloader):
-        def __init__(self, delay: float) -> None:
-            super().__init__([])
-            self.delay = delay
-
-        def offload(self, groups: Any = None, **kw: Any) -> Any:
-            time.sleep(self.delay)
-            with lock:
-                times["offload_done"].append(time.monotonic())
-
-        def start_offload(self, groups: Any = None, **kw: Any) -> Any:
-            # The weights under the copies: the offload is done at offload_land.
-            return OffloadInFlight(lambda: self.offload(), lambda: None)
-
     def switch_of(delay: float) -> hm.HybridSwitch:
         # Each rank without room for the KV cache beside its copies (decision 89 lets
         # a rank with room land after the KV wake: tests/test_switch_offload.py).
         engine = KVTimed(times["wake_kv"], lock)
         return hm.HybridSwitch(
-            engine, plain, Slow(delay), barrier=barrier.wait, kv_under_offload=False
+            engine,
+            plain,
+            LandingTimed(times["offload_done"], lock, delay),
+            barrier=barrier.wait,
+            kv_under_offload=False,
         )
 
     run_ranks(switch_of, (0.0, 0.05))

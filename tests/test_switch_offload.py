@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from tests.test_switch import (
     FakeOffloader,
     FakeVLLM,
     KVTimed,
+    LandingTimed,
     _no_wait,
     make,
     run_ranks,
@@ -44,9 +44,11 @@ def to_rollout_log(switch: hm.HybridSwitch, log: list[str]) -> list[str]:
     return list(log)
 
 
-def after_one_cycle(fake_gpu: FakeTorch) -> tuple[hm.HybridSwitch, list[str], FakeOffloader]:
-    """A switch (``make``'s), its log and its offloader, after one whole cycle (learned)."""
-    switch, log = make(fake_gpu)
+def after_one_cycle(
+    fake_gpu: FakeTorch, **kw: Any
+) -> tuple[hm.HybridSwitch, list[str], FakeOffloader]:
+    """A switch (``make``'s, with ``kw``), its log and offloader, after one whole cycle."""
+    switch, log = make(fake_gpu, **kw)
     switch.to_rollout()
     switch.to_trainer()
     offloader = switch.offloader
@@ -154,12 +156,15 @@ def test_a_failed_weight_sync_cancels_the_copies_and_frees_nothing(fake_gpu: Fak
 
 
 def test_a_failed_landing_reloads_what_was_offloaded(fake_gpu: FakeTorch) -> None:
-    switch, log, offloader = after_one_cycle(fake_gpu)
+    # offload_land's own failure: the KV cache not under the copies (since decision 89
+    # the default lands late; test_a_failed_late_landing_reloads_what_was_offloaded)
+    switch, log, offloader = after_one_cycle(fake_gpu, kv_under_offload=False)
     offloader.fail = "land"
     log.clear()
     with pytest.raises(Boom):
         switch.to_rollout()
-    assert "offload:landed" in log
+    assert log[: len(QUEUED)] == QUEUED
+    assert "wake:kv_cache" not in log  # the landing failed before the KV wake
     assert "offload:cancelled" not in log  # the flight ended at finish()
     assert log[-1] == "reload"  # recovery brought the state back
 
@@ -375,23 +380,15 @@ def test_ranks_wake_kv_only_where_each_gpu_has_room_or_landed(fake_gpu: FakeTorc
     times: dict[str, list[float]] = {"landed-0": [], "landed-1": [], "wake_kv": []}
     lock = threading.Lock()
 
-    class Landing(FakeOffloader):
-        def __init__(self, rank: int) -> None:
-            super().__init__([])
-            self.rank = rank
-
-        def offload(self, groups: Any = None, **kw: Any) -> Any:
-            with lock:
-                times[f"landed-{self.rank}"].append(time.monotonic())
-
-        def start_offload(self, groups: Any = None, **kw: Any) -> Any:
-            return OffloadInFlight(lambda: self.offload(), lambda: None)
-
     def switch_of(index: int) -> hm.HybridSwitch:
         # rank 1: no room for the KV cache beside its copies (as if: switched off)
         engine = KVTimed(times["wake_kv"], lock)
         return hm.HybridSwitch(
-            engine, plain, Landing(index), barrier=barrier.wait, kv_under_offload=index == 0
+            engine,
+            plain,
+            LandingTimed(times[f"landed-{index}"], lock),
+            barrier=barrier.wait,
+            kv_under_offload=index == 0,
         )
 
     run_ranks(switch_of, (0, 1))
