@@ -325,12 +325,9 @@ def test_hybridmems_offload_rate_is_its_copies_own_time(
     assert moved.sync_s == 0.01
 
 
-def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _cycle_fakes(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """torch.cuda's calls in ``_cycle`` made harmless; an engine that answers ``ok``."""
     import torch
-
-    from hybridmem.bench.strategies import Moved
 
     for name, value in (
         ("synchronize", None),
@@ -349,6 +346,16 @@ def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
         last_anatomy={},
     )
     engine.call = lambda *command: ("ok", 0, 0)
+    engine.read_handback = lambda: None
+    return engine
+
+
+def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hybridmem.bench.strategies import Moved
+
+    engine = _cycle_fakes(monkeypatch)
     read: list[str] = []
     engine.read_handback = lambda: read.append("hand-back")  # after the switch, untimed
 
@@ -371,6 +378,50 @@ def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
     assert got.engine_sleep_s == [0.125]
     assert read == ["hand-back"]
     assert got.handback[-1] == 0.999
+
+
+def test_the_training_steps_queued_work_is_waited_for_before_the_switch_is_timed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decision 91: the GPU's backlog of the step is drained, and counted apart."""
+    import torch
+
+    from hybridmem.bench.strategies import Moved
+
+    engine = _cycle_fakes(monkeypatch)
+    engine.last_missing = {"trainer_cached": 0}
+    now = [100.0]
+    calls: list[str] = []
+
+    def synchronize(*args: Any) -> None:
+        calls.append("synchronize")
+        if calls[-2:-1] == ["train"]:  # the step's kernels finish 0.5 s after its host part
+            now[0] += 0.5
+
+    def advance(seconds: float, name: str) -> Any:
+        def call(*args: Any) -> Moved:
+            calls.append(name)
+            now[0] += seconds
+            return Moved()
+
+        return call
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    strategy = SimpleNamespace(
+        train_scope=contextlib.nullcontext,
+        to_rollout=advance(0.25, "to_rollout"),
+        to_trainer=advance(0.125, "to_trainer"),
+    )
+    got = figures("hybridmem", to_rollout_s=[], to_trainer_s=[])
+    bench_run._cycle(0, tiny("torch"), strategy, engine, lambda: calls.append("train"), got)
+    assert got.errors == []
+    train = calls.index("train")
+    assert calls[train + 1 : train + 3] == ["synchronize", "to_rollout"]
+    assert got.train_drain_s == [pytest.approx(0.5)]
+    assert got.to_rollout_s == [pytest.approx(0.25)]  # the switch's own time only
+    assert got.to_trainer_s == [pytest.approx(0.125)]
+    assert got.summary()["train_drain_s"] == pytest.approx(0.5)
 
 
 def _client_on(fake: Any, conn_answers: dict[str, tuple[Any, ...]]) -> Any:

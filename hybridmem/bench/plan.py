@@ -282,6 +282,12 @@ class Figures:
     #: ceiling does not count them. Empty in results saved before.
     engine_wake_s: list[float] = field(default_factory=list)
     engine_sleep_s: list[float] = field(default_factory=list)
+    #: per cycle, the seconds the trainer's GPU took to finish the training step's
+    #: queued work once the host had queued it all: waited for before each switch to
+    #: rollout is timed, since no strategy can start its copies before that work
+    #: (decision 91). Before, that wait was inside the to-rollout seconds. Empty in
+    #: results saved before.
+    train_drain_s: list[float] = field(default_factory=list)
     #: what packing the engine's weights into one segment did at their last making
     #: (the ``hybridmem`` strategy: a ``SegmentReport`` of :func:`hybridmem.one_segment`
     #: as text); empty where nothing was packed, and in results saved before.
@@ -330,6 +336,7 @@ class Figures:
             "to_trainer_over_ceiling": _over(median(self.to_trainer_s), ceiling),
             "engine_wake_s": median(self.engine_wake_s),
             "engine_sleep_s": median(self.engine_sleep_s),
+            "train_drain_s": median(self.train_drain_s),
             # The switch less the engine's own calls, cycle by cycle: the part a
             # trainer-side strategy decides.
             "to_rollout_over_ceiling_engine_aside": _over(

@@ -86,6 +86,7 @@ TABLE_KEYS = (
     "engine_cached_after_sleep_mib",
     "engine_wake_s",
     "engine_sleep_s",
+    "train_drain_s",
 )
 
 
