@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from pathlib import Path
@@ -161,10 +162,15 @@ def test_a_stage_reads_memory_once_per_boundary_for_report_and_event(
         assert event.before["free"] == stage.free_before
         assert event.after["free"] == stage.free_after
         assert event.after["allocated"] == stage.allocated_after
-    # two readings per stage (start, end), shared by the report and the event; the
-    # phases and primitives inside the stages read for themselves
+    # One reading per stage boundary, shared by the report and the event: a stage
+    # opens on the reading that closed the one before it (decision 91), so each
+    # direction takes one more than it has stages; the phases and primitives inside
+    # the stages read for themselves.
+    for report in switch.reports:
+        for before, after in itertools.pairwise(report.stages):
+            assert after.before is before.after
     inner = [e for e in hm.get_timeline().events() if e.kind != "stage"]
-    assert len(readings) == 2 * len(stages) + 2 * len(inner)
+    assert len(readings) == len(stages) + len(switch.reports) + 2 * len(inner)
 
 
 ENV_CHECK = """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -108,6 +109,54 @@ def test_cpu_build_state_never_touches_cuda() -> None:
     _torch.empty_cache()
     _torch.ipc_collect()
     assert not _torch.cuda_initialized()
+
+
+def _nested_stats() -> dict[str, Any]:
+    """Counters shaped as torch's allocator reports them (torch 2.x)."""
+
+    def pools(current: int) -> dict[str, dict[str, int]]:
+        one = {"current": current, "peak": 2 * current, "allocated": 3 * current, "freed": 1}
+        return {"all": one, "small_pool": dict(one, current=1), "large_pool": dict(one, peak=7)}
+
+    return {
+        "allocated_bytes": pools(5 << 20),
+        "reserved_bytes": pools(8 << 20),
+        "active_bytes": pools(5 << 20),
+        "inactive_split_bytes": pools(1 << 20),
+        "requested_bytes": pools(4 << 20),
+        "segment": pools(3),
+        "oversize_allocations": {"current": 0, "peak": 1, "allocated": 2, "freed": 2},
+        "num_alloc_retries": 0,
+        "num_ooms": 1,
+        "max_split_size": -1,
+    }
+
+
+def test_memory_stats_read_as_torch_names_them_without_the_pool_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Torch's own flattening is the judge: every value it gives for all pools, the same."""
+    nested = _nested_stats()
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", lambda device: nested)
+    monkeypatch.setattr(_torch.device, "cuda_initialized", lambda: True)
+    theirs = dict(torch.cuda.memory_stats(0))
+    ours = _torch.memory_stats(0)
+    pools = {"small_pool", "large_pool"}
+    wanted = {k: v for k, v in theirs.items() if not pools & set(k.split("."))}
+    assert ours == wanted
+    assert ours["allocated_bytes.all.current"] == 5 << 20
+    assert ours["oversize_allocations.peak"] == 1
+    assert len(theirs) > len(ours)  # the pools' halves, left out
+
+
+def test_memory_stats_without_the_nested_reading_falls_back_to_torchs_flat_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(torch.cuda.memory, "memory_stats_as_nested_dict")
+    monkeypatch.setattr(_torch.device, "cuda_initialized", lambda: True)
+    flat = {"allocated_bytes.all.current": 3}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda index: flat)
+    assert _torch.memory_stats(0) == {"allocated_bytes.all.current": 3}
 
 
 def test_api_report_lists_every_guarded_api() -> None:

@@ -103,11 +103,48 @@ def ipc_collect() -> None:
         cast(Callable[[], None], torch.cuda.ipc_collect)()
 
 
+#: The per-pool halves of every counter, which nothing in hybridmem reads.
+_POOLS = frozenset({"small_pool", "large_pool"})
+
+
+def _stat_key(key: object) -> str:
+    # As torch.cuda.memory_stats names keys (a tuple key's parts joined by "_").
+    return "_".join(str(part) for part in key) if isinstance(key, tuple) else str(key)
+
+
+def _flatten(prefix: str, nested: dict[Any, Any], flat: dict[str, Any]) -> None:
+    for key, value in nested.items():
+        name = _stat_key(key)
+        if name in _POOLS:
+            continue
+        if isinstance(value, dict):
+            _flatten(f"{prefix}{name}.", value, flat)
+        else:
+            flat[prefix + name] = value
+
+
 def memory_stats(index: int) -> dict[str, Any]:
-    """Return the caching allocator's statistics for device ``index``."""
+    """Return the caching allocator's statistics for device ``index``, all pools together.
+
+    Keyed as ``torch.cuda.memory_stats`` keys them (``"allocated_bytes.all.current"``,
+    ``"num_alloc_retries"``), without the ``small_pool``/``large_pool`` split. Read from
+    ``torch.cuda.memory_stats_as_nested_dict`` (public in every torch this supports):
+    ``memory_stats`` flattens and sorts every counter of every pool in Python, and a
+    switch reads memory at each of its stages' boundaries (decision 91). Empty without
+    a CUDA context.
+
+    Example:
+        >>> memory_stats(0).get("allocated_bytes.all.current", 0) >= 0
+        True
+    """
     if not cuda_initialized():
         return {}
-    return dict(torch.cuda.memory_stats(index))
+    nested = getattr(torch.cuda.memory, "memory_stats_as_nested_dict", None)
+    if nested is None:  # not seen in torch 2.4-2.15; the flat reading says the same
+        return dict(torch.cuda.memory_stats(index))
+    flat: dict[str, Any] = {}
+    _flatten("", nested(index), flat)
+    return flat
 
 
 def mem_get_info(index: int) -> tuple[int, int]:

@@ -8,13 +8,13 @@ release -> [barrier] -> reload. Never old weights + new weights + KV cache at on
 with many ranks no rank wakes its KV cache until every GPU has room for it (its
 offload landed, or room beside the copies still running: ``switch_offload``).
 
-One class holds one state machine (what is offloaded, what is awake, which phases
-are entered); its parts live in modules of their own (issue #27): the stages as data,
-the calls and the state (``switch_parts``), the rank protocol (``switch_ranks``), the
-recovery (``switch_recovery``), the reload (``switch_reload``), mixed into
-:class:`HybridSwitch`. Here: the stage operations, the sans-IO direction
-(:meth:`HybridSwitch._direction`, a generator of calls) and the two thin drivers that
-run it (sync, and async with blocking calls in worker threads).
+Why this module is long: one class holds one state machine (what is offloaded, what
+is awake, which phases are entered); its parts live in modules of their own (issue
+#27): the stages as data, the calls and the state (``switch_parts``), the rank
+protocol (``switch_ranks``), the recovery (``switch_recovery``), the reload
+(``switch_reload``), mixed into :class:`HybridSwitch`. Here: the stage operations, the
+sans-IO direction (:meth:`HybridSwitch._direction`, a generator of calls) and the two
+thin drivers that run it (sync, and async with blocking calls in worker threads).
 
 Three operations still ask which driver runs them (``_exit_phase``, ``_release``,
 ``_confirm``): a phase is entered and left on the event loop's thread, because
@@ -354,10 +354,12 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         learns whether any rank failed; then every rank recovers together.
         """
         report = SwitchReport(direction, self.rank)
+        last: MemoryInfo | None = None  # the stage just closed: its reading opens the next
         for name, operation in self._stages(direction):
             if failure is not None and operation is not None:
                 continue  # a failed rank does no more work, but still meets every point
-            stage = self._start_stage(name)
+            stage = self._start_stage(name, last)
+            last = None
             try:
                 if operation is None:  # a sync point
                     statuses = yield Call(partial(self._exchange, name, failure), True, name)
@@ -368,7 +370,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
                 _timeline.end(stage.span, error=repr(exc))
                 failure = failure or Failure(name, exc)
                 continue
-            self._finish_stage(report, stage)
+            last = self._finish_stage(report, stage)
         try:
             statuses = yield Call(partial(self._exchange, f"{direction}:end", failure), True, "end")
             failure = failure or self._remote(cast("list[RankStatus]", statuses))
@@ -389,8 +391,9 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         self._heading = direction  # "adaptive": the gate compares like with like
         return [(name, None if op is None else getattr(self, op)) for name, op in STAGES[direction]]
 
-    def _start_stage(self, name: str) -> Stage:
-        info = self._memory()
+    def _start_stage(self, name: str, before: MemoryInfo | None = None) -> Stage:
+        # The last stage's closing reading, taken just now: nothing ran since (decision 91).
+        info = self._memory() if before is None else before
         if name == "sleep":  # free memory as high as the last sleep took it ends its wait
             self._enough = self._returns.mark(info, shared=self._shared_device)
         span = _timeline.begin(
@@ -403,13 +406,15 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         )
         return Stage(name, info, time.perf_counter(), time.time(), span)
 
-    def _finish_stage(self, report: SwitchReport, stage: Stage) -> None:
+    def _finish_stage(self, report: SwitchReport, stage: Stage) -> MemoryInfo:
+        """Close ``stage`` into ``report``; return its closing reading (the next one's opening)."""
         info = self._memory()
         if stage.name == "confirm":  # what this sleep gave back, for the next (decision 82)
             self._returns.learn(info)
         _timeline.end(stage.span, memory=info)
         seconds = time.perf_counter() - stage.clock
         report.stages.append(StageReport(stage.name, seconds, stage.before, info, stage.wall))
+        return info
 
     def _finish(self, report: SwitchReport) -> SwitchReport:
         if report.direction == "to_rollout":  # every rank's KV wake has returned
