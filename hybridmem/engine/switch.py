@@ -256,8 +256,6 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         entered.__exit__(*info)
         return None
 
-    _then = staticmethod(then_run)  # run a callable after an awaitable, or now
-
     def _wake(self, tag: str) -> Awaitable[Any] | None:
         # Counted as awake before the call: a failed wake may have taken memory.
         if tag == "weights":
@@ -308,7 +306,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         return None if self.sync_weights is None else self.sync_weights(self.engine)
 
     def _start_rollout(self) -> object:
-        return self._then(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
+        return then_run(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
 
     def _put_to_sleep(self) -> Awaitable[Any] | None:
         # ``_enough`` (decision 82) was read at this stage's start; ``reload_early`` left rollout
@@ -334,7 +332,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             self._await_room()
             return None
 
-        return self._then(self._exit_phase(), settle)  # sleep: releases (SGLang: waits)
+        return then_run(self._exit_phase(), settle)  # sleep: releases (SGLang: waits)
 
     def _wake_kv(self) -> Awaitable[Any] | None:
         return self._wake("kv_cache")

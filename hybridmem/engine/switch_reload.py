@@ -45,7 +45,7 @@ declared here for the type checker only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal
 
 from hybridmem import _torch
@@ -56,7 +56,7 @@ from hybridmem._log import info_once, logger
 from hybridmem.allocator.scopes import expandable_segments
 from hybridmem.engine.backends.registry import BackendProfile
 from hybridmem.engine.reports import SwitchReport
-from hybridmem.engine.switch_parts import SwitchState, in_thread
+from hybridmem.engine.switch_parts import SwitchState, in_thread, then_run
 from hybridmem.memory.offload import RELOAD_WAYS, Offloader, OffloadReport
 
 __all__ = [
@@ -190,9 +190,6 @@ class Reloading:
 
         def _exit_phase(self, exc: BaseException | None = None) -> Awaitable[None] | None: ...
 
-        @staticmethod
-        def _then(first: Awaitable[Any] | None, then: Callable[[], object]) -> Any: ...
-
     def _init_reload(self, reload_early: bool, reload_by: Literal["kernel", "copy_engine"]) -> None:
         """Check and keep the switch's ``reload_early`` and ``reload_by``."""
         self.reload_early = check_bool("reload_early", reload_early)
@@ -219,7 +216,7 @@ class Reloading:
             self._reload_before_sleep()
             return None
 
-        return self._then(self._exit_phase(), reload)  # rollout
+        return then_run(self._exit_phase(), reload)  # rollout
 
     def _reload_before_sleep(self) -> None:
         """Reload now if the device has room for it and a margin; else leave it for later.
