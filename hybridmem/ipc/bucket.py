@@ -30,13 +30,13 @@ import os
 import time
 import weakref
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from hybridmem import _torch
 from hybridmem._checks import check_number
+from hybridmem._closing import ClosesOnExit
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
@@ -81,7 +81,7 @@ __all__ = [
 ]  # BucketHandle: what .handle is
 
 
-class WeightBucket:
+class WeightBucket(ClosesOnExit):
     """A persistent staging buffer that ships named tensors to another process.
 
     Allocated once (``buffers`` buffers of ``nbytes``), exported once
@@ -505,17 +505,6 @@ class WeightBucket:
         self._held.release(unlink=True)
         if self._transport.on_device and _torch.cuda_initialized():
             release_cache(self._index, collect_garbage=False)
-
-    def __enter__(self) -> WeightBucket:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else self.transport

@@ -6,12 +6,12 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Generator, Mapping
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from hybridmem import _torch
+from hybridmem._closing import ClosesOnExit
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._errors import SyncError
 from hybridmem.ipc._wire import (
@@ -40,7 +40,7 @@ _END = object()
 _TYPED_LAYOUTS = 256
 
 
-class BucketReceiver:
+class BucketReceiver(ClosesOnExit):
     """The consumer's side of a :class:`WeightBucket`: opens it once, receives every sync.
 
     Args:
@@ -400,14 +400,3 @@ class BucketReceiver:
         _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
         self._stream = None
         self._held.release(unlink=False)  # the producer owns the names
-
-    def __enter__(self) -> BucketReceiver:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -15,12 +15,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from hybridmem._checks import check_bool
+from hybridmem._closing import ClosesOnExit
 from hybridmem._devices import DeviceArg
 from hybridmem._errors import SyncError
 from hybridmem._log import logger
@@ -111,7 +111,7 @@ def _concurrently(
     return result
 
 
-class TrainerLink:
+class TrainerLink(ClosesOnExit):
     """The trainer's end: one WeightBucket and the socket an engine connects to.
 
     Args:
@@ -307,14 +307,3 @@ class TrainerLink:
                 self._conn.close()
             self._conn = None
         self.bucket.close()
-
-    def __enter__(self) -> TrainerLink:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
