@@ -14,6 +14,10 @@ each method in the same run:
 - ``flattened``: every bucket flattened into a new buffer (``torch.cat``), exported,
   opened, copied, dropped, acknowledged (slime/SGLang's ``FlattenedTensorBucket``,
   512 MiB: slime's default);
+- ``one-copy`` (a probe of a design not built, issue #25 item 1): every tensor's handle
+  exported and opened once, then each sync one hand-off through the host and one copy
+  per tensor out of the trainer's own memory. Only sound while the trainer's tensors
+  stay where they were exported; it shows what a one-copy channel could reach;
 - ``verl``: verl's ``BucketedWeightSender``: one buffer allocated and exported per
   sync, filled bucket by bucket, the device synchronised and the engine answered
   before the next fill, then freed with ``ipc_collect`` and ``empty_cache`` (1 GiB:
@@ -184,6 +188,7 @@ def _consumer(conn: Connection) -> None:
     device = torch.cuda.current_device()
     out: dict[str, Any] = {}
     buffer: Any = None  # verl's buffer, opened once per sync
+    views: dict[str, Any] = {}  # the one-copy probe's tensors, opened once
 
     def take(name: str, source: Any, offset: int) -> None:
         target = out[name].view(-1).view(torch.uint8)
@@ -228,6 +233,21 @@ def _consumer(conn: Connection) -> None:
                 del tensor
             torch.cuda.synchronize()
             conn.send(("ack",))
+        elif kind == "one-copy-open":  # the probe: every handle opened once, kept
+            views = {
+                name: _torch.import_cuda_tensor(rebuild, args, device)
+                for name, (rebuild, args) in command[1]
+            }
+            conn.send(("ack",))
+        elif kind == "one-copy":  # each sync: one copy per tensor, out of the trainer's
+            for name, view in views.items():
+                out[name].copy_(view)
+            torch.cuda.synchronize()
+            conn.send(("ack",))
+        elif kind == "one-copy-close":
+            views = {}
+            gc.collect()
+            conn.send(("ack",))
         elif kind == "flat":  # slime: one flattened bucket, opened, copied out, dropped
             _, (rebuild, args), names = command
             flat = _torch.import_cuda_tensor(rebuild, args, device)
@@ -260,6 +280,22 @@ def _per_tensor(tensors: dict[str, Any], conn: Connection) -> None:
 
     conn.send(("per-tensor", [(n, _torch.export_cuda_tensor(t)) for n, t in tensors.items()]))
     assert conn.recv() == ("ack",)
+
+
+def _one_copy(tensors: dict[str, Any], conn: Connection, opened: list[bool]) -> None:
+    """The probe: handles exported once; each sync, the engine copies out of the tensors."""
+    import torch
+
+    from hybridmem import _torch
+
+    if not opened:
+        handles = [(n, _torch.export_cuda_tensor(t)) for n, t in tensors.items()]
+        conn.send(("one-copy-open", handles))
+        assert conn.recv() == ("ack",)
+        opened.append(True)
+    torch.cuda.current_stream().synchronize()  # the tensors are final before it reads
+    conn.send(("one-copy",))
+    assert conn.recv() == ("ack",)  # its copies finished: the tensors may change again
 
 
 def _flattened(tensors: dict[str, Any], groups: list[list[str]], conn: Connection) -> None:
@@ -330,6 +366,7 @@ def _runs(largest: int) -> list[tuple[str, int, int]]:
     # the host (it waits for its copies before acknowledging) instead of with events.
     runs += [("hybridmem-host-handoff", 0, 0)]
     runs += [("per-tensor", 0, 0), ("flattened", 512, 0), ("verl", verl_mib, 0)]
+    runs += [("one-copy", 0, 0)]  # the probe, last
     return runs
 
 
@@ -362,6 +399,9 @@ def _measure(
         sync = lambda: staging.send(tensors, conn)  # noqa: E731
     elif method == "per-tensor":
         sync = lambda: _per_tensor(tensors, conn)  # noqa: E731
+    elif method == "one-copy":
+        opened: list[bool] = []
+        sync = lambda: _one_copy(tensors, conn, opened)  # noqa: E731
     else:
         groups = _groups(tensors, bucket)
         if method == "flattened":
@@ -382,6 +422,9 @@ def _measure(
     free_after = torch.cuda.mem_get_info()[0]
     if staging is not None:
         staging.close()
+    if method == "one-copy":  # the engine lets go of the trainer's memory
+        conn.send(("one-copy-close",))
+        assert conn.recv() == ("ack",)
     return {
         "method": method,
         "bucket_mib": bucket_mib,
