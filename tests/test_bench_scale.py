@@ -255,6 +255,9 @@ def test_the_summary_puts_each_switch_against_the_ceiling_with_the_engines_calls
     assert row["to_rollout_over_ceiling"] == pytest.approx(1.2)
     assert row["to_rollout_over_ceiling_engine_aside"] == pytest.approx(1.1)  # 0.55 s each
     assert row["to_trainer_over_ceiling_engine_aside"] == pytest.approx(1.2)  # 0.6 s each
+    # Judged: the upper middle of all four (1.4x); the steady three's median beside it.
+    assert row["to_rollout_over_ceiling_steady"] == pytest.approx(1.2)  # 0.6, 0.7, 0.6
+    assert row["to_trainer_over_ceiling_steady"] == pytest.approx(1.6)  # 0.9, 0.8, 0.8
     saved_before = figures("hybridmem", moved_bytes=27 * 10**9).summary()  # no engine times
     assert saved_before["engine_wake_s"] is None
     assert saved_before["to_trainer_over_ceiling_engine_aside"] is None
@@ -278,6 +281,11 @@ def test_hybridmems_verdicts_and_the_table_give_the_engines_own_calls() -> None:
         "8 GiB to trainer: 1.30x the ceiling (target <= 1.1x): NOT met "
         "(1.05x with the engine's own calls aside)",
     ]
+    row.update(to_trainer_over_ceiling_steady=1.12)
+    assert scale_verdicts([size])[1] == (
+        "8 GiB to trainer: 1.30x the ceiling (target <= 1.1x): NOT met "
+        "(1.12x the steady cycles' median; 1.05x with the engine's own calls aside)"
+    )
     table = format_scale_table([size])
     assert "engine wake s" in table[1]
     assert table[1].endswith("engine sleep s")
