@@ -176,7 +176,7 @@ def test_the_reload_tail_is_sized_by_the_offloads_own_seconds() -> None:
     reports = [SwitchReport("to_rollout", 0, stages), SwitchReport("to_trainer", 0, window)]
     queued_only = tail_bytes(reports, 10 * GiB)  # the stage: 1 ms, as if the copies were free
     assert queued_only == 10 * GiB
-    assert tail_bytes(reports, 10 * GiB, offload_s=1.0) == int(10 * GiB * 0.5 * 0.1)  # the sleep
+    assert tail_bytes(reports, 10 * GiB, offload_s=1.0) == int(10 * GiB * 0.5 * 0.2)
 
 
 def test_weights_need_reads_the_last_switch_to_rollout() -> None:

@@ -60,7 +60,6 @@ from hybridmem.engine.switch_parts import SwitchState, in_thread, then_run
 from hybridmem.memory.offload import RELOAD_WAYS, Offloader, OffloadReport
 
 __all__ = [
-    "MAX_TAIL_STRETCH",
     "TAIL_SHARE",
     "TAIL_STAGES",
     "Reloading",
@@ -106,35 +105,22 @@ def _seconds(reports: list[SwitchReport], direction: str, stage: str) -> float |
 #: after one cycle (decision 81).
 TAIL_SHARE = 0.5
 
-#: The stage an early reload's tail runs through: the engine's sleep (decision 93).
-#: Not the ``confirm`` after it: its release synchronizes the device, so it waits for
-#: whatever of the tail is left, and a window that counted that wait would grow every
-#: time a sleep ran short, up to the longest sleep seen. Not the release after them
-#: either, whose first full garbage collection took 166-243 ms in the bench.
-TAIL_STAGES = ("sleep",)
-
-#: The most a tail is stretched for the copies made while it is queued (decision 93).
-MAX_TAIL_STRETCH = 3.0
+#: The stages an early reload's tail runs through: the engine's sleep and the wait for
+#: its memory (not the release after them, whose first full garbage collection took
+#: 166-243 ms in the bench and would size the next tail by it).
+TAIL_STAGES = ("sleep", "confirm")
 
 
-def tail_bytes(
-    reports: list[SwitchReport],
-    host_bytes: int,
-    offload_s: float | None = None,
-    queue_rate: float | None = None,
-) -> int:
+def tail_bytes(reports: list[SwitchReport], host_bytes: int, offload_s: float | None = None) -> int:
     """Bytes of an early reload to queue just before the engine sleeps (the tail).
 
     What the copy engines move in the last cycle's :data:`TAIL_STAGES` (the engine's
-    sleep) at :data:`TAIL_SHARE` of the last offload's rate (the same pool and bus, the
-    other way): ``host_bytes`` over ``offload_s`` (the Offloader's report: its copies'
-    own time, decision 90), else over the last ``offload`` stage. Plus what they move
-    while the tail is still being queued, before the sleep, at the full rate (decision
-    93): queueing allocates each storage before its copy, at ``queue_rate`` bytes per
-    second (the last tail's, None: not known yet), so a tail of T bytes leaves
-    ``T * (1 - rate / queue_rate)`` for the sleep. The rest (the head) goes first, and
-    the host waits for it: those copies run at the full rate while the engine still
-    holds its memory. 0 before any full cycle: all of it first, then the sleep.
+    sleep and the wait for its memory) at :data:`TAIL_SHARE` of the last offload's
+    rate (the same pool and bus, the other way): ``host_bytes`` over ``offload_s``
+    (the Offloader's report: its copies' own time, decision 90), else over the last
+    ``offload`` stage. The rest (the head) goes first, and the host waits for it: those
+    copies run at the full rate while the engine still holds its memory. 0 before any
+    full cycle: all of it first, then the sleep.
 
     Example:
         >>> tail_bytes([], 1 << 30)
@@ -146,11 +132,7 @@ def tail_bytes(
     offload = offload_s or _seconds(reports, "to_rollout", "offload")
     if not window or not offload or host_bytes <= 0:
         return 0
-    rate = host_bytes / offload
-    stretch = 1.0
-    if queue_rate is not None and queue_rate > rate:
-        stretch = min(MAX_TAIL_STRETCH, 1.0 / (1.0 - rate / queue_rate))
-    return min(host_bytes, int(rate * TAIL_SHARE * window * stretch))
+    return min(host_bytes, int(host_bytes / offload * TAIL_SHARE * window))
 
 
 def trainer_allocation(profile: BackendProfile) -> contextlib.AbstractContextManager[Any]:
@@ -218,7 +200,6 @@ class Reloading:
             )
         self.reload_by: Literal["kernel", "copy_engine"] = reload_by
         self._queued = False  # a reload queued before the sleep, not yet waited for
-        self._tail_rate: float | None = None  # bytes per second the last tail was queued at
         self._shared_device = False  # another rank's switch works on this GPU too
 
     def _reload_early(self) -> object:
@@ -263,22 +244,15 @@ class Reloading:
         # The copies' own time (decision 90): the report's wall time ran on to a
         # landing after the KV wake, and would size the tail too small.
         tail = tail_bytes(
-            self.reports,
-            total,
-            (last.copy_seconds or last.seconds) if last else None,
-            self._tail_rate,
+            self.reports, total, (last.copy_seconds or last.seconds) if last else None
         )
         try:
             with trainer_allocation(self.profile):  # where it trains (decision 85)
                 if tail < total:  # the host waits: no engine frees while these copies run
                     self.offloader.reload(by="copy_engine", max_bytes=total - tail)
                 if self.offloader.offloaded_groups:  # through the sleep, by copy engine too
-                    queued = self.offloader.reload(non_blocking=True, by="copy_engine")
+                    self.offloader.reload(non_blocking=True, by="copy_engine")
                     self._queued = True
-                    # How fast a tail is queued (its storages allocated as it goes): the
-                    # next tail is stretched by what its copies move meanwhile.
-                    if isinstance(queued, OffloadReport) and queued.seconds > 0:
-                        self._tail_rate = queued.nbytes / queued.seconds
         except OffloadError as exc:  # what was not reloaded is intact: after the sleep
             logger.info("HybridSwitch: early reload refused (%s); reloading after the sleep", exc)
             return
