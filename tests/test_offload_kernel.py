@@ -253,6 +253,10 @@ def _switch(fake: FakeTorch, **kw: Any) -> tuple[hm.HybridSwitch, list[str], lis
             calls.append(kwargs)
             return super().reload(groups, **kwargs)
 
+        def start_reload(self, groups: Any = None, **kwargs: Any) -> Any:
+            calls.append({"feed": True, **kwargs})
+            return super().start_reload(groups, **kwargs)
+
     switch = hm.HybridSwitch(
         hm.VLLMEngine(FakeVLLM(log, fake)),
         "vllm",
@@ -308,12 +312,10 @@ def test_an_early_reload_waits_for_a_head_and_queues_a_tail_for_the_sleep_by_cop
         pass
     # sized from the reports so far (cycle 1's two and cycle 2's to_rollout) and the pool
     assert quarter_tail == [(1, POOL), (3, POOL)]
-    # both parts by copy engine whatever reload_by says (decision 81)
-    assert calls == [
-        {"by": "copy_engine", "max_bytes": POOL - POOL // 4},
-        {"non_blocking": True, "by": "copy_engine"},
-    ]
-    assert log[-3:] == ["reload:head", "reload:queued", "sleep:1"]
+    # the head by copy engine whatever reload_by says (decision 81), then the feed
+    # (copy engine too), which the reload stage finishes the way it is told (decision 94)
+    assert calls == [{"by": "copy_engine", "max_bytes": POOL - POOL // 4}, {"feed": True}]
+    assert log[-4:] == ["reload:head", "reload:queued", "sleep:1", f"reload:finish:{by}"]
     stages = [s.name for s in switch.reports[-1].stages]
     assert stages[:2] == ["reload_early", "sleep"]  # the sleep's time is the engine's own
 
@@ -354,15 +356,12 @@ def test_a_refused_tail_leaves_the_rest_for_after_the_sleep(
     assert isinstance(offloader, FakeOffloader)
     with switch.rollout():
         pass
-    real = type(offloader).reload
 
-    def refuse_queued(self: FakeOffloader, groups: Any = None, **kw: Any) -> Any:
-        if kw.get("non_blocking"):
-            log.append("reload:refused")
-            raise hm.OffloadError("reload of optimizer failed (OutOfMemoryError: injected)")
-        return real(self, groups, **kw)
+    def refuse_feed(self: FakeOffloader, groups: Any = None, **kw: Any) -> Any:
+        log.append("reload:refused")
+        raise hm.OffloadError("reload feed could not allocate optimizer (OutOfMemoryError)")
 
-    type(offloader).reload = refuse_queued  # type: ignore[method-assign]
+    type(offloader).start_reload = refuse_feed  # type: ignore[method-assign]
     log.clear()
     with switch.rollout():
         pass
@@ -381,21 +380,34 @@ def _report(direction: str, **stages: float) -> SwitchReport:
     )
 
 
-def test_the_tail_is_the_last_sleep_and_confirm_at_the_last_offloads_rate() -> None:
+def test_the_tail_is_the_longest_recent_sleep_and_confirm_at_the_last_offloads_rate() -> None:
     out = _report("to_rollout", offload=0.5)
     back = _report("to_trainer", reload_early=9.0, sleep=0.04, confirm=0.02, release=0.3)
     window = 0.04 + 0.02  # not the head before it, nor the release (gc) after it
-    share = switch_reload.TAIL_SHARE
+    share, stretch = switch_reload.TAIL_SHARE, switch_reload.TAIL_STRETCH
     assert tail_bytes([], 1 << 30) == 0
     assert tail_bytes([out], 1 << 30) == 0  # no sleep timed yet
-    assert tail_bytes([out, back], 1 << 30) == int((1 << 30) / 0.5 * share * window)
+    assert tail_bytes([out, back], 1 << 30) == int((1 << 30) / 0.5 * share * window * stretch)
     assert tail_bytes([out, back], 0) == 0
     newer = _report("to_rollout", offload=0.25)
-    assert tail_bytes([out, back, newer], 1 << 30) == int((1 << 30) / 0.25 * share * window)
+    expected = int((1 << 30) / 0.25 * share * window * stretch)
+    assert tail_bytes([out, back, newer], 1 << 30) == expected
     long = _report("to_trainer", sleep=60.0)
     assert tail_bytes([out, long], 1 << 30) == 1 << 30  # never more than the pool
-    failed = _report("to_trainer")  # failed before its sleep stage
-    assert tail_bytes([out, back, failed], 1 << 30) == 0
+    failed = _report("to_trainer")  # failed before its sleep stage: the others still count
+    assert tail_bytes([out, back, failed], 1 << 30) == tail_bytes([out, back], 1 << 30)
+    assert tail_bytes([out, failed], 1 << 30) == 0
+
+
+def test_the_window_is_the_longest_of_the_last_three_cycles() -> None:
+    out = _report("to_rollout", offload=1.0)
+    sleeps = [0.09, 0.03, 0.05, 0.04]  # the oldest, 90 ms, is out of the window
+    cycles = [_report("to_trainer", sleep=s, confirm=0.0) for s in sleeps]
+    reports = [out, *cycles]
+    assert switch_reload.TAIL_CYCLES == 3
+    rate = (1 << 40) / 1.0
+    expected = int(rate * switch_reload.TAIL_SHARE * 0.05 * switch_reload.TAIL_STRETCH)
+    assert tail_bytes(reports, 1 << 40) == expected
 
 
 def test_a_reload_up_to_max_bytes_brings_back_whole_storages_in_order(

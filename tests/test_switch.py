@@ -103,6 +103,32 @@ class FakeOffloader(hm.Offloader):
             raise Boom("reload")
         self.left = max(0, self.left - kw["max_bytes"]) if head else 0
 
+    def start_reload(self, groups: Any = None, **kw: Any) -> Any:
+        """A feed through the sleep: its finish or stop logs what ended it."""
+        self.log.append("reload:queued")
+        if self.fail == "reload":
+            raise Boom("reload")
+        return FakeFeed(self)
+
+
+class FakeFeed:
+    """The fake Offloader's :class:`~hybridmem.memory.reload_feed.ReloadFeed`."""
+
+    def __init__(self, offloader: FakeOffloader) -> None:
+        self.offloader = offloader
+        self.pending = True
+
+    def finish(self, by: str = "kernel", **kw: Any) -> None:
+        self.offloader.log.append(f"reload:finish:{by}")
+        if self.offloader.fail == "finish":
+            raise Boom("finish")
+        self.offloader.left = 0
+        self.pending = False
+
+    def stop(self, **kw: Any) -> None:
+        self.offloader.log.append("reload:stopped")
+        self.pending = False
+
 
 def make(
     fake: FakeTorch, *, fail: str = "", backend: str = "vllm", **kw: Any

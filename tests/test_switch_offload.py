@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem.engine import phases
+from hybridmem.engine import phases, switch_reload
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.engine.switch_offload import WEIGHTS_MARGIN_BYTES, kv_need, weights_need
 from hybridmem.engine.switch_reload import tail_bytes
@@ -176,7 +176,8 @@ def test_the_reload_tail_is_sized_by_the_offloads_own_seconds() -> None:
     reports = [SwitchReport("to_rollout", 0, stages), SwitchReport("to_trainer", 0, window)]
     queued_only = tail_bytes(reports, 10 * GiB)  # the stage: 1 ms, as if the copies were free
     assert queued_only == 10 * GiB
-    assert tail_bytes(reports, 10 * GiB, offload_s=1.0) == int(10 * GiB * 0.5 * 0.2)
+    stretch = switch_reload.TAIL_STRETCH
+    assert tail_bytes(reports, 10 * GiB, offload_s=1.0) == int(10 * GiB * 0.5 * 0.2 * stretch)
 
 
 def test_weights_need_reads_the_last_switch_to_rollout() -> None:

@@ -17,19 +17,17 @@ from hybridmem.allocator.scopes import ExpandableSegments
 from hybridmem.engine.backends.registry import Step, get_backend
 from hybridmem.engine.switch_reload import early_margin, trainer_allocation
 from tests.conftest import FakeTorch
-from tests.test_switch import AsyncSGLang, FakeOffloader, FakeVLLM
+from tests.test_switch import AsyncSGLang, Boom, FakeOffloader, FakeVLLM
 
 GiB = 1 << 30
 
 
 class RefusingOffloader(FakeOffloader):
-    """Refuses a queued reload as the Offloader does (nothing reloaded, data intact)."""
+    """Refuses a feed as the Offloader does (what was not fed is intact and offloaded)."""
 
-    def reload(self, groups: Any = None, **kw: Any) -> Any:
-        if kw.get("non_blocking"):
-            self.log.append("reload:refused")
-            raise hm.OffloadError("reload of optimizer failed (OutOfMemoryError: injected)")
-        return super().reload(groups, **kw)
+    def start_reload(self, groups: Any = None, **kw: Any) -> Any:
+        self.log.append("reload:refused")
+        raise hm.OffloadError("reload feed could not allocate optimizer (OutOfMemoryError)")
 
 
 def switch_for(
@@ -60,11 +58,10 @@ def test_with_room_the_reload_is_queued_before_the_sleep_and_waited_for(
 ) -> None:
     switch, log = switch_for(fake_gpu, need=4 * GiB)
     cycle(switch)
-    assert log[-2:] == ["reload:queued", "sleep:1"]  # queued first, then the sleep
-    fake_gpu.events.clear()
+    # fed first, then the sleep; the reload stage finishes the feed (the rest by kernel)
+    assert log[-3:] == ["reload:queued", "sleep:1", "reload:finish:kernel"]
     cycle(switch)
     assert log.count("reload") == 0  # never a second, blocking reload
-    assert fake_gpu.events[-1] == "sync:0"  # the reload stage waited for the copies
     report = switch.reports[-1]
     assert [s.name for s in report.stages][-1] == "reload"
 
@@ -123,7 +120,7 @@ def test_the_async_driver_queues_it_too(
             pass
 
     asyncio.run(main())
-    assert log[-2:] == ["reload:queued", "release_memory_occupation"]
+    assert log[-3:] == ["reload:queued", "release_memory_occupation", "reload:finish:kernel"]
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])
@@ -142,8 +139,8 @@ def test_it_is_on_by_default(fake_gpu: FakeTorch) -> None:
     switch, log = switch_for(fake_gpu, need=GiB, reload_early=...)
     assert switch.reload_early is True
     cycle(switch)
-    assert log[-2:] == ["reload:queued", "sleep:1"]
-    assert "reload" not in log  # the queued one was waited for, never repeated
+    assert log[-3:] == ["reload:queued", "sleep:1", "reload:finish:kernel"]
+    assert "reload" not in log  # the feed was finished, never repeated
 
 
 def test_a_sleep_that_fails_after_queueing_never_skips_a_later_reload(
@@ -202,6 +199,10 @@ class ModeOffloader(FakeOffloader):
         self.log.append(f"mode:{self.fake.last}")
         return super().reload(groups, **kw)
 
+    def start_reload(self, groups: Any = None, **kw: Any) -> Any:
+        self.log.append(f"mode:{self.fake.last}")
+        return super().start_reload(groups, **kw)
+
 
 def mode_switch(fake: FakeTorch, need: int, backend: Any = "vllm") -> tuple[Any, list[str]]:
     log: list[str] = []
@@ -255,3 +256,35 @@ def test_trainer_allocation_reads_the_train_step() -> None:
     sglang = trainer_allocation(get_backend("sglang"))
     assert isinstance(sglang, ExpandableSegments)
     assert sglang.enabled is True
+
+
+def test_a_failed_sleep_stops_the_feed_before_recovery(fake_gpu: FakeTorch) -> None:
+    """Recovery stops a feed first: no thread copies while it decides what comes back."""
+    switch, log = switch_for(fake_gpu, need=GiB)
+    cycle(switch)  # one full cycle: the next reload is fed through the sleep
+    engine = switch.engine
+    assert isinstance(engine, hm.VLLMEngine)
+    fake_engine = engine.engine
+    assert isinstance(fake_engine, FakeVLLM)
+    fake_engine.fail = "sleep"
+    log.clear()
+    with pytest.raises(hm.HybridSwitchError, match="still offloaded"):
+        cycle(switch)
+    assert log.index("reload:queued") < log.index("reload:stopped")
+    assert "reload:finish:kernel" not in log
+    fake_engine.fail = ""
+    log.clear()
+    cycle(switch)  # the rest still comes back
+    assert log[-3:] == ["reload:queued", "sleep:1", "reload:finish:kernel"]
+
+
+def test_a_failed_finish_is_recovered_by_a_reload_after_the_sleep(fake_gpu: FakeTorch) -> None:
+    switch, log = switch_for(fake_gpu, need=GiB)
+    offloader = switch.offloader
+    assert isinstance(offloader, FakeOffloader)
+    offloader.fail = "finish"
+    with pytest.raises(Boom):
+        cycle(switch)
+    # the feed was ended by its failed finish; recovery reloads what it left
+    assert log[-2:] == ["reload:finish:kernel", "reload"]
+    assert offloader.left == 0

@@ -156,3 +156,8 @@ def wait_event(stream: Any, event: Any) -> None:
 def synchronize_event(event: Any) -> None:
     """Block the host until ``event``'s last record has completed."""
     event.synchronize()
+
+
+def query_event(event: Any) -> bool:
+    """Whether ``event``'s last record has completed, without waiting (all torch versions)."""
+    return bool(event.query())

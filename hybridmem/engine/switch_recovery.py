@@ -53,6 +53,8 @@ class Recovery:
 
         def _cancel_offload(self) -> None: ...
 
+        def _stop_feed(self) -> None: ...
+
     def _reload_need(self) -> int:
         if self.offloader is None or not self._state.offloaded:
             return 0
@@ -105,6 +107,10 @@ class Recovery:
             yield Call(self._cancel_offload, True, "recover:cancel")
         except Exception as error:
             problems.append(f"cancelling the offload in flight failed: {error!r}")
+        try:  # a reload fed through the sleep: keep what landed, the rest stays offloaded
+            yield Call(self._stop_feed, True, "recover:feed")
+        except Exception as error:
+            problems.append(f"stopping the reload feed failed: {error!r}")
         if state.weights or state.kv:
             try:
                 yield Call(self._sleep, False, "recover:sleep")

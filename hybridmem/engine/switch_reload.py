@@ -21,9 +21,12 @@ the copy engines slow down as the engine frees, during the sleep as after it (0.
 the pinned rate after a 60 GiB free and 0.53-0.64 during it; kernels 0.80-0.82,
 ``benchmarks/reload_by_kernel.py``). The early reload is by copy engine, in two parts,
 in its own stage ``reload_early`` before the sleep: a **head** the host waits for, at
-the full rate while the engine still holds its memory, then a **tail** queued just
-before the engine sleeps, sized to last through the last cycle's sleep and wait for
-free memory (:func:`tail_bytes`), so that those stages overlap the copy. Not by
+the full rate while the engine still holds its memory, then a **tail** fed to the
+copy engines a chunk at a time through the sleep and the wait for free memory
+(:func:`tail_bytes`, :meth:`~hybridmem.memory.offload.Offloader.start_reload`), so
+that those stages overlap the copy. The ``reload`` stage stops the feed and copies
+what is left by ``reload_by`` (decision 94: sleeps vary, and a tail queued in full
+could neither stop when a short sleep ended nor go on through a long one). Not by
 kernel: kernels top out at 0.82 of the pinned rate even with nothing freed, both ways
 at once ran slower than kernels alone (0.62-0.71), and a tail by kernel held the
 engine's sleep up (84-110 ms against 22-64 ms with the copy engines, in the bench at 8
@@ -48,7 +51,6 @@ import contextlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal
 
-from hybridmem import _torch
 from hybridmem._checks import check_bool
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
@@ -58,10 +60,13 @@ from hybridmem.engine.backends.registry import BackendProfile
 from hybridmem.engine.reports import SwitchReport
 from hybridmem.engine.switch_parts import SwitchState, in_thread, then_run
 from hybridmem.memory.offload import RELOAD_WAYS, Offloader, OffloadReport
+from hybridmem.memory.reload_feed import ReloadFeed
 
 __all__ = [
+    "TAIL_CYCLES",
     "TAIL_SHARE",
     "TAIL_STAGES",
+    "TAIL_STRETCH",
     "Reloading",
     "early_margin",
     "tail_bytes",
@@ -110,29 +115,52 @@ TAIL_SHARE = 0.5
 #: 166-243 ms in the bench and would size the next tail by it).
 TAIL_STAGES = ("sleep", "confirm")
 
+#: The cycles whose longest sleep sizes the tail, and the margin on it (decision 94).
+#: Fed a chunk at a time (:meth:`~hybridmem.memory.offload.Offloader.start_reload`), a
+#: tail that outlasts the sleep stops when the sleep ends and the rest goes by kernel,
+#: at 1/0.8 of its head time: a quarter more for each byte too many. One that ends
+#: early leaves the copy engines idle for the rest of the sleep, which costs each byte
+#: too few in full. Sleeps vary (38, 61, 54 ms in one run at 32 GiB), so the tail is
+#: sized for the longest of the last three, and a quarter more.
+TAIL_CYCLES = 3
+TAIL_STRETCH = 1.25
+
+
+def _window(reports: list[SwitchReport]) -> float:
+    """The longest :data:`TAIL_STAGES` time of the last :data:`TAIL_CYCLES` to-trainer switches."""
+    windows: list[float] = []
+    for report in reversed(reports):
+        if report.direction == "to_trainer":  # one that failed before a stage: 0 for it
+            names = {stage.name for stage in report.stages}
+            windows.append(sum(report.stage(s).seconds for s in TAIL_STAGES if s in names))
+            if len(windows) == TAIL_CYCLES:
+                break
+    return max(windows, default=0.0)
+
 
 def tail_bytes(reports: list[SwitchReport], host_bytes: int, offload_s: float | None = None) -> int:
-    """Bytes of an early reload to queue just before the engine sleeps (the tail).
+    """Bytes of an early reload to feed through the engine's sleep (the tail).
 
-    What the copy engines move in the last cycle's :data:`TAIL_STAGES` (the engine's
-    sleep and the wait for its memory) at :data:`TAIL_SHARE` of the last offload's
-    rate (the same pool and bus, the other way): ``host_bytes`` over ``offload_s``
-    (the Offloader's report: its copies' own time, decision 90), else over the last
-    ``offload`` stage. The rest (the head) goes first, and the host waits for it: those
-    copies run at the full rate while the engine still holds its memory. 0 before any
-    full cycle: all of it first, then the sleep.
+    What the copy engines move in the longest :data:`TAIL_STAGES` (the engine's sleep
+    and the wait for its memory) of the last :data:`TAIL_CYCLES` cycles, a
+    :data:`TAIL_STRETCH` more, at :data:`TAIL_SHARE` of the last offload's rate (the
+    same pool and bus, the other way): ``host_bytes`` over ``offload_s`` (the
+    Offloader's report: its copies' own time, decision 90), else over the last
+    ``offload`` stage. The rest (the head) goes first, and the host waits for it:
+    those copies run at the full rate while the engine still holds its memory. 0
+    before any full cycle: all of it first, then the sleep.
 
     Example:
         >>> tail_bytes([], 1 << 30)
         0
     """
-    window = sum(_seconds(reports, "to_trainer", stage) or 0.0 for stage in TAIL_STAGES)
+    window = _window(reports)
     # The offload's own seconds where known: with the weights under its copies
     # (decision 86) the ``offload`` stage only queues them.
     offload = offload_s or _seconds(reports, "to_rollout", "offload")
     if not window or not offload or host_bytes <= 0:
         return 0
-    return min(host_bytes, int(host_bytes / offload * TAIL_SHARE * window))
+    return min(host_bytes, int(host_bytes / offload * TAIL_SHARE * window * TAIL_STRETCH))
 
 
 def trainer_allocation(profile: BackendProfile) -> contextlib.AbstractContextManager[Any]:
@@ -199,7 +227,7 @@ class Reloading:
                 "reloads at about 1.7x the copy engines' rate right after the engine's sleep"
             )
         self.reload_by: Literal["kernel", "copy_engine"] = reload_by
-        self._queued = False  # a reload queued before the sleep, not yet waited for
+        self._feed: ReloadFeed | None = None  # fed through the sleep, not yet finished
         self._shared_device = False  # another rank's switch works on this GPU too
 
     def _reload_early(self) -> object:
@@ -221,11 +249,11 @@ class Reloading:
     def _reload_before_sleep(self) -> None:
         """Reload now if the device has room for it and a margin; else leave it for later.
 
-        The head by copy engine, waited for; the tail (:func:`tail_bytes`) queued by
-        copy engine too, for the ``reload`` stage to wait for. Nothing fails here for
-        want of room: without it, or if a part is refused (what was not reloaded is
-        intact in the host pool), the ``reload`` stage reloads the rest after the
-        engine's sleep as usual.
+        The head by copy engine, waited for; the tail (:func:`tail_bytes`) fed to the
+        copy engines through the sleep (:meth:`Offloader.start_reload`), for the
+        ``reload`` stage to finish. Nothing fails here for want of room: without it,
+        or if a part is refused (what was not reloaded is intact in the host pool),
+        the ``reload`` stage reloads the rest after the engine's sleep as usual.
         """
         if not self.reload_early or self.offloader is None or not self._state.offloaded:
             return
@@ -250,30 +278,34 @@ class Reloading:
             with trainer_allocation(self.profile):  # where it trains (decision 85)
                 if tail < total:  # the host waits: no engine frees while these copies run
                     self.offloader.reload(by="copy_engine", max_bytes=total - tail)
-                if self.offloader.offloaded_groups:  # through the sleep, by copy engine too
-                    self.offloader.reload(non_blocking=True, by="copy_engine")
-                    self._queued = True
+                if self.offloader.offloaded_groups:  # through the sleep, a chunk at a time
+                    self._feed = self.offloader.start_reload()
         except OffloadError as exc:  # what was not reloaded is intact: after the sleep
             logger.info("HybridSwitch: early reload refused (%s); reloading after the sleep", exc)
             return
-        self._state.offloaded = False
+        self._state.offloaded = self._feed is not None  # its rest: the reload stage's
         logger.debug(
             "HybridSwitch: %s reloaded before the engine's sleep (%s free): %s by copy "
-            "engine first, %s while it sleeps",
+            "engine first, %s fed through the sleep",
             fmt_bytes(need),
             fmt_bytes(free),
             fmt_bytes(total - tail),
             fmt_bytes(tail),
         )
 
+    def _stop_feed(self) -> None:
+        """Stop a feed still running (recovery): what it fed stays, the rest offloaded."""
+        feed, self._feed = self._feed, None
+        if feed is not None and feed.pending:
+            feed.stop()
+
     def _reload(self) -> None:
-        if self._queued:  # queued before the engine's sleep: wait for the copies to land
-            self._queued = False
-            index = self.device if self.device is not None else _torch.current_device()
-            if index is not None:
-                _torch.synchronize(index)
-        # Not ``else``: a switch that failed after queueing one leaves the flag, and
-        # what a later cycle offloaded must still come back.
+        feed, self._feed = self._feed, None
+        if feed is not None and feed.pending:  # fed through the sleep: the rest now
+            feed.finish(by=self.reload_by)
+            if self.offloader is not None and not self.offloader.offloaded_groups:
+                self._state.offloaded = False
+        # Not ``else``: what a feed did not cover (a later group) must still come back.
         if self.offloader is not None and self._state.offloaded:
             with trainer_allocation(self.profile):  # where it trains (decision 85)
                 self.offloader.reload(by=self.reload_by)

@@ -24,7 +24,6 @@ place) whose failure paths each undo the steps before; pool and slots live apart
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
@@ -53,12 +52,17 @@ from hybridmem.memory.offload_parts import (
     Slot,
     allocate,
     check_freeable,
+    check_refillable,
     check_reload_way,
+    collect_slots,
     drop_grads,
     first_slots,
     kernel_split,
     reload_need,
+    unallocate,
 )
+from hybridmem.memory.offload_walk import stream_to_host
+from hybridmem.memory.reload_feed import FEED_CHUNK_BYTES, ReloadFeed
 from hybridmem.memory.targets import (
     GROUPS,
     Group,
@@ -141,7 +145,8 @@ class Offloader:
         self._host = HostPool(pin_memory)
         self._stream: Any = None
         self._stream_device: torch.device | None = None
-        self._in_flight: OffloadInFlight | None = None  # start_offload's, until it ends
+        # start_offload's or start_reload's, until it ends
+        self._in_flight: OffloadInFlight | ReloadFeed | None = None
 
     @staticmethod
     def _parse_device(device: DeviceArg) -> torch.device | None:
@@ -169,7 +174,7 @@ class Offloader:
         The bytes offloaded, with each storage rounded as the caching allocator
         rounds it (512 B for small ones, 2 MiB blocks for large ones), plus one
         20 MiB block: what must be free before :meth:`reload` can fit. 0 when
-        nothing is offloaded.
+        nothing is offloaded. Storages a reload feed has allocated are not counted.
         """
         wanted = select_groups(groups)
         return reload_need([s for s in self._slots if s.group in wanted and s.offloaded])
@@ -193,23 +198,7 @@ class Offloader:
         return device_storages(self._targets, gradients=self.grads == "keep")
 
     def _collect(self) -> list[Slot]:
-        slots: list[Slot] = []
-        devices: dict[torch.device, str] = {}
-        for name, storage, group, device in self._storages():
-            devices.setdefault(device, name)
-            slots.append(Slot(storage, name, group))
-        if len(devices) > 1:
-            listed = ", ".join(f"{d} ({n})" for d, n in devices.items())
-            raise ValueError(
-                f"Offloader targets span several devices: {listed}. Use one Offloader per device."
-            )
-        if devices:
-            (found,) = devices
-            if self._device is not None and found != self._device:
-                raise ValueError(
-                    f"Offloader was made for {self._device}, but {devices[found]} is on {found}"
-                )
-            self._device = found
+        slots, self._device = collect_slots(self._storages(), self._device)
         return slots
 
     def _plan(self) -> None:
@@ -350,9 +339,13 @@ class Offloader:
     def _check_idle(self, call: str) -> None:
         """Refuse ``call`` while an offload started with :meth:`start_offload` is in flight."""
         if self._in_flight is not None and self._in_flight.pending:
+            started, ends = (
+                ("a reload", "finish() or stop() on what start_reload()")
+                if isinstance(self._in_flight, ReloadFeed)
+                else ("an offload", "finish() or cancel() on what start_offload()")
+            )
             raise RuntimeError(
-                f"Offloader.{call}() while an offload is in flight: call finish() or "
-                "cancel() on what start_offload() returned first"
+                f"Offloader.{call}() while {started} is in flight: call {ends} returned first"
             )
 
     def _restore(self, slots: Sequence[Slot]) -> None:
@@ -409,19 +402,12 @@ class Offloader:
                 (:meth:`start_offload`).
         """
         self._check_idle("reload")
-        wanted = select_groups(groups)
         check_bool("non_blocking", non_blocking)
         kernel_after = check_reload_way(by, copy_engine_first)
         start = time.perf_counter()
-        todo = first_slots([s for s in self._slots if s.group in wanted and s.offloaded], max_bytes)
+        todo = self._reload_todo(groups, max_bytes)
         if not todo:
             return self._report("reload", [], start)
-        for slot in todo:
-            if slot.storage.nbytes() != 0 and not slot.refill:
-                raise RuntimeError(
-                    f"{slot.name} was reallocated while offloaded ({slot.storage.nbytes()} bytes); "
-                    "refusing to overwrite it. Do not touch offloaded tensors before reload()."
-                )
         try:
             self._copy_back(todo, blocking=not non_blocking, kernel_after=kernel_after)
         except BaseException as exc:
@@ -440,36 +426,72 @@ class Offloader:
             slot.offloaded = False
         return self._report("reload", todo, start)
 
-    def _unallocate(self, slots: Sequence[Slot]) -> None:
-        """Free again the slots reallocated but not refilled, so a retry starts from freed.
+    def _reload_todo(self, groups: str | Iterable[str] | None, max_bytes: object) -> list[Slot]:
+        """The offloaded slots of ``groups`` a reload takes (``max_bytes``), checked."""
+        wanted = select_groups(groups)
+        todo = first_slots([s for s in self._slots if s.group in wanted and s.offloaded], max_bytes)
+        check_refillable(todo)
+        return todo
 
-        One that cannot be freed stays marked ``refill``: a retry fills it. It runs
-        while a failure is handled, and its callers raise an ``OffloadError`` saying
-        what stays offloaded right after; so nothing here may escape, an interrupt
-        included, or that error (and, in ``hm.compact``, the pool's only reference)
-        would be lost.
+    def start_reload(
+        self,
+        groups: str | Iterable[str] | None = None,
+        *,
+        max_bytes: int | None = None,
+        chunk_bytes: int = FEED_CHUNK_BYTES,
+    ) -> ReloadFeed:
+        """Reload by copy engine, a chunk at a time from a thread, until told to stop.
+
+        Allocates every storage here (this thread's allocator mode) while the first
+        copies run; a thread then keeps two chunks in flight (decision 94).
+
+        Args:
+            groups, max_bytes: as for :meth:`reload`.
+            chunk_bytes: bytes of copies between two of the feed's events.
+
+        Returns:
+            A :class:`~hybridmem.memory.reload_feed.ReloadFeed`: ``finish(by=)`` copies
+            the rest and waits, ``stop()`` leaves it offloaded. Until one of them, the
+            Offloader refuses every other call.
+
+        Raises:
+            OffloadError: an allocation failed: what was fed is reloaded, the rest
+                intact in the host pool and still offloaded.
+
+        Example:
+            >>> feed = off.start_reload()             # doctest: +SKIP
+            >>> engine.sleep(); feed.finish(by="kernel")
         """
-        with contextlib.suppress(BaseException):  # copies queued before the failure must land
-            _torch.synchronize_stream(self._stream)
-        for slot in slots:
-            if slot.refill:
-                with contextlib.suppress(BaseException):
-                    _torch.resize_storage(slot.storage, 0)
-                    slot.refill = False
-        with contextlib.suppress(BaseException):
-            _torch.empty_cache()  # give the partial allocations back to the driver
+        self._check_idle("start_reload")
+        start = time.perf_counter()
+        todo = self._reload_todo(groups, max_bytes)
+        if not todo or self._device is None:
+            return ReloadFeed.done(self._report("reload", [], start))
+        device = self._device
+        feed = ReloadFeed(
+            todo,
+            _torch.new_stream(device),
+            device,
+            copy=partial(self._host.copy_one, device=device, to_host=False),
+            rest=lambda slots, by: self._copy_back(
+                slots, blocking=True, kernel_after=check_reload_way(by, 0)
+            ),
+            unallocate=self._unallocate,
+            report=partial(self._report, "reload", start=start),
+            chunk_bytes=chunk_bytes,
+        )
+        feed.start()
+        self._in_flight = feed
+        return feed
+
+    def _unallocate(self, slots: Sequence[Slot]) -> None:
+        """Free again the slots reallocated but not refilled (:func:`.offload_parts.unallocate`)."""
+        unallocate(slots, self._stream)
 
     def _stream_to_host(
         self, wanted: list[Group], landing: Landing | None, clock: CopyClock
     ) -> tuple[list[Slot], Any] | None:
-        """Copy to the pool while walking the targets, if they still match the plan.
-
-        Every offload walks the targets (they may have changed since the last
-        one). When nothing is offloaded and the walk finds the planned storages in
-        the planned order, each copy is queued as soon as its storage is found, so
-        the walk overlaps with the transfers instead of preceding them. Any
-        difference stops the walk: the copies queued so far only wrote the pool,
-        and the caller plans again and copies everything.
+        """Copy to the pool while walking the targets (:func:`.offload_walk.stream_to_host`).
 
         Returns:
             ``(slots copied, side stream)``, or None (not planned yet, something
@@ -483,36 +505,17 @@ class Offloader:
         ):
             return None
         side = self._side_stream(self._device)
-        _torch.wait_stream(side, _torch.current_stream(self._device))
-        clock.start(side)
-        planned = iter(self._slots)
-        todo: list[Slot] = []
-        try:
-            with _torch.stream_scope(side):
-                for _, storage, group, _ in self._storages():
-                    slot = next(planned, None)
-                    if (
-                        slot is None
-                        or slot.key != _torch.storage_key(storage)
-                        or slot.group != group
-                        or slot.nbytes != storage.nbytes()
-                    ):
-                        break
-                    if group in wanted:
-                        self._host.copy_one(slot, self._device, to_host=True)
-                        todo.append(slot)
-                        if landing is not None:
-                            landing.copied(side, slot.nbytes)
-                else:
-                    if next(planned, None) is None:
-                        return (todo, side) if todo else None
-        except BaseException:
-            # Nothing is freed yet; the copies in flight only write the pool, and
-            # must land before anything may reuse or free it.
-            _torch.synchronize_stream(side)
-            raise
-        _torch.synchronize_stream(side)  # a re-plan may free the pool
-        return None
+        todo = stream_to_host(
+            self._slots,
+            self._storages(),
+            host=self._host,
+            device=self._device,
+            side=side,
+            wanted=wanted,
+            landing=landing,
+            clock=clock,
+        )
+        return None if todo is None else (todo, side)
 
     def _copy(
         self,

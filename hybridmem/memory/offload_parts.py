@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,11 +26,14 @@ __all__ = [
     "Slot",
     "allocate",
     "check_freeable",
+    "check_refillable",
     "check_reload_way",
+    "collect_slots",
     "drop_grads",
     "first_slots",
     "kernel_split",
     "reload_need",
+    "unallocate",
 ]
 
 # How the CUDA caching allocator rounds requests (c10/cuda/CUDACachingAllocator):
@@ -213,11 +216,78 @@ def check_freeable(slots: Sequence[Slot]) -> None:
             )
 
 
+def check_refillable(slots: Sequence[Slot]) -> None:
+    """Refuse to reload over a storage someone else reallocated while it was offloaded."""
+    for slot in slots:
+        if slot.storage.nbytes() != 0 and not slot.refill:
+            raise RuntimeError(
+                f"{slot.name} was reallocated while offloaded ({slot.storage.nbytes()} bytes); "
+                "refusing to overwrite it. Do not touch offloaded tensors before reload()."
+            )
+
+
 def allocate(slot: Slot) -> None:
     """Reallocate a freed storage, to be refilled (current stream)."""
     if slot.storage.nbytes() == 0:
         slot.refill = True  # before: a failing resize may have allocated already
         _torch.resize_storage(slot.storage, slot.nbytes)
+
+
+def collect_slots(
+    storages: Iterable[tuple[str, torch.UntypedStorage, Group, torch.device]],
+    device: torch.device | None,
+) -> tuple[list[Slot], torch.device | None]:
+    """One slot per storage of the walk, and the one device they are all on.
+
+    Args:
+        storages: the walk of an Offloader's targets.
+        device: the device the Offloader was made for (None: the targets').
+
+    Returns:
+        ``(slots, device)``: ``device`` as given, or the storages' where None.
+
+    Raises:
+        ValueError: the storages span several devices, or lie on another than ``device``.
+    """
+    slots: list[Slot] = []
+    devices: dict[torch.device, str] = {}
+    for name, storage, group, on in storages:
+        devices.setdefault(on, name)
+        slots.append(Slot(storage, name, group))
+    if len(devices) > 1:
+        listed = ", ".join(f"{d} ({n})" for d, n in devices.items())
+        raise ValueError(
+            f"Offloader targets span several devices: {listed}. Use one Offloader per device."
+        )
+    if devices:
+        (found,) = devices
+        if device is not None and found != device:
+            raise ValueError(f"Offloader was made for {device}, but {devices[found]} is on {found}")
+        device = found
+    return slots, device
+
+
+def unallocate(slots: Sequence[Slot], stream: Any) -> None:
+    """Free again the slots reallocated but not refilled, so a retry starts from freed.
+
+    One that cannot be freed stays marked ``refill``: a retry fills it. It runs while
+    a failure is handled, and its callers raise an ``OffloadError`` saying what stays
+    offloaded right after; so nothing here may escape, an interrupt included, or that
+    error (and, in ``hm.compact``, the pool's only reference) would be lost.
+
+    Args:
+        slots: the slots of the failed reload.
+        stream: where their copies were queued: those must land first.
+    """
+    with contextlib.suppress(BaseException):  # copies queued before the failure must land
+        _torch.synchronize_stream(stream)
+    for slot in slots:
+        if slot.refill:
+            with contextlib.suppress(BaseException):
+                _torch.resize_storage(slot.storage, 0)
+                slot.refill = False
+    with contextlib.suppress(BaseException):
+        _torch.empty_cache()  # give the partial allocations back to the driver
 
 
 def drop_grads(targets: Sequence[Target]) -> int:
@@ -244,10 +314,13 @@ def reload_need(slots: Sequence[Slot]) -> int:
     """Device memory reallocating ``slots`` needs, about (bytes; 0 for none).
 
     Each storage rounded as the caching allocator rounds it, plus one 20 MiB block
-    (:meth:`~hybridmem.memory.offload.Offloader.reload_bytes`).
+    (:meth:`~hybridmem.memory.offload.Offloader.reload_bytes`). Storages allocated
+    already, to be refilled (a reload feed's, decision 94), need nothing more.
     """
     total = 0
     for slot in slots:
+        if slot.refill and slot.storage.nbytes():  # a reload feed's, allocated already
+            continue
         unit = _SMALL_ROUND if slot.nbytes <= _SMALL_SIZE else _LARGE_ROUND
         total += -(-slot.nbytes // unit) * unit
     return total + _HEADROOM if total else 0

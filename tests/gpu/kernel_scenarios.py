@@ -108,8 +108,71 @@ def offload_by_kernel() -> dict[str, Any]:
     }
 
 
+def reload_feed() -> dict[str, Any]:
+    """Decision 94: a reload fed a chunk at a time, stopped early, through a peer's free."""
+    import time
+
+    torch.cuda.set_device(0)
+    state = _state()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for index in range(64):  # 4 GiB more in 64 MiB pieces: the feed has time to pace
+        state[f"piece{index}"] = torch.randint(
+            0, 255, (64 * MiB,), device="cuda", dtype=torch.uint8, generator=gen
+        )
+    reference = {k: v.cpu().clone() for k, v in state.items()}
+
+    def exact() -> bool:
+        return all(torch.equal(state[k].cpu(), reference[k]) for k in state)
+
+    off = hm.Offloader(list(state.values()))
+    parent, child = _ctx.Pipe()
+    peer = _ctx.Process(target=_peer, args=(child, 40 << 30))
+    peer.start()
+    facts: dict[str, Any] = {}
+    try:
+        off.offload()
+        total = off.host_bytes
+        started = time.perf_counter()
+        off.reload(by="copy_engine")
+        facts["plain_s"] = time.perf_counter() - started
+        # Stopped at once: what the caller fed while allocating, and one window.
+        off.offload()
+        feed = off.start_reload()
+        report = feed.stop()
+        facts["stopped_fed"] = report.nbytes
+        facts["stopped_left"] = off.reload_bytes() > 0 and bool(off.offloaded_groups)
+        off.reload()
+        facts["stopped_exact"] = exact()
+        # Fed through a peer's free (as an engine's sleep), the rest by kernel.
+        off.offload()
+        feed = off.start_reload()
+        parent.send("take")
+        assert parent.recv() == "freed"
+        fed = feed.fed_bytes
+        report = feed.finish(by="kernel")
+        facts["through_free_fed"] = fed
+        facts["through_free_all"] = report.nbytes == total and not off.offloaded_groups
+        facts["through_free_exact"] = exact()
+        # Left to run: every byte by copy engine, at about the plain reload's rate.
+        off.offload()
+        started = time.perf_counter()
+        feed = off.start_reload()
+        while feed.fed_bytes < total and time.perf_counter() - started < 10:
+            time.sleep(0.001)  # the thread feeds; the host only watches
+        feed.finish(by="kernel")
+        facts["fed_s"] = time.perf_counter() - started
+        facts["fed_exact"] = exact()
+        facts["total"] = total
+    finally:
+        parent.send("stop")
+        peer.join(timeout=60)
+    facts["peer_exit"] = peer.exitcode
+    return facts
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "offload_by_kernel": offload_by_kernel,
+    "reload_feed": reload_feed,
 }
 
 if __name__ == "__main__":

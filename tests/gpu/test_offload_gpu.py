@@ -111,6 +111,21 @@ def test_a_reload_by_kernel_is_exact_and_reads_the_pools_mapping() -> None:
     assert facts["peer_exit"] == 0
 
 
+def test_a_reload_feed_stops_early_and_keeps_every_bit() -> None:
+    """Decision 94: fed a chunk at a time; stopped, or finished by kernel after a free."""
+    facts = run_scenario("reload_feed", "tests.gpu.kernel_scenarios")
+    print(f"\nreload_feed: {facts}")
+    assert facts["stopped_exact"]
+    assert facts["stopped_left"]  # stopped at once: the rest stayed offloaded
+    assert facts["stopped_fed"] < facts["total"]
+    assert facts["through_free_all"]
+    assert facts["through_free_exact"]
+    assert facts["fed_exact"]
+    # Paced two chunks ahead, the copy engines still run at about a plain reload's rate.
+    assert facts["fed_s"] <= 1.5 * facts["plain_s"]
+    assert facts["peer_exit"] == 0
+
+
 def test_an_offload_releases_as_its_copies_land() -> None:
     """Decision 83: each 512 MiB is freed and released while the later copies run."""
     facts = run_scenario("offload_lands_by_chunks", "tests.gpu.landing_scenarios")
