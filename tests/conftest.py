@@ -307,3 +307,18 @@ def settings_of(text: str) -> dict[str, str]:
 def fresh_state() -> dict[str, object]:
     """torch's default settings (this torch's version, a CUDA build)."""
     return default_state(_torch.torch_version())
+
+
+@pytest.fixture
+def cpu_mapping(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pool's "device mapping" is the pool; each kernel copy's length is recorded."""
+    copies: list[int] = []
+    real = _torch.copy_by_kernel
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        copies.append(dst.numel())
+        real(dst, src)
+
+    monkeypatch.setattr(_torch, "host_device_view", lambda host, device: host)
+    monkeypatch.setattr(_torch, "copy_by_kernel", copy)
+    return copies

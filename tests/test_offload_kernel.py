@@ -31,21 +31,6 @@ from tests.test_offload import assert_bitwise_equal, make_model, offloaded_model
 from tests.test_switch import FakeOffloader, FakeVLLM
 
 
-@pytest.fixture
-def cpu_mapping(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The pool's "device mapping" is the pool; each kernel copy's length is recorded."""
-    copies: list[int] = []
-    real = _torch.copy_by_kernel
-
-    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-        copies.append(dst.numel())
-        real(dst, src)
-
-    monkeypatch.setattr(_torch, "host_device_view", lambda host, device: host)
-    monkeypatch.setattr(_torch, "copy_by_kernel", copy)
-    return copies
-
-
 def test_a_reload_by_kernel_copies_every_storage_bit_for_bit(cpu_mapping: list[int]) -> None:
     model, optimizer = make_model()
     before = snapshot(model, optimizer)

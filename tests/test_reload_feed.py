@@ -68,21 +68,6 @@ def paced(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> Paced:
     return pace
 
 
-@pytest.fixture
-def by_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Reloads by kernel copy on the CPU (the pool is its own mapping); each is counted."""
-    copies: list[int] = []
-    real = _torch.copy_by_kernel
-
-    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-        copies.append(dst.numel())
-        real(dst, src)
-
-    monkeypatch.setattr(_torch, "host_device_view", lambda host, device: host)
-    monkeypatch.setattr(_torch, "copy_by_kernel", copy)
-    return copies
-
-
 def start(off: hm.Offloader, pace: Paced | None = None, **kw: Any) -> ReloadFeed:
     """``off.start_reload(**kw)`` with one storage per chunk, its feed known to ``pace``."""
     kw.setdefault("chunk_bytes", 1)
@@ -141,7 +126,7 @@ def test_the_window_holds_two_chunks_while_the_caller_allocates(paced: Paced) ->
 
 
 def test_finish_copies_the_rest_by_kernel_beside_what_was_fed(
-    paced: Paced, by_kernel: list[int]
+    paced: Paced, cpu_mapping: list[int]
 ) -> None:
     model, optimizer, before, off = offloaded_model()
     paced.free = 3  # the thread feeds three more chunks, then holds
@@ -149,7 +134,7 @@ def test_finish_copies_the_rest_by_kernel_beside_what_was_fed(
     assert paced.holding.wait(BOUND_S)
     report = feed.finish(by="kernel")
     fed = FEED_DEPTH + paced.free
-    assert len(by_kernel) == len(off._slots) - fed  # the rest, by kernel
+    assert len(cpu_mapping) == len(off._slots) - fed  # the rest, by kernel
     assert report.tensors == len(off._slots)
     assert not off.offloaded_groups
     assert_bitwise_equal(before, snapshot(model, optimizer))
@@ -310,7 +295,7 @@ def test_a_bad_chunk_is_refused_before_anything_moves(
     end=st.sampled_from(["finish-kernel", "finish-copy", "stop"]),
 )
 def test_any_stop_point_and_chunk_keep_every_bit(
-    paced: Paced, by_kernel: list[int], free: int, chunk: int, end: str
+    paced: Paced, cpu_mapping: list[int], free: int, chunk: int, end: str
 ) -> None:
     model, optimizer, before, off = offloaded_model()
     paced.free, paced.waits = free, 0

@@ -208,7 +208,6 @@ class Reloading:
         offload_report: OffloadReport | None
         profile: BackendProfile
         offloader: Offloader | None
-        device: int | None
         reports: list[SwitchReport]
         _state: SwitchState
 

@@ -337,7 +337,7 @@ class Offloader:
         return self._in_flight
 
     def _check_idle(self, call: str) -> None:
-        """Refuse ``call`` while an offload started with :meth:`start_offload` is in flight."""
+        """Refuse ``call`` while a :meth:`start_offload` or :meth:`start_reload` is in flight."""
         if self._in_flight is not None and self._in_flight.pending:
             started, ends = (
                 ("a reload", "finish() or stop() on what start_reload()")
@@ -455,8 +455,8 @@ class Offloader:
             Offloader refuses every other call.
 
         Raises:
-            OffloadError: an allocation failed: what was fed is reloaded, the rest
-                intact in the host pool and still offloaded.
+            OffloadError: an allocation or a copy failed: what was fed is reloaded, the
+                rest intact in the host pool and still offloaded.
 
         Example:
             >>> feed = off.start_reload()             # doctest: +SKIP
