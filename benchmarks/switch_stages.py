@@ -10,6 +10,9 @@ seconds) to ``LOG``, and prints the summary and per-cycle seconds of each plan.
 of the offload's rate (``hybridmem.engine.switch_reload.TAIL_SHARE``); ``RELOAD_BY``
 sets ``HybridSwitch(reload_by=...)``; ``KV_UNDER=0`` sets
 ``HybridSwitch(kv_under_offload=False)`` (decision 89: the KV cache after the copies).
+``ROLLOUT_S=1`` waits that many seconds after each rollout's generation, before the
+switch to the trainer: the bench's own rollout lasts about 18 ms, where a real one
+lasts seconds (decision 94: does the head then run at the full rate?).
 
 Run on a GPU with torch_memory_saver installed: ``python benchmarks/switch_stages.py
 LOG 8 32 quick``.
@@ -22,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,19 @@ def main() -> int:
         options["reload_by"] = os.environ["RELOAD_BY"]
     if os.environ.get("KV_UNDER") == "0":
         options["kv_under_offload"] = False
+    if os.environ.get("ROLLOUT_S"):
+        from hybridmem.bench.engine import EngineClient
+
+        rollout_s = float(os.environ["ROLLOUT_S"])
+        real_call = EngineClient.call
+
+        def call(self: EngineClient, *command: Any) -> tuple[Any, ...]:
+            answer = real_call(self, *command)
+            if command[0] == "generate":
+                time.sleep(rollout_s)  # the rest of a rollout's length
+            return answer
+
+        setattr(EngineClient, "call", call)  # noqa: B010
     if options:
         made: Any = getattr(strategies, "HybridSwitch")  # noqa: B009 (not re-exported)
         setattr(strategies, "HybridSwitch", functools.partial(made, **options))  # noqa: B010
