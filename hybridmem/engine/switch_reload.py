@@ -117,11 +117,13 @@ TAIL_STAGES = ("sleep", "confirm")
 
 #: The cycles whose longest sleep sizes the tail, and the margin on it (decision 94).
 #: Fed a chunk at a time (:meth:`~hybridmem.memory.offload.Offloader.start_reload`), a
-#: tail that outlasts the sleep stops when the sleep ends and the rest goes by kernel,
-#: at 1/0.8 of its head time: a quarter more for each byte too many. One that ends
-#: early leaves the copy engines idle for the rest of the sleep, which costs each byte
-#: too few in full. Sleeps vary (38, 61, 54 ms in one run at 32 GiB), so the tail is
-#: sized for the longest of the last three, and a quarter more.
+#: tail that outlasts the sleep is stopped by the ``reload`` stage, which copies the
+#: rest by kernel at 1/0.8 of its head time: a quarter more for each byte too many.
+#: (Where the sleep phase's release synchronizes the device first, that wait lets the
+#: feed finish on the copy engines instead, at half rate: in the bench it mostly did.)
+#: One that ends early leaves the copy engines idle for the rest of the sleep, which
+#: costs each byte too few in full. Sleeps vary (38, 61, 54 ms in one run at 32 GiB),
+#: so the tail is sized for the longest of the last three, and a quarter more.
 TAIL_CYCLES = 3
 TAIL_STRETCH = 1.25
 
