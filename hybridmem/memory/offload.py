@@ -57,6 +57,7 @@ from hybridmem.memory.offload_parts import (
     collect_slots,
     drop_grads,
     first_slots,
+    groups_of,
     kernel_split,
     reload_need,
     unallocate,
@@ -413,9 +414,8 @@ class Offloader:
         except BaseException as exc:
             self._unallocate(todo)
             need = sum(s.nbytes for s in todo)
-            groups = sorted({s.group for s in todo}, key=GROUPS.index)
             raise OffloadError(
-                f"reload of {', '.join(groups)} failed ({type(exc).__name__}: "
+                f"reload of {', '.join(groups_of(todo))} failed ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}) with "
                 f"{fmt_bytes(need)} to bring back to {self._device}: nothing was reloaded, the "
                 "data is intact in the host pool and still offloaded; call reload() again "

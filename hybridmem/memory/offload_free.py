@@ -24,8 +24,7 @@ from typing import Any
 
 from hybridmem import _torch
 from hybridmem._errors import OffloadError
-from hybridmem.memory.offload_parts import OffloadReport, Slot
-from hybridmem.memory.targets import GROUPS
+from hybridmem.memory.offload_parts import OffloadReport, Slot, groups_of
 
 __all__ = ["LANDING_CHUNK_BYTES", "Landing", "OffloadInFlight", "free_as_landed", "free_slots"]
 
@@ -37,7 +36,7 @@ Slots = Callable[[Sequence[Slot]], None]
 
 
 def _listed(slots: Sequence[Slot]) -> str:
-    return ", ".join(sorted({s.group for s in slots}, key=GROUPS.index))
+    return ", ".join(groups_of(slots))
 
 
 def _stranded(what: str, freed: Sequence[Slot], again: BaseException) -> OffloadError:

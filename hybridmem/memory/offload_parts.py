@@ -31,6 +31,7 @@ __all__ = [
     "collect_slots",
     "drop_grads",
     "first_slots",
+    "groups_of",
     "kernel_split",
     "reload_need",
     "unallocate",
@@ -92,7 +93,7 @@ class OffloadReport:
         """The report of ``slots`` moved since ``start`` (a ``time.perf_counter()``)."""
         return cls(
             direction=direction,
-            groups=tuple(sorted({s.group for s in slots}, key=GROUPS.index)) if slots else (),
+            groups=groups_of(slots),
             nbytes=sum(s.nbytes for s in slots),
             tensors=len(slots),
             seconds=time.perf_counter() - start,
@@ -202,6 +203,11 @@ class Slot:
         # This Offloader reallocated the storage and has not filled it yet: a retry
         # may fill it, where a storage someone else reallocated is refused.
         self.refill = False
+
+
+def groups_of(slots: Sequence[Slot]) -> tuple[str, ...]:
+    """The groups ``slots`` belong to, each once, in :data:`~.targets.GROUPS` order."""
+    return tuple(sorted({slot.group for slot in slots}, key=GROUPS.index))
 
 
 def check_freeable(slots: Sequence[Slot]) -> None:

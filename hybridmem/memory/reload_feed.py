@@ -28,9 +28,9 @@ from typing import Any, Literal
 from hybridmem import _torch
 from hybridmem._checks import check_number
 from hybridmem._errors import OffloadError
+from hybridmem._format import first_line
 from hybridmem._log import logger
-from hybridmem.memory.offload_parts import OffloadReport, Slot, allocate
-from hybridmem.memory.targets import GROUPS
+from hybridmem.memory.offload_parts import OffloadReport, Slot, allocate, groups_of
 
 __all__ = ["FEED_CHUNK_BYTES", "FEED_DEPTH", "STOP_TIMEOUT_S", "ReloadFeed"]
 
@@ -46,10 +46,6 @@ FEED_DEPTH = 2
 #: thread, which waits for at most :data:`FEED_DEPTH` chunks of copies: far beyond
 #: that, the device is hung.
 STOP_TIMEOUT_S = 60.0
-
-
-def _listed(slots: Sequence[Slot]) -> str:
-    return ", ".join(sorted({s.group for s in slots}, key=GROUPS.index))
 
 
 class ReloadFeed:
@@ -158,11 +154,12 @@ class ReloadFeed:
         except BaseException as exc:
             self._end_after_failure()
             rest = self._slots[self._fed :]
+            listed = ", ".join(groups_of(rest))
             raise OffloadError(
                 f"reload feed failed at {rest[0].name} ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}): {self._fed} storages "
-                f"were reloaded; {len(rest)} of {_listed(rest)} are intact in the host pool "
-                "and still offloaded; call reload() once the device has room",
+                f"{first_line(exc)}): {self._fed} storages were reloaded; {len(rest)} of "
+                f"{listed} are intact in the host pool and still offloaded; call reload() "
+                "once the device has room",
                 offloaded=frozenset(s.group for s in rest),
             ) from exc
         self._thread = threading.Thread(target=self._run, name="hybridmem-reload-feed", daemon=True)
@@ -296,8 +293,9 @@ class ReloadFeed:
                 self._rest(rest, by)
         except BaseException as exc:
             self._end_after_failure()
+            listed = ", ".join(groups_of(rest))
             raise OffloadError(
-                f"reload of the rest of a feed ({len(rest)} storages of {_listed(rest)}) "
+                f"reload of the rest of a feed ({len(rest)} storages of {listed}) "
                 f"failed ({type(exc).__name__}): {self._fed} storages were reloaded; the rest "
                 "are intact in the host pool and still offloaded; call reload() again",
                 offloaded=frozenset(s.group for s in rest),
