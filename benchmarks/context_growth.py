@@ -63,6 +63,7 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     import hybridmem as hm
+    from hybridmem.bench.engine import BoundedConn
 
     if not torch.cuda.is_available():
         print("context_growth.py needs a CUDA GPU", file=sys.stderr)
@@ -128,17 +129,18 @@ def main() -> int:
     bucket = hm.WeightBucket(256 * MiB, fallback="raise")
     process = ctx.Process(target=_receiver, args=(child, bucket.handle))
     process.start()
-    _, engine_reserved[0] = parent.recv()
+    conn = BoundedConn(parent, process.pid)  # no answer waited for unbounded
+    _, engine_reserved[0] = conn.recv()
     step("7a. receiver process started (its own context)")
-    parent.send("sync")
-    bucket.send(model.state_dict(), parent)
-    _, _, engine_reserved[0] = parent.recv()
+    conn.send("sync")
+    bucket.send(model.state_dict(), conn)
+    _, _, engine_reserved[0] = conn.recv()
     step("7b. WeightBucket 256 MiB: first sync, receiver opened it")
-    parent.send("sync")
-    bucket.send(model.state_dict(), parent)
-    _, _, engine_reserved[0] = parent.recv()
+    conn.send("sync")
+    bucket.send(model.state_dict(), conn)
+    _, _, engine_reserved[0] = conn.recv()
     step("8. second sync (steady state)")
-    parent.send("stop")
+    conn.send("stop")
     process.join(timeout=60)
     engine_reserved[0] = 0
     step("9. receiver gone")

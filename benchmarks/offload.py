@@ -40,6 +40,10 @@ sys.path.insert(0, str(REPO))
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+#: The longest one child (a size and a method, its cycles) may take (seconds).
+CHILD_TIMEOUT_S = 1800.0
+
 METHODS = ("hybridmem", "to_cpu", "to_cpu_nb", "tms_pinned", "tms_mmap")
 
 
@@ -214,6 +218,7 @@ def main() -> int:
                 text=True,
                 check=False,
                 env=_child_env(method),
+                timeout=CHILD_TIMEOUT_S,  # a stuck child is an error, not a hang
             )
             if result.returncode != 0:
                 print(f"{size} GiB {method}: failed\n{result.stderr[-2000:]}", file=sys.stderr)

@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import mmap
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -46,57 +45,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hybridmem.bench.peers import MemoryPeer  # noqa: E402 (after the path)
+
 GiB = 1 << 30
-
-# The engine's stand-in: holds and frees device memory on command (stdin).
-PEER = """
-import sys, torch
-torch.zeros(1, device="cuda")
-print("ready", flush=True)
-held = None
-for line in sys.stdin:
-    if line.startswith("hold"):
-        held = torch.empty(int(line.split()[1]), dtype=torch.uint8, device="cuda")
-        held.fill_(1)
-        torch.cuda.synchronize()
-    elif line.startswith("free"):
-        held = None
-        torch.cuda.empty_cache()
-    print("done", flush=True)
-"""
-
-
-class Peer:
-    """The engine's stand-in process: ``hold(n)`` and ``free()``, each answered."""
-
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-        if self._answer() != "ready":
-            raise RuntimeError("the peer process did not start")
-
-    def _answer(self) -> str:
-        assert self.process.stdout is not None
-        return self.process.stdout.readline().strip()
-
-    def send(self, line: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(line + "\n")
-        self.process.stdin.flush()
-
-    def done(self) -> None:
-        if self._answer() != "done":
-            raise RuntimeError("the peer process did not answer")
-
-    def hold(self, nbytes: int) -> None:
-        self.send(f"hold {nbytes}")
-        self.done()
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
 
 
 def _mapped_pool(nbytes: int, huge: bool) -> tuple[Any, mmap.mmap]:
@@ -177,7 +128,7 @@ def _ways(source: Any, view: Any) -> dict[str, Callable[[Any], None]]:
 
 
 def _timed(
-    nbytes: int, way: Callable[[Any], None], peer: Peer, peer_bytes: int, situation: str
+    nbytes: int, way: Callable[[Any], None], peer: MemoryPeer, peer_bytes: int, situation: str
 ) -> tuple[float, Any]:
     """GB/s of one reload (allocation and copy) in ``situation``; returns it and the copy."""
     import torch
@@ -187,8 +138,7 @@ def _timed(
     hm.release_cache()
     if situation == "after":
         peer.hold(peer_bytes)
-        peer.send("free")
-        peer.done()
+        peer.free()
     elif situation == "during":
         peer.hold(peer_bytes)
     torch.cuda.synchronize()
@@ -200,7 +150,7 @@ def _timed(
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     if situation == "during":
-        peer.done()
+        peer.expect("done")
     return nbytes / seconds / 1e9, out
 
 
@@ -257,7 +207,7 @@ def main() -> int:
         pool.copy_(expected)
         sources[name] = pool
         keep.append(region)
-    peer = Peer()
+    peer = MemoryPeer()  # every answer awaited with a bound
     try:
         with hm.expandable_segments(True):  # as the trainer state's memory is
             for source_name, source in sources.items():

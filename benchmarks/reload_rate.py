@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import subprocess
 import sys
 import time
 import types
@@ -59,24 +58,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GiB = 1 << 30
+from hybridmem.bench.peers import MemoryPeer  # noqa: E402 (after the path)
 
-# The engine's stand-in: takes and frees device memory on command (stdin), so the
-# trainer's reload follows a release by another live process, as after a sleep.
-PEER = """
-import sys, torch
-torch.zeros(1, device="cuda")
-print("ready", flush=True)
-held = None
-for line in sys.stdin:
-    if line.startswith("take"):
-        held = torch.empty(int(line.split()[1]), dtype=torch.uint8, device="cuda")
-        held.fill_(1)
-        torch.cuda.synchronize()
-        held = None
-        torch.cuda.empty_cache()
-        print("done", flush=True)
-"""
+GiB = 1 << 30
 
 
 def _gbps(nbytes: int, copy: Callable[[], object]) -> float:
@@ -158,7 +142,7 @@ def _fresh_after_peer(
     copy: Callable[[], Any],
     host: Any,
     repeats: int,
-    peer: subprocess.Popen[str],
+    peer: MemoryPeer,
     peer_bytes: int,
 ) -> list[dict[str, Any]]:
     """``copy()`` (into memory it allocates) timed after a release and the peer's free.
@@ -173,21 +157,11 @@ def _fresh_after_peer(
     found = []
     for _ in range(repeats):
         hm.release_cache()
-        _peer_takes(peer, peer_bytes)
+        peer.take(peer_bytes)
         found.append({"gbps": _gbps(host.numel(), copy)})
     if not torch.equal(copy().view(torch.uint8).cpu(), host):  # every byte copied
         raise RuntimeError(f"{name}: the copy did not land bit for bit")
     return found
-
-
-def _peer_takes(peer: subprocess.Popen[str], nbytes: int) -> None:
-    """The peer takes ``nbytes``, writes them and frees them; returns once it has."""
-    assert peer.stdin is not None
-    assert peer.stdout is not None
-    peer.stdin.write(f"take {nbytes}\n")
-    peer.stdin.flush()
-    if peer.stdout.readline().strip() != "done":
-        raise RuntimeError("the peer process did not answer")
 
 
 def main() -> int:
@@ -221,14 +195,7 @@ def main() -> int:
     cases = [("cached", False, False, 0), ("released", True, False, 0)]
     cases += [("after-peer", True, True, 0)]
     cases += [(f"after-peer+{ms}ms", True, True, ms) for ms in args.waits]
-    peer = subprocess.Popen(
-        [sys.executable, "-c", PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert peer.stdin is not None
-    assert peer.stdout is not None
-    if peer.stdout.readline().strip() != "ready":
-        print("the peer process did not start", file=sys.stderr)
-        return 1
+    peer = MemoryPeer()  # the engine's stand-in: every answer awaited with a bound
     rows: dict[str, list[dict[str, Any]]] = {case[0]: [] for case in cases}
     registration_cost: dict[int, int] = {}  # cudaHostRegister flags -> device bytes
     try:
@@ -244,7 +211,7 @@ def main() -> int:
                     if release:
                         hm.release_cache()
                     if peer_frees:
-                        _peer_takes(peer, peer_bytes)
+                        peer.take(peer_bytes)
                         time.sleep(wait_ms / 1000)  # a benchmark's wait, on purpose
                     free_before = torch.cuda.mem_get_info()[0]
                     report = off.reload()
@@ -266,7 +233,7 @@ def main() -> int:
                 rows[name] = [{"gbps": _gbps(nbytes, copy)} for _ in range(3)]
             rows[f"{name}-after-peer"] = []
             for _ in range(args.repeats):
-                _peer_takes(peer, peer_bytes)
+                peer.take(peer_bytes)
                 rows[f"{name}-after-peer"].append({"gbps": _gbps(nbytes, copy)})
         # A reload's situation without the Offloader: memory mapped for the copy (timed
         # with it), after this process released its cache and the peer freed.
@@ -307,8 +274,7 @@ def main() -> int:
                 _cudart().cudaHostUnregister(pool.data_ptr())
                 del pool
     finally:
-        peer.stdin.close()
-        peer.wait(timeout=60)
+        peer.close()
     print(
         f"reload of {args.gib:g} GiB (expandable segments); pinned host-to-device into "
         f"mapped memory: {ceiling:.1f} GB/s"

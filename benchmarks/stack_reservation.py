@@ -83,6 +83,7 @@ def _probe(order: str, answers: Any) -> None:
 
     import hybridmem as hm
     from hybridmem import _torch
+    from hybridmem.bench.engine import BoundedConn
 
     steps: list[dict[str, Any]] = []
     engine = [0, 0]  # the receiver's reserved bytes, its stack limit
@@ -193,14 +194,15 @@ def _probe(order: str, answers: Any) -> None:
         step("WeightBucket.for_tensors (buffers allocated, exported)")
         process = ctx.Process(target=_receiver, args=(child, bucket.handle))
         process.start()
-        _, engine[0], engine[1] = parent.recv()
+        conn = BoundedConn(parent, process.pid)  # no answer waited for unbounded
+        _, engine[0], engine[1] = conn.recv()
         step("receiver process started")
 
         def engine_does(command: tuple[Any, ...], sync: bool = False) -> None:
-            parent.send(command)
+            conn.send(command)
             if sync:
-                bucket.send(model, parent)
-            _, engine[0], engine[1] = parent.recv()
+                bucket.send(model, conn)
+            _, engine[0], engine[1] = conn.recv()
 
         engine_does(("open",))
         step("receiver opened the bucket")
@@ -211,12 +213,12 @@ def _probe(order: str, answers: Any) -> None:
         engine_does(("receive-out",), sync=True)
         step("again")
         trim("trainer's stack limit set back")
-        parent.send(("trim", initial))
-        _, rc, seconds = parent.recv()
+        conn.send(("trim", initial))
+        _, rc, seconds = conn.recv()
         step("receiver's stack limit set back", rc=rc, seconds=seconds)
         engine_does(("receive-out",), sync=True)
         step("sync after both trims")
-        parent.send(("stop",))
+        conn.send(("stop",))
         process.join(timeout=60)
         engine[0] = 0
         bucket.close()

@@ -95,34 +95,36 @@ def _run(bucket: Any, model: dict[str, Any], syncs: int) -> tuple[float, list[An
     import torch.multiprocessing as mp
 
     import hybridmem.ipc.bucket as module
+    from hybridmem.bench.engine import BoundedConn
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     shapes = {n: (tuple(t.shape), t.dtype) for n, t in model.items()}
     process = ctx.Process(target=_receiver, args=(child, bucket.handle, shapes))
     process.start()
-    assert parent.recv() == ("ready",)
+    conn = BoundedConn(parent, process.pid)  # no answer waited for unbounded
+    assert conn.recv() == ("ready",)
     log: list[tuple[float, str]] = []
     if not getattr(module, "_traced", False):
         _instrument(module, log, "trainer")
         module._traced = True  # type: ignore[attr-defined]
         module._log = log  # type: ignore[attr-defined]
     log = module._log  # type: ignore[attr-defined]
-    parent.send(("sync", 2))
+    conn.send(("sync", 2))
     for _ in range(2):
-        bucket.send(model, parent)
-    parent.recv()
+        bucket.send(model, conn)
+    conn.recv()
     torch.cuda.synchronize()
     del log[:]
-    parent.send(("sync", syncs))
+    conn.send(("sync", syncs))
     started = time.perf_counter()
     for _ in range(syncs):
         log.append((time.perf_counter(), "trainer send() starts"))
-        bucket.send(model, parent)
+        bucket.send(model, conn)
         log.append((time.perf_counter(), "trainer send() returns"))
-    answer = parent.recv()
+    answer = conn.recv()
     seconds = (time.perf_counter() - started) / syncs
-    parent.send(("stop",))
+    conn.send(("stop",))
     process.join(timeout=60)
     return seconds, list(log), answer[1]
 

@@ -46,10 +46,13 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+if TYPE_CHECKING:
+    from hybridmem.bench.engine import BoundedConn
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -147,7 +150,7 @@ def _open_classic(export: Any) -> Any:
     return _torch.import_cuda_tensor(rebuild, args, torch.cuda.current_device())
 
 
-def _open_times(conn: Connection, count: int = 50) -> dict[str, float]:
+def _open_times(conn: BoundedConn, count: int = 50) -> dict[str, float]:
     """Median and first consumer-side open of one 256 MiB handle, fd and classic."""
     import torch
 
@@ -274,7 +277,7 @@ def _consumer(conn: Connection) -> None:
             conn.send(("ack",))
 
 
-def _per_tensor(tensors: dict[str, Any], conn: Connection) -> None:
+def _per_tensor(tensors: dict[str, Any], conn: BoundedConn) -> None:
     """vLLM's ``ipc`` backend / OpenRLHF: every tensor's own handle, exported every sync."""
     from hybridmem import _torch
 
@@ -282,7 +285,7 @@ def _per_tensor(tensors: dict[str, Any], conn: Connection) -> None:
     assert conn.recv() == ("ack",)
 
 
-def _one_copy(tensors: dict[str, Any], conn: Connection, opened: list[bool]) -> None:
+def _one_copy(tensors: dict[str, Any], conn: BoundedConn, opened: list[bool]) -> None:
     """The probe: handles exported once; each sync, the engine copies out of the tensors."""
     import torch
 
@@ -298,7 +301,7 @@ def _one_copy(tensors: dict[str, Any], conn: Connection, opened: list[bool]) -> 
     assert conn.recv() == ("ack",)  # its copies finished: the tensors may change again
 
 
-def _flattened(tensors: dict[str, Any], groups: list[list[str]], conn: Connection) -> None:
+def _flattened(tensors: dict[str, Any], groups: list[list[str]], conn: BoundedConn) -> None:
     """slime/SGLang's FlattenedTensorBucket: a new flat buffer per bucket, exported."""
     import torch
 
@@ -311,7 +314,7 @@ def _flattened(tensors: dict[str, Any], groups: list[list[str]], conn: Connectio
         del flat
 
 
-def _verl(tensors: dict[str, Any], groups: list[list[str]], bucket: int, conn: Connection) -> None:
+def _verl(tensors: dict[str, Any], groups: list[list[str]], bucket: int, conn: BoundedConn) -> None:
     """verl's BucketedWeightSender: one buffer per sync, filled and answered bucket by bucket."""
     import gc
 
@@ -339,7 +342,7 @@ def _verl(tensors: dict[str, Any], groups: list[list[str]], bucket: int, conn: C
     torch.cuda.empty_cache()
 
 
-def _handoff_ms(tensors: dict[str, Any], conn: Connection) -> float:
+def _handoff_ms(tensors: dict[str, Any], conn: BoundedConn) -> float:
     """One GPU hand-off between the processes: each side launches a tiny kernel, waits, tells."""
     import torch
 
@@ -376,7 +379,7 @@ def _measure(
     buffers: int,
     tensors: dict[str, Any],
     syncs: int,
-    conn: Connection,
+    conn: BoundedConn,
 ) -> dict[str, Any]:
     """Time ``syncs`` syncs of one method after WARMUP; return its row (seconds, growth)."""
     import torch
@@ -446,11 +449,13 @@ def main() -> None:
     import torch.multiprocessing as tmp
 
     from hybridmem import _torch
+    from hybridmem.bench.engine import BoundedConn
 
     ctx = tmp.get_context("spawn")
-    conn, child = ctx.Pipe()
+    pipe, child = ctx.Pipe()
     consumer = ctx.Process(target=_consumer, args=(child,))
     consumer.start()
+    conn = BoundedConn(pipe, consumer.pid, timeout=600.0)  # no answer waited for unbounded
     results: list[dict[str, Any]] = []
     opens: dict[str, float] = {}
     handoff_ms = 0.0

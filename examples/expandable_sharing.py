@@ -45,6 +45,16 @@ def rollout(conn: Connection, queue: Any) -> None:
     conn.send(("bucket", sorted(weights)))
 
 
+def reply(conn: Connection, timeout: float = 60.0) -> Any:
+    """The rollout's next message: an error, never a hang, if it is stuck or has died."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the rollout process sent nothing for {timeout:g} s")
+    try:
+        return conn.recv()
+    except EOFError:  # its end closed: it exited (its traceback is printed above)
+        raise RuntimeError("the rollout process exited before it answered") from None
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("expandable_sharing.py needs a CUDA GPU: nothing to do here")
@@ -54,27 +64,30 @@ def main() -> None:
     queue = ctx.Queue()
     consumer = ctx.Process(target=rollout, args=(child, queue), name="rollout")
     consumer.start()
+    child.close()  # the rollout's end is its own now: if it dies, reply() says so
     with hm.expandable_segments(True):  # the trainer's mode
         model = torch.nn.Linear(1024, 1024, device="cuda")
         torch.nn.init.ones_(model.weight)
         torch.nn.init.ones_(model.bias)
 
     conn.send(hm.ipc_export(model.weight.detach()))  # 1.
-    print("rollout read", conn.recv())
-    assert conn.recv() == "wrote"
+    print("rollout read", reply(conn))
+    assert reply(conn) == "wrote"
     torch.cuda.synchronize()
     print("trainer sees the rollout's write:", float(model.weight[0, 0]))
 
     with hm.ipc_fd_sharing():  # 2. queue.put pickles in a thread: keep the scope open
         queue.put(("bias", model.bias.detach()))
-        print("rollout read", conn.recv())
+        print("rollout read", reply(conn))
 
     with hm.WeightBucket(8 << 20, transport="fd") as bucket:  # 3.
         conn.send(bucket.handle)
         report = bucket.send(model.state_dict(), conn)
         print(report)
-        print("rollout got", conn.recv())
+        print("rollout got", reply(conn))
     consumer.join(timeout=60)
+    if consumer.exitcode != 0:
+        raise RuntimeError(f"the rollout process ended with exit code {consumer.exitcode}")
 
 
 if __name__ == "__main__":

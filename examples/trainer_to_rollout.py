@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -42,6 +43,16 @@ def rollout(conn: Connection) -> None:
             conn.send(float(sum(w.double().sum() for w in weights.values())))
 
 
+def reply(conn: Connection, timeout: float = 60.0) -> Any:
+    """The rollout's next message: an error, never a hang, if it is stuck or has died."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the rollout process sent nothing for {timeout:g} s")
+    try:
+        return conn.recv()
+    except EOFError:  # its end closed: it exited (its traceback is printed above)
+        raise RuntimeError("the rollout process exited before it answered") from None
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         print("trainer_to_rollout.py needs a CUDA GPU: nothing to do here")
@@ -50,6 +61,7 @@ def main() -> None:
     conn, child = ctx.Pipe()
     consumer = ctx.Process(target=rollout, args=(child,), name="rollout")
     consumer.start()
+    child.close()  # the rollout's end is its own now: if it dies, reply() says so
 
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -64,10 +76,12 @@ def main() -> None:
             conn.send("sync")
             report = bucket.send(model.state_dict(), conn)
             mine = float(sum(w.double().sum() for w in model.state_dict().values()))
-            theirs = conn.recv()
+            theirs = reply(conn)
             print(f"step {step}: loss {loss.item():.4f}; {report}; same weights: {mine == theirs}")
         conn.send("stop")
-    consumer.join()
+    consumer.join(timeout=60)
+    if consumer.exitcode != 0:
+        raise RuntimeError(f"the rollout process ended with exit code {consumer.exitcode}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from hybridmem.bench.outputs import (
     outputs_problem,
     report,
 )
+from hybridmem.bench.peers import run_child
 from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, choose_strategies, plan
 from hybridmem.bench.report import format_table, plot_results, verdicts
 from hybridmem.observe import timeline as _timeline
@@ -343,23 +343,30 @@ def child_run(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
     # slime's and AReaL's trainers run with torch_memory_saver's preload library; the
     # others without it, even when the bench itself was started preloaded.
     env = (preloaded if name == "tms" else not_preloaded)(os.environ)
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    assert process.stderr is not None
     tail: list[str] = []
-    for line in process.stderr:
+
+    def on_line(line: str) -> None:
+        nonlocal tail
         if line.startswith("progress "):
             _, done, total = line.split()
             sys.stderr.write(_bar(name, int(done), int(total)))
             sys.stderr.flush()
         else:
-            tail = [*tail[-20:], line]
-    out, _ = process.communicate()
+            tail = [*tail[-20:], line + "\n"]
+
+    # Both pipes read at once, and a child silent for CHILD_SILENCE_S killed: the
+    # bench never hangs on one strategy (a child stuck in a driver call, say).
+    child = run_child(command, env=env, on_line=on_line)
     sys.stderr.write("\n")
-    if process.returncode != 0:
+    if child.silent_s is not None:
+        stuck = f"no output for {child.silent_s:.0f} s: killed (stuck?)"
+        return {"summary": {"strategy": name, "errors": [stuck, "".join(tail[-5:]).strip()]}}
+    if child.returncode != 0:
         return {"summary": {"strategy": name, "errors": ["".join(tail[-5:]).strip()]}}
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    printed = child.stdout.strip().splitlines()
+    if not printed:
+        return {"summary": {"strategy": name, "errors": ["exited 0 but printed no figures"]}}
+    result: dict[str, Any] = json.loads(printed[-1])
     return result
 
 

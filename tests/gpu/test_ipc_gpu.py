@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.runner import run_scenario
+from tests.gpu.runner import run_alone, run_scenario
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -105,3 +106,13 @@ def test_bucket_faults_never_hang_and_odd_offsets_ship() -> None:
     assert facts["dying_exit"] == 3
     assert facts["next_sync_intact"]
     assert facts["next_exit"] == 0
+
+
+def test_the_weight_sync_example_runs_on_the_gpu() -> None:
+    """examples/trainer_to_rollout.py as the README shows it: three syncs, same weights,
+    and its waits on the rollout process bounded (tests/test_bounded_waits.py)."""
+    result = run_alone(str(REPO / "examples" / "trainer_to_rollout.py"))
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("same weights: True") == 3
+    assert "same weights: False" not in result.stdout
