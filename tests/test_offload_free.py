@@ -19,7 +19,7 @@ from hybridmem import _torch
 from hybridmem.memory import offload_free
 from hybridmem.memory.host_pool import HostPool
 from hybridmem.memory.offload_free import Landing
-from hybridmem.memory.offload_parts import CopyClock
+from hybridmem.memory.offload_parts import CopyClock, OffloadReport
 from tests.conftest import fail_resizes
 from tests.test_offload import (
     _FAULT_POINTS,
@@ -323,3 +323,14 @@ def test_injected_faults_never_lose_data_as_chunks_land(
     plan: list[tuple[str, str, set[int]]],
 ) -> None:
     run_fault_plan(monkeypatch, plan)
+
+
+@pytest.mark.parametrize(("copy_seconds", "expected"), [(0.05, 0.05), (None, 0.2), (0.0, 0.2)])
+def test_a_reports_rate_is_read_over_its_copies_own_time_where_measured(
+    copy_seconds: float | None, expected: float
+) -> None:
+    report = OffloadReport(
+        "offload", ("optimizer",), 1 << 30, 3, 0.2, 1 << 30, "cuda:0", 0, copy_seconds
+    )
+    assert report.copy_or_wall_seconds == expected
+    assert report.copy_gbps == pytest.approx((1 << 30) / expected / 1e9)

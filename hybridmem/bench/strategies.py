@@ -277,7 +277,7 @@ class Hybridmem(Strategy):
         # cache woke under them, and their report's wall time runs to their late landing.
         offloaded = self.switch.offload_report
         if offloaded is not None:
-            copy_s = offloaded.copy_seconds or offloaded.seconds
+            copy_s = offloaded.copy_or_wall_seconds
         else:
             copy_s = report.stage("offload").seconds
         nbytes = self.offloader.host_bytes

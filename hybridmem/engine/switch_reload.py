@@ -272,9 +272,7 @@ class Reloading:
         last = self.offload_report
         # The copies' own time (decision 90): the report's wall time ran on to a
         # landing after the KV wake, and would size the tail too small.
-        tail = tail_bytes(
-            self.reports, total, (last.copy_seconds or last.seconds) if last else None
-        )
+        tail = tail_bytes(self.reports, total, last.copy_or_wall_seconds if last else None)
         try:
             with trainer_allocation(self.profile):  # where it trains (decision 85)
                 if tail < total:  # the host waits: no engine frees while these copies run
