@@ -68,6 +68,22 @@ def test_a_peer_that_never_starts_is_an_error() -> None:
         LinePeer("import sys; sys.exit(7)", what="starter")
 
 
+def test_a_peer_that_never_says_ready_is_killed_not_left_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[LinePeer] = []
+    real_expect = LinePeer.expect
+
+    def expect(self: LinePeer, word: str) -> None:
+        made.append(self)
+        real_expect(self, word)
+
+    monkeypatch.setattr(LinePeer, "expect", expect)
+    with pytest.raises(PeerError, match=r"printed no answer for 0\.3 s"):
+        LinePeer("import time; time.sleep(600)", what="mute", timeout_s=0.3)
+    assert made[0].process.poll() is not None
+
+
 def test_a_peer_that_ignores_its_closed_input_is_killed_and_said_so() -> None:
     code = "import time\nprint('ready', flush=True)\ntime.sleep(600)\n"
     peer = LinePeer(code, what="sleeper", timeout_s=0.3)

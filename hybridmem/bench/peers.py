@@ -100,7 +100,12 @@ class LinePeer:
         self.process = subprocess.Popen(
             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
-        self.expect("ready")
+        try:
+            self.expect("ready")
+        except BaseException:  # not left running behind the error
+            self.process.kill()
+            self.process.wait()
+            raise
 
     def send(self, line: str) -> None:
         """Write ``line`` to the process; its answer is read by :meth:`expect`."""
