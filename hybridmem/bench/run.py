@@ -12,6 +12,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -343,16 +344,15 @@ def child_run(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
     # slime's and AReaL's trainers run with torch_memory_saver's preload library; the
     # others without it, even when the bench itself was started preloaded.
     env = (preloaded if name == "tms" else not_preloaded)(os.environ)
-    tail: list[str] = []
+    tail: deque[str] = deque(maxlen=5)  # its last lines: the error, where it fails
 
     def on_line(line: str) -> None:
-        nonlocal tail
         if line.startswith("progress "):
             _, done, total = line.split()
             sys.stderr.write(_bar(name, int(done), int(total)))
             sys.stderr.flush()
         else:
-            tail = [*tail[-20:], line + "\n"]
+            tail.append(line + "\n")
 
     # Both pipes read at once, and a child silent for CHILD_SILENCE_S killed: the
     # bench never hangs on one strategy (a child stuck in a driver call, say).
@@ -360,9 +360,9 @@ def child_run(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
     sys.stderr.write("\n")
     if child.silent_s is not None:
         stuck = f"no output for {child.silent_s:.0f} s: killed (stuck?)"
-        return {"summary": {"strategy": name, "errors": [stuck, "".join(tail[-5:]).strip()]}}
+        return {"summary": {"strategy": name, "errors": [stuck, "".join(tail).strip()]}}
     if child.returncode != 0:
-        return {"summary": {"strategy": name, "errors": ["".join(tail[-5:]).strip()]}}
+        return {"summary": {"strategy": name, "errors": ["".join(tail).strip()]}}
     printed = child.stdout.strip().splitlines()
     if not printed:
         return {"summary": {"strategy": name, "errors": ["exited 0 but printed no figures"]}}

@@ -67,6 +67,7 @@ from hybridmem.memory.reload_feed import FEED_CHUNK_BYTES, ReloadFeed
 from hybridmem.memory.targets import (
     GROUPS,
     Group,
+    StorageEntry,
     Target,
     device_storages,
     flatten,
@@ -194,7 +195,7 @@ class Offloader:
     # ------------------------------------------------------------------ #
     # Collection and planning
     # ------------------------------------------------------------------ #
-    def _storages(self) -> Iterator[tuple[str, torch.UntypedStorage, Group, torch.device]]:
+    def _storages(self) -> Iterator[StorageEntry]:
         """Each distinct device storage of the targets (:func:`~.targets.device_storages`)."""
         return device_storages(self._targets, gradients=self.grads == "keep")
 

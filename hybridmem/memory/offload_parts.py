@@ -17,7 +17,7 @@ from hybridmem import _torch
 from hybridmem._checks import check_number
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
-from hybridmem.memory.targets import GROUPS, Group, Target, flatten
+from hybridmem.memory.targets import GROUPS, Group, StorageEntry, Target, flatten
 
 __all__ = [
     "RELOAD_WAYS",
@@ -248,7 +248,7 @@ def allocate(slot: Slot) -> None:
 
 
 def collect_slots(
-    storages: Iterable[tuple[str, torch.UntypedStorage, Group, torch.device]],
+    storages: Iterable[StorageEntry],
     device: torch.device | None,
 ) -> tuple[list[Slot], torch.device | None]:
     """One slot per storage of the walk, and the one device they are all on.

@@ -17,11 +17,11 @@ from hybridmem import _torch
 from hybridmem.memory.host_pool import HostPool
 from hybridmem.memory.offload_free import Landing
 from hybridmem.memory.offload_parts import CopyClock, Slot
-from hybridmem.memory.targets import Group
+from hybridmem.memory.targets import Group, StorageEntry
 
 __all__ = ["stream_to_host"]
 
-Storages = Iterable[tuple[str, torch.UntypedStorage, Group, torch.device]]
+Storages = Iterable[StorageEntry]
 
 
 def stream_to_host(

@@ -21,6 +21,7 @@ from hybridmem import _torch
 __all__ = [
     "GROUPS",
     "Group",
+    "StorageEntry",
     "Target",
     "device_storages",
     "flatten",
@@ -29,6 +30,9 @@ __all__ = [
 ]
 
 Group = Literal["parameters", "buffers", "gradients", "optimizer", "tensors"]
+#: One storage of a walk (:func:`device_storages`): its name (the first that reaches it),
+#: the storage, its group and its device.
+StorageEntry = tuple[str, torch.UntypedStorage, Group, torch.device]
 #: The groups of state, in the order they are collected (a storage reached twice
 #: belongs to the first group that reaches it).
 GROUPS: tuple[Group, ...] = ("parameters", "buffers", "gradients", "optimizer", "tensors")
@@ -102,7 +106,7 @@ def device_storages(
     gradients: bool = True,
     who: str = "Offloader",
     action: str = "offload",
-) -> Iterator[tuple[str, torch.UntypedStorage, Group, torch.device]]:
+) -> Iterator[StorageEntry]:
     """Each distinct device storage of ``targets``, in a stable order.
 
     Views and tied weights share one storage, yielded once (under the first name
