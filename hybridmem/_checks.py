@@ -6,7 +6,22 @@ for a value out of range, naming the argument, the allowed values and the value.
 
 from __future__ import annotations
 
-__all__ = ["check_bool", "check_number"]
+import inspect
+import math
+import threading
+
+__all__ = [
+    "MAX_DEVICE_BYTES",
+    "check_bool",
+    "check_number",
+    "check_seconds",
+    "is_bare_decoration",
+    "refuse_bare_decoration",
+]
+
+#: The most device memory one argument may ask for: far above any device today (141 GB
+#: on an H200), low enough that a size never overflows a C integer on its way to torch.
+MAX_DEVICE_BYTES = 1 << 40
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -38,7 +53,7 @@ def check_number(
     """Return ``value`` if it is a number (an int with ``integer``) within bounds.
 
     ``True`` and ``False`` are refused: they are ints to Python, never a size or a
-    time to a user.
+    time to a user. NaN is refused too: it compares false with every bound.
 
     Args:
         name: the argument, as the user wrote it.
@@ -64,6 +79,8 @@ def check_number(
     kind = expected or ("an int" if integer else "a number")
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise wrong_type(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError(f"{name} must be {kind}, got nan")
     if expected is not None:
         low = (minimum is not None and value < minimum) or (above is not None and value <= above)
         if low or (maximum is not None and value > maximum):
@@ -79,3 +96,62 @@ def check_number(
     if above is not None and not value > above:
         raise ValueError(f"{name} must be > {above:g}, got {value}")
     return value
+
+
+def check_seconds(name: str, value: object, *, zero: bool = False) -> float:
+    """Return ``value`` as a timeout in seconds: finite, > 0 (>= 0 with ``zero``).
+
+    The upper bound is the longest wait the standard library can make
+    (``threading.TIMEOUT_MAX``), so a timeout never overflows where it is used.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: NaN, infinite, negative (or zero without ``zero``), or too long.
+
+    Example:
+        >>> check_seconds("timeout", 30)
+        30.0
+    """
+    expected = f"a number of seconds {'>= 0' if zero else '> 0'}"
+    if zero:
+        check_number(name, value, minimum=0, expected=expected)
+    else:
+        check_number(name, value, above=0, expected=expected)
+    if value > threading.TIMEOUT_MAX:  # type: ignore[operator]
+        raise ValueError(
+            f"{name} must be at most {threading.TIMEOUT_MAX:.0f} seconds (the longest wait "
+            f"Python can make), got {value!r}"
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def is_bare_decoration(value: object) -> bool:
+    """True for what a bare ``@decorator`` passes as its first argument.
+
+    That is a function, a method object or a class: what ``@hm.ipc_safe`` (no
+    parentheses) hands to ``ipc_safe``.
+
+    Example:
+        >>> is_bare_decoration(len), is_bare_decoration("rollout")
+        (True, False)
+    """
+    return inspect.isroutine(value) or isinstance(value, (type, staticmethod, classmethod))
+
+
+def refuse_bare_decoration(who: str, value: object, write: str) -> None:
+    """Raise a ``TypeError`` saying how to write ``@who`` if it was used bare.
+
+    Args:
+        who: the primitive (``"expandable_segments"``).
+        value: its first argument.
+        write: the decorator as it must be written (``"@hm.expandable_segments(False)"``).
+
+    Example:
+        >>> refuse_bare_decoration("phase", "rollout", '@hm.phase("rollout")')
+    """
+    if is_bare_decoration(value):
+        name = getattr(value, "__qualname__", None) or repr(value)
+        raise TypeError(
+            f"@hm.{who} needs an argument: it was given {name!r} to decorate, without its "
+            f"parentheses. Write {write}"
+        )

@@ -14,6 +14,7 @@ __all__ = ["DeviceArg", "device_index", "resolve_devices"]
 #: ``"cuda:N"``, a ``torch.device`` of type cuda, or ``"all"`` where allowed.
 DeviceArg: TypeAlias = int | str | torch.device | None
 
+_MAX_INDEX = 127  # torch's c10::DeviceIndex is an 8-bit integer
 _ALLOWED = "None (the current device), an int index, 'cuda', 'cuda:N' or torch.device('cuda', N)"
 _ONE = "one CUDA device: an int index, 'cuda:N' or torch.device('cuda', N)"
 
@@ -56,6 +57,10 @@ def _index_of(
     if index is not None:
         if index < 0:
             raise ValueError(f"device index must be >= 0, got {index}")
+        if index > _MAX_INDEX:
+            raise ValueError(
+                f"device index {index} is out of range: torch numbers devices 0 to {_MAX_INDEX}"
+            )
         count = _torch.device_count()
         if index >= count and not (count == 0 and without_cuda_ok):
             # Also without CUDA: a device that is named and not there is a mistake, not

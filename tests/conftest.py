@@ -277,6 +277,18 @@ def fake_gpu(fake: FakeTorch) -> FakeTorch:
     return fake
 
 
+#: What `training` puts in the env: expandable segments on, and settings of the user's own.
+TRAINING_ENV = "expandable_segments:True,max_split_size_mb:256,garbage_collection_threshold:0.6"
+
+
+@pytest.fixture
+def training(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
+    """A process that trains with expandable segments on, from the env."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", TRAINING_ENV)
+    _reset_state_for_tests()  # as if the process had started with it
+    return fake_gpu
+
+
 def treat_cpu_as_device() -> list[int]:
     """Make the seam treat CPU tensors as device tensors and record pinning (any process)."""
     pinned: list[int] = []

@@ -85,7 +85,7 @@ def test_register_and_replace() -> None:
 @pytest.mark.parametrize(
     ("build", "match"),
     [
-        (lambda: hm.BackendProfile("", "x", {}), "non-empty str name"),
+        (lambda: hm.BackendProfile("", "x", {}), "non-empty name"),
         (lambda: hm.BackendProfile("x", "x", {"decode": ()}), "unknown phase 'decode'; phases"),
         (lambda: hm.Step("s", "teleport", "enter"), "unknown action 'teleport'; known"),
         (lambda: hm.Step("s", "release_cache", "scope"), "needs when='enter' or 'exit'"),

@@ -278,10 +278,11 @@ def test_async_send_and_receive(
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"nbytes": 0}, ValueError, "nbytes must be >= 1"),
-        ({"nbytes": -5}, ValueError, "nbytes must be >= 1"),
-        ({"nbytes": True}, TypeError, "nbytes must be an int"),
-        ({"nbytes": 1.5}, TypeError, "nbytes must be an int"),
+        ({"nbytes": 0}, ValueError, "nbytes must be a whole number of bytes from 1 to 1 TiB"),
+        ({"nbytes": -5}, ValueError, "nbytes must be a whole number of bytes from 1 to 1 TiB"),
+        ({"nbytes": 2**70}, ValueError, "nbytes must be a whole number of bytes from 1 to 1 TiB"),
+        ({"nbytes": True}, TypeError, "nbytes must be a whole number of bytes"),
+        ({"nbytes": 1.5}, TypeError, "nbytes must be a whole number of bytes"),
         ({"nbytes": 4096, "buffers": 0}, ValueError, "buffers must be between 1 and 8"),
         ({"nbytes": 4096, "buffers": 9}, ValueError, "buffers must be between 1 and 8"),
         ({"nbytes": 4096, "fallback": "cpu"}, ValueError, "fallback must be one of"),

@@ -13,24 +13,13 @@ import torch
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem._platform import linux as _linux
-from hybridmem.allocator.scopes import _reset_state_for_tests
 from hybridmem.ipc import capabilities
 from hybridmem.ipc import shareable as ipc
 from tests.conftest import FakeTorch, patch_seam
 
-USER_ENV = "expandable_segments:True,max_split_size_mb:256,garbage_collection_threshold:0.6"
-
 
 def expandable_now() -> bool:
     return hm.allocator_state().expandable_segments
-
-
-@pytest.fixture
-def training(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
-    """A process that trains with expandable segments on, from the env."""
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
-    _reset_state_for_tests()  # as if the process had started with it
-    return fake_gpu
 
 
 # --------------------------------------------------------------------------- #
@@ -129,12 +118,12 @@ def test_ipc_safe_kill_switch(training: FakeTorch, monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("bad", ["never", "", "HOST"])
 def test_bad_fallback_value(bad: str) -> None:
     with pytest.raises(ValueError, match="'auto', 'host', 'raise'"):
-        hm.ipc_safe(fallback=bad)  # type: ignore[arg-type]
+        hm.ipc_safe(fallback=bad)  # type: ignore[call-overload]
 
 
 def test_bad_fallback_type() -> None:
     with pytest.raises(TypeError, match="fallback must be one of"):
-        hm.ipc_safe(fallback=None)  # type: ignore[arg-type]
+        hm.ipc_safe(fallback=None)  # type: ignore[call-overload]
 
 
 def test_async_backend_raise_leaves_allocator_alone(training: FakeTorch) -> None:

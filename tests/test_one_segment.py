@@ -65,7 +65,7 @@ def test_segment_bytes_counts_the_large_tensors_as_the_allocator_rounds_them() -
 @pytest.mark.parametrize(
     ("sizes", "error", "match"),
     [
-        (-1, ValueError, "byte count >= 0, got -1"),
+        (-1, ValueError, "byte count from 0 to 1 TiB, or tensors, got -1"),
         (True, TypeError, "got True"),
         (["w"], TypeError, "got a str"),
         ({"w": 3}, TypeError, "got a int"),

@@ -95,7 +95,9 @@ def test_overrides(fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_bad_overrides() -> None:
-    with pytest.raises(ValueError, match=r"unknown override\(s\) 'relase_cache'; this recipe"):
+    with pytest.raises(
+        ValueError, match=r"unknown override\(s\) 'relase_cache' \(did you mean 'release_cache'\?\)"
+    ):
         hm.phase("sleep", backend="vllm", relase_cache=False)
     with pytest.raises(TypeError, match="pass True, False or a dict"):
         hm.phase("sleep", backend="vllm", release_cache="yes")
@@ -294,7 +296,7 @@ def test_bad_step_arguments_fail_when_the_phase_is_made(
 
 
 def test_bad_wait_timeout() -> None:
-    with pytest.raises(ValueError, match="timeout_s must be a number >= 0"):
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds >= 0"):
         hm.phase("sleep", backend="sglang", await_free={"timeout_s": -1})
 
 
@@ -310,9 +312,9 @@ def test_a_phase_takes_what_release_cache_takes_and_refuses_what_it_refuses(
     assert "gc" not in fake_gpu.events
     with pytest.raises(TypeError, match=r"release_cache\.collect_garbage must be True, False or"):
         hm.phase("wake_up", backend="vllm", release_cache={"collect_garbage": "old"})
-    with pytest.raises(ValueError, match=r"timeout_s must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"timeout_s must be a number of seconds >= 0"):
         hm.phase("sleep", backend="sglang", await_free={"timeout_s": -1})
-    with pytest.raises(ValueError, match="timeout_s must be a number >= 0"):
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds >= 0"):
         phases.await_free(timeout_s=-1)  # the primitive refuses the same
 
 

@@ -451,7 +451,11 @@ def test_auto_barrier_without_distributed(trainer: FakeTorch) -> None:
         ({"offloader": "x"}, TypeError, "offloader must be an hm.Offloader"),
         ({"sync_weights": 3}, TypeError, "sync_weights must be callable"),
         ({"barrier": "always"}, TypeError, "barrier must be 'auto', None, a callable or a Rank"),
-        ({"confirm_timeout_s": -1}, ValueError, "confirm_timeout_s must be >= 0"),
+        (
+            {"confirm_timeout_s": -1},
+            ValueError,
+            "confirm_timeout_s must be a number of seconds >= 0",
+        ),
         ({"confirm_timeout_s": True}, TypeError, "confirm_timeout_s must be a number"),
     ],
 )

@@ -121,4 +121,4 @@ def test_a_recording_names_its_process(fake_gpu: FakeTorch, tmp_path: Path) -> N
     assert meta[0]["args"]["name"].startswith("engine (rank 0, pid ")
     assert chrome_trace([])["traceEvents"] == []
     with pytest.raises(TypeError, match="process must be a str or None"):
-        hm.record(process=5)  # type: ignore[arg-type]
+        hm.record(process=5)  # type: ignore[call-overload]

@@ -113,10 +113,36 @@ def _no_room_for_one_segment(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -
         pass
 
 
+def _enter_without_exit(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -> None:
+    class Half:
+        @hm.expandable_segments(False)
+        def __enter__(self) -> None:
+            pass
+
+
+def _enter_wrapped_again(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -> None:
+    def logged(method: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *args: method(*args)
+
+    class Manager:
+        @logged
+        @hm.expandable_segments(False)
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    with Manager():
+        pass
+
+
 # (file, function) of each call site -> what a user does that reaches it.
 TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("_env.py", "parse_flag"): _disable_flag,
     ("_scope/functions.py", "wrapper"): _generator_returned,
+    ("_scope/methods.py", "__set_name__"): _enter_without_exit,
+    ("_scope/methods.py", "__call__"): _enter_wrapped_again,
     ("allocator/state.py", "_parse_env"): _env_ignored,
     ("allocator/state.py", "_parse_env#2"): _env_misread,
     ("allocator/state.py", "_check_can_apply"): _no_setter,

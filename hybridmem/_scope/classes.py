@@ -27,24 +27,29 @@ __all__ = ["decorate_class"]
 # entry; (EXIT, ctx, type, value, traceback) its exit.
 _CALL, _ENTER, _EXIT = "call", "enter", "exit"
 _Protocol = Generator[tuple[Any, ...], Any, Any]
+# (entering method, exiting method, async), indexed by async.
+_PROTOCOLS = (("__enter__", "__exit__", False), ("__aenter__", "__aexit__", True))
 
 
-def decorate_class(scope: Scope, cls: type) -> type:
-    """Make ``scope`` span every ``with`` block of ``cls``'s instances (and its subclasses')."""
-    has_sync = callable(getattr(cls, "__enter__", None)) and callable(
-        getattr(cls, "__exit__", None)
-    )
-    has_async = callable(getattr(cls, "__aenter__", None)) and callable(
-        getattr(cls, "__aexit__", None)
-    )
-    if not (has_sync or has_async):
+def decorate_class(scope: Scope, cls: type, *, is_async: bool | None = None) -> type:
+    """Make ``scope`` span every ``with`` block of ``cls``'s instances (and its subclasses').
+
+    Args:
+        scope: the scope.
+        cls: a context-manager class.
+        is_async: None spans both protocols the class has; False only ``with``
+            blocks, True only ``async with`` blocks (a scope written on
+            ``__enter__`` or ``__aenter__``).
+    """
+    protocols = _PROTOCOLS if is_async is None else (_PROTOCOLS[is_async],)
+    if not any(_has(cls, enter, exit_) for enter, exit_, _ in protocols):
         raise TypeError(
             f"{scope!r} can decorate a class only if it is a context manager "
             f"(defines __enter__/__exit__ or __aenter__/__aexit__); {cls.__qualname__} "
             "is not. Decorate its methods instead."
         )
     stacks = _InstanceStacks()
-    _patch_level(scope, cls, stacks, force=True)
+    _patch_level(scope, cls, stacks, protocols, force=True)
     # A subclass that overrides __enter__/__exit__ (calling super() or not) is
     # wrapped too, so every `with` statement enters the scope exactly once.
     owner: Any = cls
@@ -55,20 +60,28 @@ def decorate_class(scope: Scope, cls: type) -> type:
             previous.__get__(None, sub)(**kwargs)
         else:
             super(owner, sub).__init_subclass__(**kwargs)
-        _patch_level(scope, sub, stacks, force=False)
+        _patch_level(scope, sub, stacks, protocols, force=False)
 
     owner.__init_subclass__ = classmethod(__init_subclass__)
     return cls
 
 
-def _patch_level(scope: Scope, cls: type, stacks: _InstanceStacks, *, force: bool) -> None:
+def _has(cls: type, enter: str, exit_: str) -> bool:
+    return callable(getattr(cls, enter, None)) and callable(getattr(cls, exit_, None))
+
+
+def _patch_level(
+    scope: Scope,
+    cls: type,
+    stacks: _InstanceStacks,
+    protocols: tuple[tuple[str, str, bool], ...],
+    *,
+    force: bool,
+) -> None:
     """Wrap the context-manager methods this class level defines (all, if ``force``)."""
     own = cls.__dict__
-    for enter, exit_, is_async in (
-        ("__enter__", "__exit__", False),
-        ("__aenter__", "__aexit__", True),
-    ):
-        if not (callable(getattr(cls, enter, None)) and callable(getattr(cls, exit_, None))):
+    for enter, exit_, is_async in protocols:
+        if not _has(cls, enter, exit_):
             continue
         for name, protocol in ((enter, _entering), (exit_, _exiting)):
             if force or name in own:

@@ -26,6 +26,7 @@ from hybridmem._scope.functions import (
     wrap_function,
     wrap_generator,
 )
+from hybridmem._scope.methods import SpanningEnter, is_class_body_enter
 
 __all__ = ["ScopedContext"]
 
@@ -84,6 +85,14 @@ class ScopedContext(abc.ABC):
     async def _aexit(self, token: object, exc: BaseException | None) -> None:
         """Async form of :meth:`_exit` (default: the sync one)."""
         self._exit(token, exc)
+
+    def _spans_with_block(self) -> bool:
+        """Whether ``@self`` on a class body's ``__enter__`` spans each ``with`` block.
+
+        True for a scope that holds a state the block needs (the default); False for
+        an action at one moment, which stays on the call it decorates.
+        """
+        return True
 
     def _recreate(self: _Self) -> _Self:
         """Return a fresh, unentered copy with the same arguments (one per decorated call)."""
@@ -169,27 +178,42 @@ class ScopedContext(abc.ABC):
         wrapped, and wrapped again the same way), and an object whose ``__call__``
         is ``async def`` (the scope spans the awaited body). A plain function that
         returns a coroutine (a sync wrapper of an ``async def``) gets the scope
-        around the awaited coroutine too.
+        around the awaited coroutine too. On a class body's ``__enter__`` or
+        ``__aenter__``, a scope that holds a state spans each ``with`` block, as on
+        the class (:mod:`hybridmem._scope.methods`).
         """
         if isinstance(target, type):
             return cast(_T, decorate_class(self, target))
-        if isinstance(target, (staticmethod, classmethod)):
-            # Wrapping the descriptor itself would turn it into a plain function,
-            # which a class then binds as an instance method.
-            return cast(_T, type(target)(self(target.__func__)))
-        if not inspect.isroutine(target) and is_async_callable(target):
-            return cast(_T, wrap_coroutine(self, cast(Callable[..., Awaitable[Any]], target)))
-        if not callable(target):
-            raise TypeError(
-                f"{self!r} decorates functions, coroutine functions, generator functions "
-                f"and context-manager classes; got {target!r} ({type(target).__name__}). "
-                "To scope a block, use it as `with ...:` instead."
-            )
-        fn = cast(Callable[..., Any], target)
-        if inspect.isasyncgenfunction(fn):
-            return cast(_T, wrap_async_generator(self, fn))
-        if inspect.isgeneratorfunction(fn):
-            return cast(_T, wrap_generator(self, fn))
-        if inspect.iscoroutinefunction(fn):
-            return cast(_T, wrap_coroutine(self, fn))
-        return cast(_T, wrap_function(self, fn))
+        if isinstance(target, SpanningEnter):
+            return cast(_T, target.with_scope(self, spans=self._spans_with_block()))
+        if is_class_body_enter(target):
+            # A sharding manager's __enter__: a state spans the `with` block it opens.
+            wrapped = cast(Callable[..., Any], target)
+            if self._spans_with_block():
+                return cast(_T, SpanningEnter(wrapped, (self,), _wrap_call))
+            return cast(_T, SpanningEnter(_wrap_call(self, wrapped), (), _wrap_call))
+        return _wrap_call(self, target)
+
+
+def _wrap_call(scope: ScopedContext, target: _T) -> _T:
+    """``scope`` around each call of ``target`` (a function, method object or callable)."""
+    if isinstance(target, (staticmethod, classmethod)):
+        # Wrapping the descriptor itself would turn it into a plain function,
+        # which a class then binds as an instance method.
+        return cast(_T, type(target)(scope(target.__func__)))
+    if not inspect.isroutine(target) and is_async_callable(target):
+        return cast(_T, wrap_coroutine(scope, cast(Callable[..., Awaitable[Any]], target)))
+    if not callable(target):
+        raise TypeError(
+            f"{scope!r} decorates functions, coroutine functions, generator functions "
+            f"and context-manager classes; got {target!r} ({type(target).__name__}). "
+            "To scope a block, use it as `with ...:` instead."
+        )
+    fn = cast(Callable[..., Any], target)
+    if inspect.isasyncgenfunction(fn):
+        return cast(_T, wrap_async_generator(scope, fn))
+    if inspect.isgeneratorfunction(fn):
+        return cast(_T, wrap_generator(scope, fn))
+    if inspect.iscoroutinefunction(fn):
+        return cast(_T, wrap_coroutine(scope, fn))
+    return cast(_T, wrap_function(scope, fn))

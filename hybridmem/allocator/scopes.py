@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hybridmem._checks import check_bool
+from hybridmem._checks import check_bool, refuse_bare_decoration
 from hybridmem._env import disabled
 from hybridmem._log import info_once, logger
 from hybridmem._scope import ScopedContext
@@ -72,6 +72,12 @@ class ExpandableSegments(AllocatorScope):
 
     def __init__(self, enabled: bool, *, release_cache: bool = True, force: bool = False) -> None:
         super().__init__()
+        refuse_bare_decoration(
+            "expandable_segments",
+            enabled,
+            "@hm.expandable_segments(False) (rollout: classic segments) or "
+            "@hm.expandable_segments(True) (training)",
+        )
         self.enabled = check_bool("enabled", enabled)
         self._release_cache = check_bool("release_cache", release_cache)
         self._force = check_bool("force", force)
@@ -137,7 +143,8 @@ def expandable_segments(
         An :class:`ExpandableSegments` context/decorator.
 
     Raises:
-        TypeError: an argument is not a bool.
+        TypeError: an argument is not a bool (``@hm.expandable_segments`` without
+            its parentheses says how to write it).
 
     Example:
         >>> with hm.expandable_segments(True):    # doctest: +SKIP
@@ -146,7 +153,7 @@ def expandable_segments(
     return ExpandableSegments(enabled, release_cache=release_cache, force=force)
 
 
-def allocator_settings(**settings: object) -> AllocatorSettings:
+def allocator_settings(*bare: object, **settings: object) -> AllocatorSettings:
     """Change any allocator settings for a block or call, keeping all the others.
 
     Values: bool for switches (``expandable_segments``, ``release_lock_on_cudamalloc``
@@ -173,12 +180,19 @@ def allocator_settings(**settings: object) -> AllocatorSettings:
         ValueError: unknown setting (the message lists the known ones), a key this
             torch lacks, a value it refuses (:class:`AllocatorSettingsError`, here
             or on entry), or ``backend`` (fixed at start-up).
-        TypeError: a value of the wrong type.
+        TypeError: a value of the wrong type, or a setting given by position.
 
     Example:
         >>> with hm.allocator_settings(max_split_size_mb=512, garbage_collection_threshold=0.8):
         ...     pass
     """
+    if bare:
+        write = "@hm.allocator_settings(max_split_size_mb=512), the settings by name"
+        refuse_bare_decoration("allocator_settings", bare[0], write)
+        raise TypeError(
+            f"allocator_settings takes settings by name only, got {bare[0]!r} by position; "
+            f"write {write[1:]}"
+        )
     return AllocatorSettings(**settings)
 
 

@@ -9,11 +9,18 @@ from dataclasses import replace
 from typing import Any, NamedTuple, cast
 
 from hybridmem import _torch
-from hybridmem._checks import check_bool, check_number
+from hybridmem._checks import check_bool, check_number, check_seconds, refuse_bare_decoration
 from hybridmem._log import logger
 from hybridmem._scope import ScopedContext
 from hybridmem.allocator import ExpandableSegments
-from hybridmem.engine.backends.registry import BackendProfile, Step, canonical_phase, get_backend
+from hybridmem.engine.backends.registry import (
+    BackendProfile,
+    Step,
+    canonical_phase,
+    check_step_args,
+    get_backend,
+    nearest,
+)
 from hybridmem.ipc.shareable import IpcSafe
 from hybridmem.memory.offload_parts import check_reload_way
 from hybridmem.memory.release import check_release_args, release_cache
@@ -104,7 +111,7 @@ async def await_free_async(device: int | None, timeout_s: float, enough: int | N
 
 def check_wait(timeout_s: object, enough: object = None) -> None:
     """Refuse what :func:`await_free` refuses (its own checker: a phase's step uses it too)."""
-    check_number("timeout_s", timeout_s, minimum=0, wrong_type=ValueError, expected="a number >= 0")
+    check_seconds("timeout_s", timeout_s, zero=True)
     if enough is not None:
         check_number("enough", enough, minimum=0, integer=True)
 
@@ -115,8 +122,9 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
     unknown = sorted(set(overrides) - set(names))
     if unknown:
         raise ValueError(
-            f"{where}: unknown override(s) {', '.join(map(repr, unknown))}; this recipe's steps "
-            f"are {', '.join(map(repr, names)) or 'none'} (pass False to switch one off, or a "
+            f"{where}: unknown override(s) {', '.join(map(repr, unknown))}"
+            f"{nearest(unknown[0], names)}; this recipe's steps are "
+            f"{', '.join(map(repr, names)) or 'none'} (pass False to switch one off, or a "
             "dict of its arguments)"
         )
     steps: list[Step] = []
@@ -130,6 +138,7 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
         if value is True:
             steps.append(step)
         elif isinstance(value, Mapping):
+            check_step_args(f"{where}: override {step.name}", step.action, value)
             steps.append(replace(step, args={**step.args, **value}))
         elif step.action in ("offload", "reload"):  # an Offloader, as a shorthand
             steps.append(replace(step, args={**step.args, "offloader": value}))
@@ -207,6 +216,10 @@ class _Prepared:
                 offloader.reload(args.get("groups"))
 
 
+# The phases a sharding manager's `with` block is (decorating its __enter__ spans it).
+_BLOCK_PHASES = ("train", "rollout")
+
+
 class _Entered(NamedTuple):
     """What entering a phase leaves for its exit: the scopes entered and the per-use options."""
 
@@ -239,6 +252,11 @@ class Phase(ScopedContext):
 
     def __repr__(self) -> str:
         return self._label
+
+    def _spans_with_block(self) -> bool:
+        # train and rollout are what a manager's `with` block is; wake_up, weight_sync
+        # and sleep are the work its __enter__ and __exit__ do.
+        return self.name in _BLOCK_PHASES
 
     def entering(
         self,
@@ -367,6 +385,9 @@ class PhaseUse(ScopedContext):
             f"enough_free={self.enough_free!r}{skipped})"
         )
 
+    def _spans_with_block(self) -> bool:
+        return self.phase._spans_with_block()
+
     def _enter(self) -> object:
         return self.phase._open(self.collect_garbage, self.enough_free, self.enter_releases)
 
@@ -411,4 +432,5 @@ def phase(name: str, backend: str | BackendProfile | None = None, **overrides: o
         ...     def __enter__(self): ...
         ...     def __exit__(self, *exc): ...
     """
+    refuse_bare_decoration("phase", name, '@hm.phase("rollout", backend="vllm"), the phase by name')
     return Phase(name, backend, overrides)

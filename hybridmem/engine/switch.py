@@ -34,7 +34,7 @@ from functools import partial
 from typing import Any, Literal, cast
 
 from hybridmem import _torch
-from hybridmem._checks import check_number
+from hybridmem._checks import check_seconds
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
 from hybridmem.engine import phases
@@ -190,7 +190,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
                 "barrier must be 'auto', None, a callable or a RankSync "
                 f"(hybridmem.engine.ranks), got {barrier!r}"
             )
-        check_number("confirm_timeout_s", confirm_timeout_s, minimum=0)
+        check_seconds("confirm_timeout_s", confirm_timeout_s, zero=True)
         self._init_reload(reload_early, reload_by)
         self._init_offloading(weights_under_offload, kv_under_offload)
         self.offloader = offloader

@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from hybridmem._checks import check_number
+from hybridmem._checks import check_seconds
 from hybridmem._errors import SyncError
 from hybridmem.ipc.transports.base import TransportName
 
@@ -176,9 +176,7 @@ def check_timeout(timeout: object) -> float | None:
     """Validate a ``timeout=`` argument: seconds > 0, or None to wait without bound."""
     if timeout is None:
         return None
-    return float(
-        check_number("timeout", timeout, above=0, expected="a number of seconds > 0, or None")
-    )
+    return check_seconds("timeout", timeout)
 
 
 class Peer:

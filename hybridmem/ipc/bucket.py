@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from hybridmem import _torch
-from hybridmem._checks import check_number
+from hybridmem._checks import MAX_DEVICE_BYTES, check_number
 from hybridmem._closing import ClosesOnExit
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
@@ -136,7 +136,18 @@ class WeightBucket(ClosesOnExit):
         buffers: int = 2,
         transport: TransportChoice = "auto",
     ) -> None:
-        size = align_up(int(check_number("nbytes", nbytes, integer=True, minimum=1)))
+        size = align_up(
+            int(
+                check_number(
+                    "nbytes",
+                    nbytes,
+                    integer=True,
+                    minimum=1,
+                    maximum=MAX_DEVICE_BYTES,
+                    expected="a whole number of bytes from 1 to 1 TiB per buffer",
+                )
+            )
+        )
         self._buffers_count = int(
             check_number("buffers", buffers, integer=True, minimum=1, maximum=MAX_BUFFERS)
         )
@@ -263,21 +274,42 @@ class WeightBucket(ClosesOnExit):
             The bucket (its :attr:`nbytes` and :attr:`buffers` say what was chosen).
 
         Raises:
-            TypeError: an item is not a ``(name, tensor)`` pair with a tensor.
+            TypeError: ``named_tensors`` is not a mapping or a list of
+                ``(name, tensor)`` pairs.
+            ValueError: it holds no tensors (nothing to size the bucket by).
 
         Example:
             >>> bucket = hm.WeightBucket.for_tensors(model.state_dict())  # doctest: +SKIP
             >>> conn.send(bucket.handle)
         """
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        how = "pass model.state_dict() or a list of its items()"
+        if isinstance(named_tensors, Mapping):
+            items = list(named_tensors.items())
+        elif isinstance(named_tensors, (list, tuple)):
+            items = list(named_tensors)
+        else:
+            raise TypeError(
+                "WeightBucket.for_tensors takes a mapping of names to tensors or a list of "
+                f"(name, tensor) pairs, got {type(named_tensors).__name__}: {how}"
+            )
         total = 0
-        for name, tensor in items:
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(
+                    f"WeightBucket.for_tensors takes (name, tensor) pairs, got {item!r}: {how}"
+                )
+            name, tensor = item
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(
                     f"WeightBucket.for_tensors takes (name, tensor) pairs; {name!r} is a "
-                    f"{type(tensor).__name__}: pass model.state_dict() or its items()"
+                    f"{type(tensor).__name__}: {how}"
                 )
             total += tensor.nbytes
+        if not items:
+            raise ValueError(
+                "WeightBucket.for_tensors got no tensors, so there is nothing to size the "
+                f"bucket by: {how}, or give WeightBucket(nbytes) its size"
+            )
         size, count = auto_size(total)
         return cls(
             size,

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from hybridmem import _torch
-from hybridmem._checks import check_number
+from hybridmem._checks import check_number, check_seconds
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
@@ -228,11 +228,11 @@ def ipc_export(
         ...     weight = torch.randn(1 << 26, device="cuda")
         >>> conn.send(hm.ipc_export(weight))            # consumer: conn.recv().open()
     """
-    _check_exportable(tensor)
-    if consumer_pid is not None:
-        check_number("consumer_pid", consumer_pid, integer=True, minimum=1)
+    if consumer_pid is not None:  # the arguments first: each error names its own
+        check_number("consumer_pid", consumer_pid, integer=True, minimum=1, maximum=2**31 - 1)
     if timeout is not None:
-        check_number("timeout", timeout, above=0, expected="seconds or None")
+        check_seconds("timeout", timeout)
+    _check_exportable(tensor)
     index = tensor.device.index if tensor.device.index is not None else 0
     meta: dict[str, Any] = {
         "dtype": tensor.dtype,

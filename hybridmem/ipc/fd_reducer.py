@@ -18,8 +18,9 @@ exit restores the reducers that were there before).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -28,6 +29,8 @@ from hybridmem._log import logger
 from hybridmem._platform.stdlib import forking_reducer
 from hybridmem._scope import ScopedContext
 from hybridmem.ipc.export import TensorHandle, ipc_export
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = ["IpcFdSharing", "ipc_fd_sharing", "rebuild_exported"]
 
@@ -105,7 +108,15 @@ class IpcFdSharing(ScopedContext):
                         ForkingPickler.register(cls, previous)
 
 
-def ipc_fd_sharing() -> IpcFdSharing:
+@overload
+def ipc_fd_sharing(func: _F, /) -> _F: ...
+
+
+@overload
+def ipc_fd_sharing(func: None = None, /) -> IpcFdSharing: ...
+
+
+def ipc_fd_sharing(func: Any = None, /) -> Any:
     """Send expandable-segment CUDA tensors through multiprocessing queues and pipes by fd.
 
     Inside, a CUDA tensor in an expandable segment that a ``torch.multiprocessing``
@@ -120,10 +131,13 @@ def ipc_fd_sharing() -> IpcFdSharing:
     ``put()``/``send()``.
 
     Scope: process-global, in the producer; re-entrant, thread-safe; context
-    manager and decorator in every form.
+    manager and decorator in every form, with or without parentheses.
+
+    Args:
+        func: what ``@hm.ipc_fd_sharing`` without parentheses decorates.
 
     Returns:
-        An :class:`IpcFdSharing` context/decorator.
+        An :class:`IpcFdSharing` context/decorator (``func`` decorated, when given).
 
     Example:
         >>> with hm.ipc_fd_sharing():                 # doctest: +SKIP
@@ -132,4 +146,5 @@ def ipc_fd_sharing() -> IpcFdSharing:
         ...     queue.put(weight)                     # consumer: queue.get() is the same memory
         ...     done.wait()
     """
-    return IpcFdSharing()
+    scope = IpcFdSharing()
+    return scope if func is None else scope(func)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -35,6 +37,7 @@ __all__ = [
     "ipc_shareable",
 ]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 _ptracer_lock = threading.Lock()
 _ptracer_set = False
 
@@ -61,7 +64,15 @@ class IpcSafe(AllocatorScope):
         return super()._enter()
 
 
-def ipc_safe(*, fallback: Fallback = "auto") -> IpcSafe:
+@overload
+def ipc_safe(func: _F, /) -> _F: ...
+
+
+@overload
+def ipc_safe(func: None = None, /, *, fallback: Fallback = "auto") -> IpcSafe: ...
+
+
+def ipc_safe(func: Any = None, /, *, fallback: Fallback = "auto") -> Any:
     """Make new allocations in a block or call shareable over CUDA IPC without pidfd.
 
     Inside, expandable segments are off (every other allocator setting kept) and,
@@ -81,23 +92,27 @@ def ipc_safe(*, fallback: Fallback = "auto") -> IpcSafe:
 
     Scope: process-global allocator settings (like :func:`expandable_segments`);
     re-entrant, nests, restores on any exception; context manager and decorator in
-    every form.
+    every form, with or without parentheses (``@hm.ipc_safe`` or
+    ``@hm.ipc_safe(fallback="raise")``).
 
     Args:
+        func: what ``@hm.ipc_safe`` without parentheses decorates.
         fallback: ``"auto"`` (default), ``"host"`` or ``"raise"``.
 
     Returns:
-        An :class:`IpcSafe` context/decorator.
+        An :class:`IpcSafe` context/decorator (``func`` decorated, when given).
 
     Raises:
-        TypeError, ValueError: ``fallback`` is not one of the three.
+        TypeError, ValueError: ``fallback`` is not one of the three, or ``func`` is
+            not something to decorate.
 
     Example:
         >>> with hm.ipc_safe():                       # doctest: +SKIP
         ...     staging = torch.empty(n, device="cuda")
         ...     queue.put(staging)                    # no pidfd needed by the consumer
     """
-    return IpcSafe(fallback=fallback)
+    scope = IpcSafe(fallback=fallback)
+    return scope if func is None else scope(func)
 
 
 def _safe_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from hybridmem._checks import refuse_bare_decoration
 from hybridmem._scope import ScopedContext
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.targets import Target, select_groups
@@ -69,6 +70,10 @@ def offloaded(
         >>> with hm.offloaded(model, optimizer):       # doctest: +SKIP
         ...     engine.generate(prompts)
     """
+    if targets:
+        refuse_bare_decoration(
+            "offloaded", targets[0], "@hm.offloaded(model, optimizer), the targets to offload"
+        )
     if len(targets) == 1 and isinstance(targets[0], Offloader):
         offloader = targets[0]
     else:

@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 
 from hybridmem import _torch
+from hybridmem._checks import MAX_DEVICE_BYTES, check_number, refuse_bare_decoration
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_user
@@ -100,9 +101,20 @@ def segment_bytes(sizes: Sizes) -> int:
     if isinstance(sizes, bool):
         raise TypeError(f"one_segment sizes must be a byte count or tensors, got {sizes!r}")
     if isinstance(sizes, int):
-        if sizes < 0:
-            raise ValueError(f"one_segment needs a byte count >= 0, got {sizes}")
+        check_number(
+            "one_segment sizes",
+            sizes,
+            integer=True,
+            minimum=0,
+            maximum=MAX_DEVICE_BYTES,
+            expected="a byte count from 0 to 1 TiB, or tensors",
+        )
         return sizes
+    if not isinstance(sizes, (Mapping, list, tuple)):
+        raise TypeError(
+            "one_segment sizes must be a byte count or tensors (a state dict, a list; meta "
+            f"tensors give sizes without memory), got {sizes!r} ({type(sizes).__name__})"
+        )
     tensors = list(sizes.values() if isinstance(sizes, Mapping) else sizes)
     wrong = [t for t in tensors if not isinstance(t, torch.Tensor)]
     if wrong:
@@ -202,5 +214,8 @@ def one_segment(sizes: Sizes, *, device: DeviceArg = None) -> OneSegment:
         ...     model = build_model(device="cuda")
         >>> print(packed.report)                             # doctest: +SKIP
     """
+    refuse_bare_decoration(
+        "one_segment", sizes, "@hm.one_segment(nbytes) or @hm.one_segment(meta_state_dict)"
+    )
     nbytes = segment_bytes(sizes)
     return OneSegment(nbytes, None if device is None else device_index(device))

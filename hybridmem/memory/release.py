@@ -396,6 +396,9 @@ class CacheRelease(ScopedContext):
     def __repr__(self) -> str:
         return f"aggressive_cache_release(on={self.on!r}, device={self.device!r})"
 
+    def _spans_with_block(self) -> bool:
+        return False  # a release is an action at a moment: on __enter__, that call's
+
     def _release_now(self) -> None:
         self.last_report = release_cache(self.device, **self._kwargs)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from hybridmem import _torch
-from hybridmem._checks import check_number
+from hybridmem._checks import check_number, check_seconds
 from hybridmem._errors import OffloadError
 from hybridmem._format import first_line
 from hybridmem._log import logger
@@ -207,7 +207,7 @@ class ReloadFeed:
         """Stop the thread (it finishes the copy it is queueing) and wait for it."""
         if self._ended:
             raise RuntimeError("this reload feed has already ended (stop() or finish())")
-        check_number("timeout_s", timeout_s, above=0)
+        check_seconds("timeout_s", timeout_s)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Literal
 
 from hybridmem._checks import check_number
+from hybridmem._devices import resolve_devices
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_once
 from hybridmem._phase_names import canonical_phase
@@ -23,6 +24,7 @@ __all__ = ["LeakWatch", "Metric"]
 
 Metric = Literal["allocated", "reserved", "used"]
 _METRICS = ("allocated", "reserved", "used")
+_MAX_WINDOW = 1_000_000  # cycles: the window is a deque of that many readings
 
 
 def slope(values: list[float]) -> float:
@@ -79,8 +81,16 @@ class LeakWatch:
         if metric not in _METRICS:
             raise ValueError(f"metric must be one of {', '.join(_METRICS)}; got {metric!r}")
         check_number(
-            "window", window, integer=True, minimum=3, wrong_type=ValueError, expected="an int >= 3"
+            "window",
+            window,
+            integer=True,
+            minimum=3,
+            maximum=_MAX_WINDOW,
+            wrong_type=ValueError,
+            expected=f"an int from 3 to {_MAX_WINDOW}",
         )
+        if device is not None:
+            resolve_devices(device)  # checked now, read at each boundary
         check_number("slope_bytes", slope_bytes, above=0)
         self.metric = metric
         self.window = window

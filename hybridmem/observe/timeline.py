@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 from hybridmem import _torch
+from hybridmem._checks import is_bare_decoration
 from hybridmem._files import TIMELINE_ENV, FileProblem, check_writable, timeline_env_problem
 from hybridmem._log import logger, warn_once
 from hybridmem._scope import ScopedContext
@@ -47,6 +48,7 @@ __all__ = [
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_Decorated = TypeVar("_Decorated", bound=Callable[..., Any])
 
 MEMORY_KEYS = ("allocated", "reserved", "free", "used")
 
@@ -361,6 +363,11 @@ class Recording(ScopedContext):
         self, path: str | os.PathLike[str] | None = None, *, process: str | None = None
     ) -> None:
         super().__init__()
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"record's path must be a str, an os.PathLike or None, got {path!r} "
+                f"({type(path).__name__}); for example hm.record('out/timeline')"
+            )
         self.path = None if path is None else Path(path)
         if process is not None and not isinstance(process, str):
             raise TypeError(f"process must be a str or None, got {process!r}")
@@ -398,8 +405,21 @@ class Recording(ScopedContext):
                     raise ValueError(f"{self!r}: could not write the timeline: {error}") from None
 
 
-def record(path: str | os.PathLike[str] | None = None, *, process: str | None = None) -> Recording:
+@overload
+def record(
+    path: str | os.PathLike[str] | None = None, *, process: str | None = None
+) -> Recording: ...
+
+
+@overload
+def record(path: _Decorated, /) -> _Decorated: ...
+
+
+def record(path: Any = None, *, process: str | None = None) -> Any:
     """Record a timeline of phases and primitives for a block or call.
+
+    ``@hm.record`` without parentheses records each call of what it decorates, in
+    memory, as ``@hm.record()`` does.
 
     Args:
         path: where to write when the scope ends (JSON lines plus a Chrome trace,
@@ -412,6 +432,10 @@ def record(path: str | os.PathLike[str] | None = None, *, process: str | None = 
     Returns:
         A :class:`Recording` (context manager and decorator in every form).
 
+    Raises:
+        TypeError: ``path`` is not a str, an os.PathLike or None, or ``process``
+            not a str or None.
+
     Scope: process-wide (every thread records while any scope is active); nests.
     Each event costs two memory readings (a few microseconds); off, a primitive
     pays one bool check.
@@ -421,6 +445,8 @@ def record(path: str | os.PathLike[str] | None = None, *, process: str | None = 
         ...     for step in range(steps):
         ...         train_step(); rollout()
     """
+    if is_bare_decoration(path):
+        return Recording(process=process)(path)
     return Recording(path, process=process)
 
 

@@ -53,6 +53,14 @@ class EngineAdapter:
     name = "engine"
 
     def __init__(self, engine: object, methods: Sequence[str]) -> None:
+        if isinstance(methods, str) or not isinstance(methods, (list, tuple)):
+            raise TypeError(
+                f"{type(self).__name__}: methods must be a list of the engine's method names "
+                f"(['sleep', 'wake_up']), got {methods!r} ({type(methods).__name__})"
+            )
+        bad = [m for m in methods if not isinstance(m, str)]
+        if bad:
+            raise TypeError(f"{type(self).__name__}: method names are str, got {bad[0]!r}")
         missing = [m for m in methods if not callable(getattr(engine, m, None))]
         if missing:
             raise TypeError(

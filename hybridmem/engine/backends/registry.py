@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import MappingProxyType
@@ -16,9 +17,11 @@ from hybridmem.engine.backends.adapters import EngineAdapter
 
 __all__ = [
     "ACTIONS",
+    "ACTION_ARGS",
     "ALIASES",
     "ENTRY_POINT_GROUP",
     "PHASES",
+    "WHEN",
     "BackendProfile",
     "Step",
     "canonical_phase",
@@ -38,6 +41,17 @@ ACTIONS: Mapping[str, str] = MappingProxyType(
         "reload": "action: reload the trainer state (args: offloader, groups, by)",
     }
 )
+#: The arguments each action takes (a step's ``args``, an override's dict keys).
+ACTION_ARGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "expandable_segments": ("enabled", "release_cache", "force"),
+        "ipc_safe": ("fallback",),
+        "release_cache": ("device", "sync", "collect_garbage", "ipc_collect"),
+        "await_free": ("device", "timeout_s"),
+        "offload": ("offloader", "groups"),
+        "reload": ("offloader", "groups", "by"),
+    }
+)
 _SCOPES = ("expandable_segments", "ipc_safe")
 # The group the docs name (docs/phases.md). The code once read
 # "hybridmem.engine.backends", which no doc named, and ignored plugins silently (#22).
@@ -45,6 +59,44 @@ ENTRY_POINT_GROUP = "hybridmem.backends"
 _BACKEND_ENV = "HYBRIDMEM_BACKEND"
 
 When = Literal["enter", "exit", "scope"]
+#: When a step runs: entered for the whole phase, or run once on entry or on exit.
+WHEN: tuple[When, ...] = ("enter", "exit", "scope")
+
+
+def nearest(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_step_args(where: str, action: str, args: object) -> Mapping[str, Any]:
+    """Return ``args`` if it is a mapping of ``action``'s own argument names; else raise.
+
+    Raises:
+        TypeError: ``args`` is not a mapping, or a key is not a str.
+        ValueError: a key ``action`` does not take (the message names the nearest one).
+    """
+    if not isinstance(args, Mapping):
+        raise TypeError(
+            f"{where}: args must be a dict of {action}'s arguments, got {args!r} "
+            f"({type(args).__name__})"
+        )
+    known = ACTION_ARGS[action]
+    for key in args:
+        if not isinstance(key, str):
+            raise TypeError(f"{where}: argument names are str, got {key!r}")
+        if key not in known:
+            raise ValueError(
+                f"{where}: {action} takes no argument {key!r}{nearest(key, known)}; "
+                f"it takes {', '.join(known)}"
+            )
+    return args
+
+
+def _check_str(where: str, field_name: str, value: object, *, empty: bool = True) -> None:
+    if not isinstance(value, str) or (not empty and not value):
+        kind = "a str" if empty else "a non-empty str"
+        raise TypeError(f"{where}: {field_name} must be {kind}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -69,16 +121,24 @@ class Step:
     versions: str = ""
 
     def __post_init__(self) -> None:
+        _check_str("a step", "name", self.name, empty=False)
+        where = f"step {self.name!r}"
+        _check_str(where, "action", self.action)
         if self.action not in ACTIONS:
             raise ValueError(
-                f"step {self.name!r}: unknown action {self.action!r}; known: "
-                f"{', '.join(sorted(ACTIONS))}"
+                f"{where}: unknown action {self.action!r}{nearest(self.action, ACTIONS)}; "
+                f"known: {', '.join(sorted(ACTIONS))}"
             )
         scope = self.action in _SCOPES
-        if scope != (self.when == "scope"):
+        if self.when not in WHEN or scope != (self.when == "scope"):
             need = "'scope'" if scope else "'enter' or 'exit'"
-            raise ValueError(f"step {self.name!r}: action {self.action!r} needs when={need}")
-        object.__setattr__(self, "args", MappingProxyType(dict(self.args)))
+            raise ValueError(
+                f"{where}: action {self.action!r} needs when={need}, got {self.when!r}"
+            )
+        args = check_step_args(where, self.action, self.args)
+        _check_str(where, "why", self.why)
+        _check_str(where, "versions", self.versions)
+        object.__setattr__(self, "args", MappingProxyType(dict(args)))
 
 
 @dataclass(frozen=True)
@@ -107,8 +167,21 @@ class BackendProfile:
     adapter: Callable[[Any], EngineAdapter] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"a backend needs a non-empty str name, got {self.name!r}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"a backend's name must be a str, got {self.name!r}")
+        if not self.name:
+            raise ValueError("a backend needs a non-empty name")
+        where = f"backend {self.name!r}"
+        _check_str(where, "description", self.description)
+        for field_name in ("recipes", "notes"):
+            value = getattr(self, field_name)
+            if not isinstance(value, Mapping):
+                raise TypeError(
+                    f"{where}: {field_name} must be a dict keyed by phase name, got "
+                    f"{value!r} ({type(value).__name__})"
+                )
+        for phase, note in self.notes.items():
+            _check_str(f"{where}, notes[{phase!r}]", "the note", note)
         if self.adapter is not None and not callable(self.adapter):
             raise TypeError(
                 f"backend {self.name!r}: adapter must be callable (an EngineAdapter "
@@ -117,15 +190,21 @@ class BackendProfile:
         recipes: dict[str, tuple[Step, ...]] = {}
         for phase, steps in self.recipes.items():
             if phase not in PHASES:
+                hint = nearest(phase, PHASES) if isinstance(phase, str) else ""
                 raise ValueError(
-                    f"backend {self.name!r}: unknown phase {phase!r}; phases: {', '.join(PHASES)}"
+                    f"{where}: unknown phase {phase!r}{hint}; phases: {', '.join(PHASES)}"
+                )
+            if isinstance(steps, Step) or not isinstance(steps, (tuple, list)):
+                raise TypeError(
+                    f"{where}, phase {phase!r}: the recipe must be a tuple of Step, got "
+                    f"{steps!r}; a single step is written (step,)"
                 )
             steps = tuple(steps)
+            if not all(isinstance(s, Step) for s in steps):
+                raise TypeError(f"{where}, phase {phase!r}: steps must be Step")
             names = [s.name for s in steps]
             if len(set(names)) != len(names):
-                raise ValueError(f"backend {self.name!r}, phase {phase!r}: step names repeat")
-            if not all(isinstance(s, Step) for s in steps):
-                raise TypeError(f"backend {self.name!r}, phase {phase!r}: steps must be Step")
+                raise ValueError(f"{where}, phase {phase!r}: step names repeat")
             recipes[phase] = steps
         object.__setattr__(self, "recipes", MappingProxyType(recipes))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
@@ -161,6 +240,8 @@ def register_backend(profile: BackendProfile, *, replace: bool = False) -> Backe
     """
     if not isinstance(profile, BackendProfile):
         raise TypeError(f"register_backend takes a BackendProfile, got {type(profile).__name__}")
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be True or False, got {replace!r}")
     with _lock:
         if profile.name in _registry and not replace:
             raise ValueError(

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from hybridmem._checks import check_number
+from hybridmem._checks import check_seconds
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -68,7 +68,7 @@ Weights = list[tuple[str, torch.Tensor]]
 
 def bounded_timeout(timeout: object) -> float:
     """Validate a link's ``timeout=``: seconds > 0; None is refused (no unbounded wait)."""
-    return float(check_number("timeout", timeout, above=0, expected="a number of seconds > 0"))
+    return check_seconds("timeout", timeout)
 
 
 def parse_init_info(info: Mapping[str, Any]) -> tuple[bytes, bytes, float, bool]:
