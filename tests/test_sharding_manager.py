@@ -18,7 +18,7 @@ import pytest
 import hybridmem as hm
 from hybridmem import HybridMemWarning
 from hybridmem._scope import ScopedContext
-from tests.conftest import FakeTorch
+from tests.conftest import FakeTorch, patch_seam
 
 # --------------------------------------------------------------------------- #
 # The moments a manager has, and what each sees
@@ -567,3 +567,40 @@ def test_the_wake_up_phase_alone_stays_on_enter(training: FakeTorch) -> None:
         seen.at("generate")
     assert not seen.expandable["sync"]
     assert seen.expandable["generate"]
+
+
+def test_one_segment_on_enter_places_only_that_calls_tensors(
+    training: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held: list[int] = []
+    patch_seam(monkeypatch, "hold_block", lambda nbytes, device: held.append(nbytes) or 0)
+    seen = Seen(training)
+
+    class Manager:
+        @hm.one_segment(64 << 20)
+        def __enter__(self) -> None:
+            seen.at("sync")  # the engine's weights are made here, in the held block
+
+        def __exit__(self, *exc: object) -> None:
+            seen.at("sleep")
+
+    with Manager():
+        seen.at("generate")
+    assert held == [64 << 20]
+    assert seen.expandable == {"sync": False, "generate": True, "sleep": True}
+
+
+def test_record_on_enter_records_the_block() -> None:
+    from hybridmem.observe.timeline import recording
+
+    class Manager:
+        @hm.record
+        def __enter__(self) -> None:
+            assert recording()
+
+        def __exit__(self, *exc: object) -> None:
+            assert recording()
+
+    with Manager():
+        assert recording()
+    assert not recording()

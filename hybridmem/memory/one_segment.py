@@ -140,6 +140,9 @@ class OneSegment(ScopedContext):
     def __repr__(self) -> str:
         return f"one_segment({self.nbytes})"
 
+    def _spans_with_block(self) -> bool:
+        return False  # it places the tensors one call makes: on __enter__, that call's
+
     def _enter(self) -> object:
         index = self.device if self.device is not None else _torch.current_device() or 0
         settings = expandable_segments(False, release_cache=False)
