@@ -15,6 +15,8 @@ from hybridmem.packing import pack, unpack
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        print("no CUDA GPU here: packing runs on the CPU; on a GPU it runs with no host sync")
     batch, seq_len, hidden = 4, 32, 16
     lengths = [32, 7, 0, 19]  # one full row, one empty row
     # left padding, as some rollout engines return it: any mask works

@@ -76,6 +76,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> floa
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        print(
+            "no CUDA GPU here: the phases switch torch's settings around a stand-in engine; "
+            "on a GPU their releases also hand the trainer's cached memory to the engine"
+        )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

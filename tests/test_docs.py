@@ -154,3 +154,28 @@ def test_a_gpu_block_is_compiled_and_imported_and_a_failing_block_is_named(
     assert outcome["done"] == ["doc.md:3"]
     unmarked = [Block(1, "import not_installed_pkg\n", True)]  # no needs=: must import
     assert run_blocks("doc.md", unmarked, tmp_path)["failed"] == "doc.md:1"
+
+
+def test_the_readmes_first_snippet_runs_as_pasted(tmp_path: Path) -> None:
+    """A new user copies the README's first block into a file and runs it: no stand-ins."""
+    first = blocks(REPO / "README.md")[0]
+    assert not first.gpu
+    script = tmp_path / "snippet.py"
+    script.write_text(first.code)
+    done = subprocess.run(
+        [sys.executable, "-W", "error::Warning", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.splitlines()
+    assert printed[0] == "train; expandable segments: True"
+    assert printed[1].startswith("sync weights; active: ('expandable_segments(False)'")
+    assert printed[2] == "generate; expandable segments: False"
+    assert printed[3] == "engine sleeps"
+    assert printed[-1].startswith("release_cache")
+    assert done.stderr == ""

@@ -59,7 +59,9 @@ class IpcSafe(AllocatorScope):
         index = 0 if device is None else device
         # Decided before the switch: "raise" must leave the allocator untouched. The
         # transports decide (issue #27); the scope keeps the chosen one's name.
-        chosen = choose_transport("cuda", self.fallback, index, who="ipc_safe", probe="cached")
+        chosen = choose_transport(
+            "cuda", self.fallback, index, who="ipc_safe", probe="cached", host_without_cuda=True
+        )
         self.transport = chosen.name
         return super()._enter()
 
