@@ -20,6 +20,7 @@ its names load on first use, so ``import hybridmem`` does not import torch eithe
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,10 +58,7 @@ if TYPE_CHECKING:
     from hybridmem.observe.memory import memory_info
     from hybridmem.observe.timeline import get_timeline, record
 
-from hybridmem._moved import install_module_finder, moved_attribute_error
 from hybridmem._version import __version__
-
-install_module_finder()  # `import hybridmem.<moved module>` says where it went
 
 # Where each public name lives; loaded on first access (PEP 562). Everything else
 # (report and scope classes, for typing) is reachable from its module: see
@@ -111,14 +109,56 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise moved_attribute_error("hybridmem", name)
+        raise _unknown(name)
+    if "torch" not in sys.modules and module != "hybridmem._errors":
+        _check_env_before_torch()
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
+def _check_env_before_torch() -> None:
+    """Refuse, before torch is first imported, an env that makes ``import torch`` abort."""
+    from hybridmem.allocator.import_check import env_kills_torch
+
+    reason = env_kills_torch()
+    if reason is not None:
+        from hybridmem._errors import AllocatorSettingsError
+
+        raise AllocatorSettingsError(reason)
+
+
+# Names a user guesses from other libraries or the docs' headings -> what they want.
+_GUESSES = {
+    "backends": "hm.list_backends(), hm.get_backend(name) or hm.register_backend(profile)",
+    "backend": "hm.get_backend(name)",
+    "switch": "hm.HybridSwitch(engine, backend, offloader)",
+    "offload": "hm.Offloader(model, optimizer) or hm.offloaded(model, optimizer)",
+    "timeline": "hm.record(path) or hm.get_timeline()",
+    "empty_cache": "hm.release_cache()",
+    "aggressive_empty_cache": "hm.release_cache() or @hm.aggressive_cache_release",
+    "set_expandable_segments": "hm.expandable_segments(False) as a scope or decorator",
+}
+
+
+def _unknown(name: str) -> AttributeError:
+    """The error for ``hm.<name>``: the name a user most likely wanted, when one is close."""
+    import difflib
+
+    message = f"module 'hybridmem' has no attribute {name!r}"
+    wanted = _GUESSES.get(name)
+    if wanted is None:
+        close = difflib.get_close_matches(name, __all__, n=1, cutoff=0.75)
+        wanted = f"hm.{close[0]}" if close else None
+    if wanted is None:
+        return AttributeError(message + "; the public names are in hm.__all__ (docs/api.md)")
+    error = AttributeError(f"{message}; did you mean {wanted}?")
+    error.obj = None  # Python's own hint would add a second, different guess
+    return error
+
+
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(__all__)
 
 
 __all__ = [

@@ -523,7 +523,8 @@ def test_plot_errors_carry_one_prefix(
 _ABORTING_TORCH = """
 import sys
 from hybridmem import cli
-cli.installed_torch = lambda: ((2, 14), True)  # a CUDA build of 2.14, as pip installs it
+from hybridmem.allocator import import_check
+import_check.installed_torch = lambda: ((2, 14), True)  # a CUDA build of 2.14, as pip installs it
 code = cli.main(sys.argv[1:])
 print("torch imported:", "torch" in sys.modules)
 sys.exit(code)
@@ -549,7 +550,7 @@ def test_doctor_catches_an_env_that_aborts_torch_before_importing_it(value: str)
 
 def test_the_installed_torch_is_read_without_importing_it() -> None:
     code = (
-        "import sys; from hybridmem.cli import installed_torch; "
+        "import sys; from hybridmem.allocator.import_check import installed_torch; "
         "print(installed_torch(), 'torch' in sys.modules)"
     )
     result = run_python("-c", code)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_python
 
 CHECK = r"""
 import json, sys
@@ -91,3 +96,49 @@ def test_the_face_is_one_table_written_three_ways_that_cannot_drift() -> None:
     assert set(hybridmem.__all__) == {*lazy, "__version__"}
     for name, module in lazy.items():  # and each loads from where the map says
         assert getattr(hybridmem, name) is getattr(__import__(module, fromlist=[name]), name)
+
+
+_ABORTING_ENV = """
+import sys
+from hybridmem.allocator import import_check
+import_check.installed_torch = lambda: ((2, 14), True)  # a CUDA build of 2.14, as pip installs it
+import hybridmem as hm
+try:
+    hm.allocator_state()
+except hm.AllocatorSettingsError as exc:
+    print("refused:", exc)
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_an_env_that_aborts_import_torch_is_an_error_not_a_dead_process(name: str) -> None:
+    result = run_python("-c", _ABORTING_ENV, env={name: "bogus"})
+    assert result.returncode == 0, result.stderr
+    assert f"refused: {name}='bogus': torch 2.14 (a CUDA build) aborts" in result.stdout
+    assert "Fix: give every key a value" in result.stdout
+    assert "torch imported: False" in result.stdout
+
+
+def test_the_face_shows_its_public_names_only() -> None:
+    import hybridmem as hm
+
+    assert dir(hm) == sorted(hm.__all__)
+    for private in ("Any", "TYPE_CHECKING", "importlib", "sys", "annotations"):
+        assert private not in dir(hm)
+
+
+@pytest.mark.parametrize(
+    ("guess", "wanted"),
+    [
+        ("backends", "did you mean hm.list_backends()"),
+        ("allocator_stat", "did you mean hm.allocator_state?"),
+        ("empty_cache", "did you mean hm.release_cache()?"),
+        ("no_such_name", "the public names are in hm.__all__"),
+    ],
+)
+def test_a_guessed_name_points_at_what_the_user_wanted(guess: str, wanted: str) -> None:
+    import hybridmem as hm
+
+    with pytest.raises(AttributeError, match=re.escape(wanted)):
+        getattr(hm, guess)

@@ -337,5 +337,7 @@ def test_ipc_safe_without_cuda_never_reports_cuda(
     with pytest.raises(hm.IpcUnavailableError, match=why), hm.ipc_safe(fallback="raise"):
         pass
     assert hm.allocator_state().scopes == ()  # refused before anything changed
-    with pytest.warns(hm.HybridMemWarning, match=why), hm.ipc_safe() as scope:
+    # Without any CUDA device, host memory is all there is: taken without a warning
+    # (HybridMemWarning is an error in this suite).
+    with hm.ipc_safe() as scope:
         assert scope.transport == "host"

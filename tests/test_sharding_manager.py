@@ -573,7 +573,12 @@ def test_one_segment_on_enter_places_only_that_calls_tensors(
     training: FakeTorch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     held: list[int] = []
-    patch_seam(monkeypatch, "hold_block", lambda nbytes, device: held.append(nbytes) or 0)
+
+    def hold_block(nbytes: int, device: object) -> int:
+        held.append(nbytes)
+        return 0
+
+    patch_seam(monkeypatch, "hold_block", hold_block)
     seen = Seen(training)
 
     class Manager:

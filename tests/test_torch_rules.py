@@ -16,6 +16,7 @@ import gzip
 import json
 import math
 import os
+import re
 import secrets
 from collections.abc import Iterable
 from functools import cache
@@ -28,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridmem import _torch
+from hybridmem.allocator.cparse import C_SPACE, FLOAT_PREFIX
 from hybridmem.allocator.rules import (
     ALLOC_CONF,
     CUDA_ALLOC_CONF,
@@ -333,3 +335,159 @@ def test_an_unknown_key_close_to_a_known_one_is_named_in_the_refusal(
     assert "does not know the setting 'expandable_segment'" in error
     assert error.endswith("(did you mean 'expandable_segments'?)")
     assert "did you mean" not in (TorchRules(version).run("foo:1").error or "")
+
+
+def _near_the_subnormal_edge(seed: int, count: int) -> list[str]:
+    """Decimal and hexadecimal numbers around the smallest normal double, and below it."""
+    import random
+
+    rnd = random.Random(seed)
+    numbers = ["0x1p-1030", "0x1p-1074", "0x1.fffffffffffffp-1023", "0x1.00000000000008p-1023"]
+    for _ in range(count):
+        exponent = rnd.randint(-1080, -1018)
+        digits = "".join(rnd.choice("0123456789abcdef") for _ in range(rnd.randint(0, 16)))
+        lead = rnd.choice("1111" + "0123456789abcdef")
+        numbers.append(f"0x{lead}.{digits}p{exponent}")
+        mantissa = f"{rnd.randint(1, 9)}.{rnd.randint(0, 10 ** rnd.randint(0, 17))}"
+        numbers.append(f"{mantissa}e-{rnd.randint(305, 330)}")
+    return [f"garbage_collection_threshold:{number}" for number in numbers]
+
+
+def test_a_live_oracle_judges_numbers_at_the_subnormal_edge() -> None:
+    """Tiny and inexact is refused, exactly representable is taken, as this torch's stod."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        pytest.skip("needs torch 2.10 or newer (its settings setter)")
+    seed = int(os.environ.get("HYBRIDMEM_ORACLE_SEED") or secrets.randbits(32))
+    rules = TorchRules(_torch.torch_version(), device=_torch.cuda_built())
+    wrong, checked = _judge_live(setter, rules, _near_the_subnormal_edge(seed, 1500))
+    assert checked > 3000
+    assert not wrong, f"HYBRIDMEM_ORACLE_SEED={seed}:\n" + "\n".join(wrong[:20])
+
+
+def _typed_values(seed: int, count: int) -> list[tuple[str, object]]:
+    """(key, Python value) pairs as a user passes them to hm.allocator_settings."""
+    import random
+
+    from hybridmem.allocator.grammar import KEYS
+
+    rnd = random.Random(seed)
+    odd = ["", " ", "\t", "\x1c", "\x1f", "\xa0", "\u3000", "\n"]
+    strings = ["True", "False", "true", "1", "0", "20", "64", "512", "-5", "0.5", "25.5"]
+    strings += [
+        "0x10",
+        "\uff16\uff14",
+        "1e3",
+        "inf",
+        "nan",
+        "0x1p-1030",
+        "1e-320",
+        "[1:2]",
+        "[>:4]",
+    ]
+    values: list[object] = [True, False, 0, 1, -5, 10, 20, 21, 64, 2**40, 2**70, 0.5, 1.5, 1e-320]
+    values += [math.nan, math.inf, -0.0, float.fromhex("0x1p-1030"), {64: 4, ">": 2}, None]
+    keys = [key for key, spec in KEYS.items() if spec.runtime]
+    pairs: list[tuple[str, object]] = []
+    for _ in range(count):
+        key = rnd.choice(keys)
+        if rnd.random() < 0.5:
+            pairs.append((key, rnd.choice(odd) + rnd.choice(strings) + rnd.choice(odd)))
+        else:
+            pairs.append((key, rnd.choice(values)))
+    return pairs
+
+
+def test_a_live_oracle_judges_the_typed_path() -> None:
+    """hm.allocator_settings(key=value): what it takes, the installed torch takes too.
+
+    A string goes to torch as written: hybridmem takes it exactly when torch does,
+    but for a number with more after it than C's whitespace, which torch reads as
+    something else ("-5" wraps around 2**64, "25.5" is cut to 25, "0.5\x1c" is 0.5)
+    and the typed path refuses. Nothing is taken that torch refuses.
+    """
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        pytest.skip("needs torch 2.10 or newer (its settings setter)")
+    from hybridmem.allocator.grammar import KEYS, normalize_value
+
+    seed = int(os.environ.get("HYBRIDMEM_ORACLE_SEED") or secrets.randbits(32))
+    rules = TorchRules(_torch.torch_version(), device=_torch.cuda_built())
+    reset = "expandable_segments:False,pinned_use_background_threads:False"
+    if "large_segment_size_mb" in rules.keys:
+        reset += ",large_segment_size_mb:20"
+    kinds = {key: spec.kind for key, spec in KEYS.items()}
+    whole = {"int": re.compile("[0-9]+"), "float": FLOAT_PREFIX}
+    wrong: list[str] = []
+    checked = 0
+    setter(reset)
+    for key, value in _typed_values(seed, 3000):
+        if key not in rules.keys:
+            continue
+        try:
+            text: str | None = normalize_value(key, value, rules)
+        except (TypeError, ValueError):
+            text = None
+        written = value if isinstance(value, str) else text
+        if written is None:
+            continue  # refused before any string: a typed value torch has no words for
+        try:
+            setter(f"{key}:{written}")
+            took = True
+        except (ValueError, RuntimeError, IndexError):
+            took = False
+        finally:
+            setter(reset)
+        checked += 1
+        if text is not None and not took:
+            wrong.append(f"{key}={value!r}: hybridmem takes it as {text!r}; torch refuses")
+        elif text is None and took and isinstance(value, str):
+            number = whole.get(kinds[key])
+            bare = "".join(ch for ch in value if ch not in C_SPACE)
+            if number is None or number.fullmatch(bare):
+                wrong.append(f"{key}={value!r}: torch takes it; hybridmem refuses")
+    assert checked > 500
+    assert not wrong, f"HYBRIDMEM_ORACLE_SEED={seed}:\n" + "\n".join(wrong[:20])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "torch_takes"),
+    [
+        ("expandable_segments", "True\x1f", False),
+        ("expandable_segments", "True\xa0", False),
+        ("pinned_use_background_threads", "True\x1f", False),
+        ("expandable_segments", " True\t", True),
+    ],
+)
+def test_the_typed_path_strips_only_cs_whitespace(key: str, value: str, torch_takes: bool) -> None:
+    from hybridmem.allocator.grammar import normalize_value
+
+    rules = TorchRules((2, 13))
+    if torch_takes:
+        assert normalize_value(key, value, rules) == "True"
+    else:
+        with pytest.raises(ValueError, match="refuses"):
+            normalize_value(key, value, rules)
+
+
+@pytest.mark.parametrize(
+    ("number", "takes"),
+    [
+        ("0x1p-1030", True),  # exactly representable: strtod sets no ERANGE
+        ("0x1p-1074", True),
+        ("0x1p-1075", False),  # underflows to zero
+        ("0x1.fffffffffffffp-1023", False),  # tiny after rounding, and inexact
+        ("0x1.fffffffffffff8p-1023", True),  # rounds up to the smallest normal
+        ("1e-320", False),
+    ],
+)
+def test_subnormal_numbers_as_strtod_reads_them(number: str, takes: bool) -> None:
+    outcome = TorchRules((2, 13)).run(f"garbage_collection_threshold:{number}")
+    assert outcome.accepted is takes, outcome.error
+
+
+def test_a_negative_size_names_the_real_bound() -> None:
+    from hybridmem.allocator.grammar import normalize_value
+
+    with pytest.raises(ValueError, match=r"which must be >= 20 .*got -5"):
+        normalize_value("max_split_size_mb", -5, TorchRules((2, 13)))

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
+
+from hybridmem._platform.c_numbers import strtod_range_error
 
 __all__ = [
     "ALIASES",
@@ -100,12 +103,36 @@ def stoi(token: str) -> int:
     return value % (1 << 64)
 
 
+def _exact(body: str) -> Fraction:
+    """The exact value of a decimal or hexadecimal number in C's syntax (finite)."""
+    lowered = body.lower()
+    if not lowered.startswith("0x"):
+        return Fraction(lowered)
+    digits, _, exponent = lowered[2:].partition("p")
+    whole, _, fraction = digits.partition(".")
+    mantissa = int(whole + fraction or "0", 16)
+    return Fraction(mantissa, 16 ** len(fraction)) * Fraction(2) ** int(exponent or "0")
+
+
+def _range_error_near_zero(body: str, value: float) -> bool:
+    """Whether ``strtod`` sets ERANGE for a result at or below the smallest normal double.
+
+    The C library answers where one can be asked; else its rule: tininess judged
+    after rounding, and an inexact result.
+    """
+    answer = strtod_range_error(body)
+    if answer is not None:
+        return answer
+    return abs(value) < SMALLEST_NORMAL and _exact(body) != Fraction(abs(value))
+
+
 def stod(token: str) -> float:
     """``std::stod``: the longest prefix that reads as a double; range errors refused.
 
     ``strtod`` sets ERANGE, and ``stod`` throws, for a result that overflows, that
-    underflows to zero from non-zero digits, or that is subnormal; Python's float()
-    and float.fromhex() answer inf, 0 or the subnormal, or raise OverflowError.
+    underflows to zero from non-zero digits, or that is tiny and inexact (a subnormal
+    exactly representable, ``0x1p-1030``, is taken); Python's float() and
+    float.fromhex() answer inf, 0 or the subnormal, or raise OverflowError.
     """
     match = FLOAT_PREFIX.match(token)
     if match is None:
@@ -130,7 +157,7 @@ def stod(token: str) -> float:
         nonzero = re.search(r"[1-9a-f]" if hexadecimal else r"[1-9]", mantissa) is not None
         if math.isinf(value) or (value == 0.0 and nonzero):
             raise Refused(f"{token!r} is out of range (torch: stod)")
-        if value != 0.0 and abs(value) < SMALLEST_NORMAL:
+        if value != 0.0 and abs(value) <= SMALLEST_NORMAL and _range_error_near_zero(body, value):
             raise Refused(f"{token!r} is out of range (torch: stod)")
     return -value if match.group(1) == "-" else value
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridmem._errors import AllocatorSettingsError
+from hybridmem.allocator.cparse import C_SPACE, FLOAT_PREFIX
 from hybridmem.allocator.rules import TorchRules
 
 __all__ = [
@@ -166,7 +167,9 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
             f"{spec.since[0]}.{spec.since[1]} added it); leave it out on this torch"
         )
     if isinstance(value, str):
-        text = "".join(value.split())
+        # torch drops C's whitespace anywhere in a value and nothing else: Python's
+        # str.split() would also drop \x1c-\x1f and \xa0, which torch refuses.
+        text = "".join(ch for ch in value if ch not in C_SPACE)
     elif spec.kind == "bool":
         if not isinstance(value, bool):
             raise TypeError(f"{key} takes True or False, got {value!r} ({type(value).__name__})")
@@ -188,21 +191,29 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
         )
     # Keyword arguments are typed: torch reads "25.5" as 25 and "-5" as 2**64 - 5,
     # which no caller of a typed API means.
-    if spec.kind == "int" and not text.isdigit():
+    if spec.kind == "int" and not (text.isascii() and text.isdigit()):
         raise AllocatorSettingsError(
-            f"invalid value for {key}: a whole number >= 0 is needed, got {value!r}"
+            f"invalid value for {key}: {_whole_number(key, rules)}, got {value!r}"
         )
-    if spec.kind == "float":
-        try:
-            float(text)
-        except ValueError:
+    if spec.kind == "float":  # a whole number as C reads it (torch would read "0.5x" as 0.5)
+        number = FLOAT_PREFIX.match(text)
+        if number is None or number.end() != len(text):
             raise AllocatorSettingsError(
                 f"invalid value for {key}: a number is needed, got {value!r}"
-            ) from None
+            )
     outcome = rules.run(f"{key}:{text}")  # judged alone here; with the rest on entry
     if not outcome.accepted:
-        raise AllocatorSettingsError(f"invalid value for {key}: {outcome.error}")
+        raise AllocatorSettingsError(f"invalid value for {key}: {outcome.error} (got {value!r})")
     return text
+
+
+def _whole_number(key: str, rules: TorchRules) -> str:
+    """What ``key`` takes, bound included: "a whole number >= 20 (...)", say."""
+    floor = rules.run(f"{key}:0")
+    if floor.accepted or floor.error is None:
+        return "a whole number >= 0 is needed"
+    _, _, why = floor.error.partition(f"{key}:0: ")
+    return f"a whole number is needed, which {why or floor.error}"
 
 
 def format_settings(items: Iterable[tuple[str, str]]) -> str:

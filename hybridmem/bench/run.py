@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hybridmem._moved import moved_attribute_error
 from hybridmem.bench.outputs import (
     NO_MATPLOTLIB,
     has_matplotlib,
@@ -32,11 +31,6 @@ from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.timeline import record
 
 __all__ = ["bench", "load_results", "report", "run_strategy"]
-
-
-def __getattr__(name: str) -> Any:
-    # Names that moved to hybridmem.bench.report say so (CHANGELOG.md, issue #13).
-    raise moved_attribute_error(__name__, name)
 
 
 GiB = 2**30

@@ -192,17 +192,6 @@ def trainer_allocation(profile: BackendProfile) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
-def __getattr__(name: str) -> Any:
-    # The engine room cannot reach hybridmem._moved (a higher room): the one name this
-    # module lost says so here (CHANGELOG.md's table; tests/test_moved.py checks it).
-    if name == "copy_engine_budget":
-        raise AttributeError(
-            f"{__name__}.copy_engine_budget was removed: the early reload's head and tail "
-            "replace it; tail_bytes sizes the tail (decision 81)"
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class Reloading:
     """Reload the trainer state early (room permitting) or after the engine's sleep."""
 

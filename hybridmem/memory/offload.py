@@ -586,14 +586,3 @@ class Offloader:
         self._host.close()
         _torch.release_stream(self._stream)  # kept for the next owner, never destroyed
         self._stream = None
-
-
-def __getattr__(name: str) -> Any:
-    # The scoped form moved to offload_scope (this module's 600 lines; CHANGELOG.md's
-    # table, tests/test_moved.py). Not re-exported: offload_scope imports this module.
-    if name in ("Offloaded", "offloaded"):
-        raise AttributeError(
-            f"{__name__}.{name} moved: use hybridmem.memory.offload_scope.{name} "
-            "(hm.offloaded is unchanged)"
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
