@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hybridmem.packing import verl as hm_verl
 from tests import verl_oracle
 from tests.verl_oracle import FakeMegatron
+from tests.gloo_teardown import leave_group
 
 
 def round_trip(pre: Any, post: Any, x: torch.Tensor, mask: torch.Tensor) -> tuple[Any, ...]:
@@ -70,8 +71,7 @@ def main(out_dir: Path, wheel: str) -> None:
     # every rank leaves its last collective before any tears its connections down: a
     # rank that destroyed the group while its peer was still finishing a gather aborted
     # the peer ("terminate called without an active exception", seen once in CI)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 import hybridmem as hm
+from tests.gloo_teardown import leave_group
 
 CYCLES = 4
 
@@ -79,7 +80,7 @@ def main(out: Path, fail_spec: str) -> None:
         except hm.HybridSwitchError as exc:
             record("outcome", outcome=f"HybridSwitchError: {exc}")
     lines.close()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":
