@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from hybridmem.packing import verl as hm_verl
 from tests import verl_oracle
-from tests.verl_oracle import FakeMegatron
 from tests.gloo_teardown import leave_group
+from tests.verl_oracle import FakeMegatron
 
 
 def round_trip(pre: Any, post: Any, x: torch.Tensor, mask: torch.Tensor) -> tuple[Any, ...]:

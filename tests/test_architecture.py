@@ -150,10 +150,6 @@ def test_the_import_graph_has_no_cycle() -> None:
             visit(module)
 
 
-def _parent_package(module: str, path: Path) -> str:
-    return module if path.name == "__init__.py" else module.rpartition(".")[0]
-
-
 def test_no_module_takes_a_private_name_of_another() -> None:
     found = []
     modules = _modules()
@@ -161,10 +157,7 @@ def test_no_module_takes_a_private_name_of_another() -> None:
         for target, names, line in _imports(module, path):
             for name in names:
                 if name.startswith("_") and not name.startswith("__"):
-                    # a package face may hand on a private name of its own modules
-                    own = target.startswith(_parent_package(module, path) + ".")
-                    if not (path.name == "__init__.py" and own):
-                        found.append(f"{module}:{line} takes {name} from {target}")
+                    found.append(f"{module}:{line} takes {name} from {target}")
         tree = ast.parse(path.read_text())
         aliases = {
             (a.asname or a.name): f"{n.module}.{a.name}"

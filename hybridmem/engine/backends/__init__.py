@@ -14,11 +14,11 @@ from hybridmem.engine.backends.registry import (
     PHASES,
     BackendProfile,
     Step,
-    _reset_for_tests,
     canonical_phase,
     get_backend,
     list_backends,
     register_backend,
+    restore_registry,
 )
 
 __all__ = [
@@ -45,4 +45,4 @@ for _profile in BUILTIN:
 
 def reset_registry() -> None:
     """Forget every registered backend but the built-in ones (and reload entry points)."""
-    _reset_for_tests(list(BUILTIN))
+    restore_registry(BUILTIN)

@@ -28,6 +28,7 @@ __all__ = [
     "get_backend",
     "list_backends",
     "register_backend",
+    "restore_registry",
 ]
 
 #: What a step can do, and when each kind runs.
@@ -354,7 +355,11 @@ def get_backend(name: str | None = None) -> BackendProfile:
     return profile
 
 
-def _reset_for_tests(builtin: list[BackendProfile]) -> None:
+def restore_registry(builtin: Iterable[BackendProfile]) -> None:
+    """Forget every registered backend but ``builtin``; entry points load again on next use.
+
+    Scope: process-wide, thread-safe. For test suites that register profiles.
+    """
     global _entry_points_loaded
     with _lock:
         _registry.clear()
