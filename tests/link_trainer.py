@@ -42,6 +42,9 @@ class _DiesAfter:
     def poll(self, timeout: float) -> bool:
         return bool(self._conn.poll(timeout))
 
+    def fileno(self) -> int:
+        return int(self._conn.fileno())
+
 
 def run(
     control: Connection,

@@ -573,7 +573,7 @@ def test_a_peer_whose_end_is_closed_fails_the_sync_with_a_sync_error_on_either_s
 def test_a_silent_receiver_times_out_with_a_clear_error(cpu_as_device: list[int]) -> None:
     with hm.WeightBucket(4 * KiB) as bucket:
         silent = ScriptedChannel()
-        with pytest.raises(hm.SyncError, match=r"sent no an ack.* for 0.2 s \(timeout=\)"):
+        with pytest.raises(hm.SyncError, match=r"did not send an ack.* within 0.2 s \(timeout=\)"):
             bucket.send(model_tensors(), silent, timeout=0.2)
         assert silent.sent[-1][0] == "abort"
     receiver_side = ScriptedChannel()

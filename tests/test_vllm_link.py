@@ -275,7 +275,7 @@ def test_a_silent_trainer_times_out_and_its_exit_is_noticed_while_idle() -> None
     child = _Child(silent=True, timeout=0.5)
     try:
         fds = len(os.listdir("/proc/self/fd"))
-        with pytest.raises(SyncError, match=r"sent no marker of sync 1 for 0\.5 s"):
+        with pytest.raises(SyncError, match=r"did not send the marker of sync 1 within 0\.5 s"):
             child.sync()
         assert len(os.listdir("/proc/self/fd")) == fds  # no pidfd left behind by the failure
         assert child.applied == []
@@ -304,7 +304,8 @@ def test_a_trainer_gone_before_the_token_is_sent_is_a_sync_error(
     with TrainerLink(4096, transport="host", timeout=2) as link:
         info = link.init_info()
     with pytest.raises(
-        SyncError, match=r"end of the channel is closed .* sent the token: it exited"
+        SyncError,
+        match=r"end of the channel is closed .* sent the token: it exited or closed the link",
     ):
         EngineLink(info, CPU)
     assert ours.fileno() == -1  # the worker closed its end too
@@ -420,3 +421,46 @@ def test_a_worker_without_a_gpu_takes_only_a_host_bucket(transport: Any) -> None
     else:
         with pytest.raises(ValueError, match=rf"bucket is '{transport}' \(device memory\)"):
             _receiver_device(torch.device("cpu"), handle)
+
+
+def test_a_trainer_that_shuts_its_link_down_is_let_go_between_syncs(pair: _Pair) -> None:
+    pair.sync(_weights())
+    engine = pair.engine
+    assert engine is not None
+    pair.trainer.close()  # the trainer engine's shutdown(): its process lives on
+    engine._watcher.join(30)  # bounded: the watcher looks every second
+    assert not engine._watcher.is_alive()
+    assert engine.closed  # the buffers are unmapped now, not at the next trainer_init
+    with pytest.raises(RuntimeError, match=r"link to trainer pid .* is closed"):
+        engine.update(pair.applied.append, 2)
+
+
+def test_a_replaced_link_fails_at_once_and_says_so(pair: _Pair) -> None:
+    pair.sync(_weights())
+    old = pair.trainer
+    newer = TrainerLink(4096, transport="host", timeout=30)
+    try:
+
+        def replace(info: dict[str, Any]) -> None:  # what the worker does on a second init
+            assert pair.engine is not None
+            pair.engine.close()
+            pair.engine = EngineLink(info, CPU, _schema(_weights()))
+
+        newer.connect(replace)
+        calls = len(pair.updates)
+        with pytest.raises(SyncError, match="closed this link before the sync: a later"):
+            old.sync(_weights(), pair.update)
+        assert len(pair.updates) == calls  # vLLM was not called: no worker left waiting
+        assert pair.engine is not None
+        stale = old.init_info()["address"]
+        with pytest.raises(RuntimeError, match="a later init_weight_transfer_engine replaced"):
+            pair.engine.update(pair.applied.append, 2, stale)  # the worker refuses it too
+        engine = pair.engine
+
+        def update(info: dict[str, Any]) -> None:
+            engine.update(pair.applied.append, info["sync"], info["link"])
+
+        newer.sync(_weights(3.0), update)  # the newest link syncs as ever
+        _same(pair.applied[-1], _weights(3.0))
+    finally:
+        newer.close()

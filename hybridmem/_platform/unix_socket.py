@@ -30,6 +30,7 @@ __all__ = [
     "listen",
     "message_channel",
     "new_address",
+    "peer_closed",
     "peer_credentials",
     "receive_with_fds",
     "send_with_fds",
@@ -96,6 +97,23 @@ def message_channel(sock: socket.socket) -> Connection:
     """
     sock.settimeout(None)
     return Connection(sock.detach())
+
+
+def peer_closed(channel: Connection) -> bool:
+    """Whether the peer closed its end of ``channel``; never blocks, never reads a message.
+
+    Peeks at the socket (on a duplicate of its fd): an end of file is all that is left
+    to read once the peer closed the connection, while a pending message means it has
+    not. A reset connection counts as closed.
+    """
+    with socket.fromfd(channel.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            data = probe.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+    return data == b""
 
 
 def peer_credentials(sock: socket.socket) -> Credentials:

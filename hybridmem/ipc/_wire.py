@@ -243,15 +243,16 @@ def recv_within(channel: Channel, timeout: float | None, peer: Peer, waiting_for
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise SyncError(
-                    f"the {peer.what} (pid {peer.pid or '?'}) sent no {waiting_for} for "
-                    f"{timeout:g} s (timeout=): it is stuck or gone"
+                    f"the {peer.what} (pid {peer.pid or '?'}) did not send {waiting_for} "
+                    f"within {timeout:g} s (timeout=): it is stuck or gone"
                 )
             try:
                 if poll(_SLICE_S if left is None else min(left, _SLICE_S)):
                     break
             except (EOFError, OSError) as exc:
                 raise SyncError(
-                    f"the {peer.what}'s end of the channel is closed ({exc!r}): it exited"
+                    f"the {peer.what}'s end of the channel is closed ({exc!r}) while this side "
+                    f"waited for {waiting_for}: it exited or closed the link"
                 ) from exc
             if not peer.alive():
                 raise SyncError(
@@ -263,7 +264,7 @@ def recv_within(channel: Channel, timeout: float | None, peer: Peer, waiting_for
     except (EOFError, OSError) as exc:
         raise SyncError(
             f"the {peer.what}'s end of the channel is closed ({exc!r}) while this side waited "
-            f"for {waiting_for}: it exited"
+            f"for {waiting_for}: it exited or closed the link"
         ) from exc
 
 
@@ -296,5 +297,5 @@ def send_to(channel: Channel, message: Any, peer: Peer, what: str, *, raw: bool 
     except (EOFError, OSError) as exc:
         raise SyncError(
             f"the {peer.what}'s end of the channel is closed ({exc!r}) while this side sent "
-            f"{what}: it exited"
+            f"{what}: it exited or closed the link"
         ) from exc

@@ -74,6 +74,7 @@ class HybridmemUpdateInfo(WeightTransferUpdateInfo):
     sync: int
     tensors: int
     weight_version: str | None = None
+    link: str | None = None  # the trainer link it comes over (a replaced one's is refused)
 
 
 @dataclass
@@ -214,7 +215,7 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         """Receive one sync whole, check it, then reload it in one step."""
         if self.link is None:
             raise RuntimeError("no hybridmem link: call init_weight_transfer_engine first")
-        self.link.update(self._reload, update_info.sync)
+        self.link.update(self._reload, update_info.sync, update_info.link)
         self.weight_version = update_info.weight_version
         logger.info(
             "vLLM worker: sync %d applied (%d tensors, version %s)",

@@ -58,6 +58,8 @@ class EngineLink:
         schema: Schema | None = None,
     ) -> None:
         address, token, self.timeout, self.keep_staging = parse_init_info(init_info)
+        #: the trainer's link this one connects to (each sync names the link it is for)
+        self.address = str(init_info["address"])
         self.schema = None if schema is None else dict(schema)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -109,7 +111,9 @@ class EngineLink:
         """Whether the link let go of the bucket (closed, or the trainer exited)."""
         return self._closed
 
-    def update(self, apply: Callable[[Weights], object], sync: int | None = None) -> int:
+    def update(
+        self, apply: Callable[[Weights], object], sync: int | None = None, link: str | None = None
+    ) -> int:
         """Receive one whole sync, check it, then call ``apply(weights)`` once.
 
         Nothing reaches ``apply`` unless every tensor arrived and fits the schema, so
@@ -123,6 +127,8 @@ class EngineLink:
             sync: the trainer's sync number (its ``update_info["sync"]``): what an
                 earlier, failed sync left unread is skipped up to its marker. None:
                 take the next sync as it comes.
+            link: the trainer link the sync comes over (its ``update_info["link"]``):
+                a sync of a link this one replaced is refused at once. None: unchecked.
 
         Returns:
             How many tensors were applied.
@@ -131,8 +137,14 @@ class EngineLink:
             ValueError: a name or shape the model does not take (nothing applied).
             SyncError: the trainer died, timed out or aborted (nothing applied); if
                 it died, the link is closed: the trainer must connect a new one.
-            RuntimeError: the link is closed.
+            RuntimeError: the link is closed, or the sync is a replaced link's.
         """
+        if link is not None and link != self.address:
+            raise RuntimeError(
+                "this update_weights comes from a trainer link that a later "
+                "init_weight_transfer_engine replaced: sync through the newest trainer_init's "
+                "engine (the old one's link is closed); the model keeps its weights"
+            )
         with self._lock:
             if self._closed:
                 raise RuntimeError(
@@ -185,7 +197,7 @@ class EngineLink:
         peer = Peer(self.trainer_pid, "trainer")
         try:
             while True:
-                message = recv_within(self._conn, self.timeout, peer, f"marker of sync {sync}")
+                message = recv_within(self._conn, self.timeout, peer, f"the marker of sync {sync}")
                 if message == ("sync", sync):
                     return
                 logger.debug("vLLM link: skipped %r, left by an earlier sync", message[:2])
@@ -193,16 +205,28 @@ class EngineLink:
             peer.close()
 
     def _watch(self) -> None:
-        """Let go of the buffers once the trainer exits (SIGKILL included)."""
+        """Let go of the buffers once the trainer exits (SIGKILL included) or closes the link.
+
+        A closed link is seen between syncs (the lock free, nothing left to read but the
+        end of the connection): the trainer's ``shutdown()``/``close()``.
+        """
         peer = Peer(self.trainer_pid, "trainer")
         try:
             while not self._closed:
-                if not peer.alive():
+                why = None if peer.alive() else "exited"
+                if why is None and self._lock.acquire(blocking=False):
+                    try:
+                        if not self._closed and unix_socket.peer_closed(self._conn):
+                            why = "closed the link"
+                    finally:
+                        self._lock.release()
+                if why is not None:
                     with self._lock:
                         if not self._closed:
                             logger.info(
-                                "vLLM link: trainer pid %d exited; its buffers are let go",
+                                "vLLM link: trainer pid %d %s; its buffers are let go",
                                 self.trainer_pid,
+                                why,
                             )
                             self._close_locked()
                     return

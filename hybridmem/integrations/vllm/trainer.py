@@ -219,7 +219,7 @@ class TrainerLink(ClosesOnExit):
             ):
                 raise SyncError("the connecting process did not present this link's token")
             send_to(conn, ("bucket", PROTOCOL, self.bucket.handle), peer, "the bucket")
-            message = recv_within(conn, self.timeout, peer, "the engine's ready")
+            message = recv_within(conn, self.timeout, peer, "its ready message")
             if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "ready"):
                 raise SyncError(f"unexpected answer from the engine: {message!r}")
         except BaseException:
@@ -272,18 +272,30 @@ class TrainerLink(ClosesOnExit):
 
         Raises:
             ValueError: a name or shape the engine's model does not take; nothing sent.
-            SyncError: the engine died, closed the link or did not answer in time.
+            SyncError: the engine died, closed the link (a later link replaced this
+                one: said at once, before vLLM is called) or did not answer in time.
             RuntimeError: not connected, or the engine refused the update (its error).
         """
         if self._conn is None:
             raise RuntimeError("this TrainerLink has no engine: call connect() first")
+        if unix_socket.peer_closed(self._conn):
+            raise SyncError(
+                "the engine closed this link before the sync: a later trainer_init replaced "
+                "it, or the engine shut its weight transfer down or exited. Nothing was sent "
+                "and vLLM was not called; sync through the newest trainer_init's engine"
+            )
         items = self.bucket.check(named)  # refused here, before vLLM is told anything
         self.check(items)
         if start is not None:
             start()
         self._syncs += 1
         sync = self._syncs
-        info = {"sync": sync, "tensors": len(items), "weight_version": weight_version}
+        info = {
+            "sync": sync,
+            "tensors": len(items),
+            "weight_version": weight_version,
+            "link": self.init_info()["address"],  # a replaced link's sync is refused at once
+        }
         conn = self._conn
 
         def send(failed: threading.Event) -> SyncReport:
