@@ -103,7 +103,8 @@ def main() -> int:
 
     import torch
 
-    from hybridmem.memory.release import GarbageGate, release_cache
+    from hybridmem.scopes.garbage import GarbageGate
+    from hybridmem.scopes.release import release_cache
 
     model, optimizer, name = _trainer()
     torch.cuda.synchronize()

@@ -32,31 +32,32 @@ if TYPE_CHECKING:
         OffloadError,
         SyncError,
     )
-    from hybridmem.allocator.scopes import (
-        allocator_settings,
-        expandable_segments,
-        set_allocator_defaults,
-    )
     from hybridmem.allocator.state import allocator_state
-    from hybridmem.engine.backends import get_backend, list_backends, register_backend
-    from hybridmem.engine.backends.adapters import EngineAdapter, SGLangEngine, VLLMEngine
-    from hybridmem.engine.backends.registry import BackendProfile, Step
-    from hybridmem.engine.phases import phase
     from hybridmem.engine.switch import HybridSwitch
     from hybridmem.ipc.bucket import WeightBucket
     from hybridmem.ipc.capabilities import ipc_capabilities
     from hybridmem.ipc.export import TensorHandle, ipc_export
     from hybridmem.ipc.fd_reducer import ipc_fd_sharing
     from hybridmem.ipc.receiver import BucketReceiver
-    from hybridmem.ipc.shareable import allow_ptrace_from_any, ipc_safe, ipc_shareable
+    from hybridmem.ipc.shareable import allow_ptrace_from_any, ipc_shareable
     from hybridmem.memory.compact import compact
     from hybridmem.memory.offload import Offloader
     from hybridmem.memory.offload_scope import offloaded
     from hybridmem.memory.one_segment import one_segment
-    from hybridmem.memory.release import aggressive_cache_release, release_cache
     from hybridmem.observe.leakwatch import LeakWatch
     from hybridmem.observe.memory import memory_info
     from hybridmem.observe.timeline import get_timeline, record
+    from hybridmem.scopes.allocator import (
+        allocator_settings,
+        expandable_segments,
+        set_allocator_defaults,
+    )
+    from hybridmem.scopes.engines import EngineAdapter, SGLangEngine, VLLMEngine
+    from hybridmem.scopes.ipc_safe import ipc_safe
+    from hybridmem.scopes.phases import phase
+    from hybridmem.scopes.profiles import BackendProfile, Step
+    from hybridmem.scopes.registry import get_backend, list_backends, register_backend
+    from hybridmem.scopes.release import aggressive_cache_release, release_cache
 
 from hybridmem._version import __version__
 
@@ -65,9 +66,9 @@ from hybridmem._version import __version__
 # docs/api.md and docs/architecture.md.
 _LAZY = {
     "AllocatorSettingsError": "hybridmem._errors",
-    "BackendProfile": "hybridmem.engine.backends.registry",
+    "BackendProfile": "hybridmem.scopes.profiles",
     "BucketReceiver": "hybridmem.ipc.receiver",
-    "EngineAdapter": "hybridmem.engine.backends.adapters",
+    "EngineAdapter": "hybridmem.scopes.engines",
     "HybridMemWarning": "hybridmem._errors",
     "HybridSwitch": "hybridmem.engine.switch",
     "HybridSwitchError": "hybridmem._errors",
@@ -75,34 +76,34 @@ _LAZY = {
     "LeakWatch": "hybridmem.observe.leakwatch",
     "OffloadError": "hybridmem._errors",
     "Offloader": "hybridmem.memory.offload",
-    "SGLangEngine": "hybridmem.engine.backends.adapters",
-    "Step": "hybridmem.engine.backends.registry",
+    "SGLangEngine": "hybridmem.scopes.engines",
+    "Step": "hybridmem.scopes.profiles",
     "SyncError": "hybridmem._errors",
     "TensorHandle": "hybridmem.ipc.export",
-    "VLLMEngine": "hybridmem.engine.backends.adapters",
+    "VLLMEngine": "hybridmem.scopes.engines",
     "WeightBucket": "hybridmem.ipc.bucket",
-    "aggressive_cache_release": "hybridmem.memory.release",
-    "allocator_settings": "hybridmem.allocator.scopes",
+    "aggressive_cache_release": "hybridmem.scopes.release",
+    "allocator_settings": "hybridmem.scopes.allocator",
     "allocator_state": "hybridmem.allocator.state",
     "allow_ptrace_from_any": "hybridmem.ipc.shareable",
     "compact": "hybridmem.memory.compact",
-    "expandable_segments": "hybridmem.allocator.scopes",
-    "get_backend": "hybridmem.engine.backends",
+    "expandable_segments": "hybridmem.scopes.allocator",
+    "get_backend": "hybridmem.scopes.registry",
     "get_timeline": "hybridmem.observe.timeline",
     "ipc_capabilities": "hybridmem.ipc.capabilities",
     "ipc_export": "hybridmem.ipc.export",
     "ipc_fd_sharing": "hybridmem.ipc.fd_reducer",
-    "ipc_safe": "hybridmem.ipc.shareable",
+    "ipc_safe": "hybridmem.scopes.ipc_safe",
     "ipc_shareable": "hybridmem.ipc.shareable",
-    "list_backends": "hybridmem.engine.backends",
+    "list_backends": "hybridmem.scopes.registry",
     "memory_info": "hybridmem.observe.memory",
     "offloaded": "hybridmem.memory.offload_scope",
     "one_segment": "hybridmem.memory.one_segment",
-    "phase": "hybridmem.engine.phases",
+    "phase": "hybridmem.scopes.phases",
     "record": "hybridmem.observe.timeline",
-    "register_backend": "hybridmem.engine.backends",
-    "release_cache": "hybridmem.memory.release",
-    "set_allocator_defaults": "hybridmem.allocator.scopes",
+    "register_backend": "hybridmem.scopes.registry",
+    "release_cache": "hybridmem.scopes.release",
+    "set_allocator_defaults": "hybridmem.scopes.allocator",
 }
 
 

@@ -147,7 +147,8 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         probe: run the CUDA IPC probe (child processes; a few seconds with a GPU).
     """
     from hybridmem import _torch
-    from hybridmem.allocator import ENV_VARS, allocator_state
+    from hybridmem.allocator.effective import ENV_VARS
+    from hybridmem.allocator.state import allocator_state
 
     problems: list[str] = []
     notes: list[str] = []
@@ -238,7 +239,7 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
 
 
 def _print_human(report: dict[str, Any]) -> None:
-    from hybridmem.allocator import ENV_VARS
+    from hybridmem.allocator.effective import ENV_VARS
 
     t = report["torch"]
     print(f"hybridmem {report['hybridmem']}  (python {report['python']})")

@@ -15,12 +15,12 @@ import torch
 from hybridmem import _log, _torch
 from hybridmem.allocator.grammar import parse_settings
 from hybridmem.allocator.rules import TorchRules, default_state
-from hybridmem.allocator.scopes import _reset_state_for_tests
-from hybridmem.engine import backends
 from hybridmem.ipc import _launch as _probe_launch
 from hybridmem.ipc import capabilities
 from hybridmem.ipc import shareable as ipc
 from hybridmem.observe import timeline
+from hybridmem.scopes import registry as backends
+from hybridmem.scopes.allocator import _reset_state_for_tests
 
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "HYBRIDMEM_DISABLE")
 

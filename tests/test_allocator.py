@@ -151,7 +151,7 @@ def test_force_overrides_and_disabling_is_always_allowed(
     assert last_applied(fake)["expandable_segments"] == "True"
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    from hybridmem.allocator.scopes import _reset_state_for_tests
+    from hybridmem.scopes.allocator import _reset_state_for_tests
 
     _reset_state_for_tests()
     fake.last = None
@@ -246,7 +246,7 @@ def test_env_values_torch_misreads_are_read_its_way_with_one_warning(
 
 def _reset_state() -> None:
     from hybridmem import _log
-    from hybridmem.allocator.scopes import _reset_state_for_tests
+    from hybridmem.scopes.allocator import _reset_state_for_tests
 
     _reset_state_for_tests()
     _log.reset_once()
@@ -750,7 +750,7 @@ def _meaning(settings: dict[str, str]) -> dict[str, str]:
 def test_random_nesting_with_exceptions_restores(
     fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, tree: list[object], env_split: str | None
 ) -> None:
-    from hybridmem.allocator.scopes import _reset_state_for_tests
+    from hybridmem.scopes.allocator import _reset_state_for_tests
 
     _reset_state_for_tests()
     fake.applied.clear()

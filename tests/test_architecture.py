@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hybridmem._devices", "hybridmem._scope"),
     # side by side: none imports another
     ("hybridmem.observe", "hybridmem.allocator", "hybridmem.packing"),
+    ("hybridmem.scopes",),  # the card's wing: the scopes a sharding manager stacks
     ("hybridmem.memory",),
     ("hybridmem.ipc",),
     ("hybridmem.engine",),
@@ -214,3 +215,28 @@ def test_long_modules_say_why_at_their_top() -> None:
                     f"{module}: {len(lines)} lines and no 'Why this module is long' at its top"
                 )
     assert not long, "\n".join(long)
+
+
+#: What the card's wing (hybridmem/scopes/) stands on; everything else is an extra.
+WING_STANDS_ON = (
+    "hybridmem._",  # the ground, the seam, the base
+    "hybridmem.allocator",
+    "hybridmem.observe",
+    "hybridmem.scopes",
+)
+
+
+def test_the_cards_wing_imports_no_extra() -> None:
+    """The scopes, cache release, phases and the registry read in one sitting.
+
+    Offload, weight transfer, the switch, the bench, the CLI and the integrations
+    stand on the wing; it imports none of them (nor packing, which is apart).
+    """
+    found = []
+    for module, path in _modules().items():
+        if not module.startswith("hybridmem.scopes"):
+            continue
+        for target, _, line in _imports(module, path):
+            if not target.startswith(WING_STANDS_ON):
+                found.append(f"{module}:{line} imports {target}")
+    assert not found, "\n".join(found)

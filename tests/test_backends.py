@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem.engine.backends import PHASES, list_backends, registry
+from hybridmem.scopes import profiles, registry
+from hybridmem.scopes.profiles import PHASES
+from hybridmem.scopes.registry import list_backends
 from tests.helpers import run_python
 
 PLUGIN = hm.BackendProfile(
@@ -116,8 +118,8 @@ def test_profiles_are_immutable() -> None:
 
 
 def test_phase_names_and_aliases() -> None:
-    assert registry.canonical_phase("generate") == "rollout"
-    assert registry.canonical_phase("update_weights") == "weight_sync"
+    assert profiles.canonical_phase("generate") == "rollout"
+    assert profiles.canonical_phase("update_weights") == "weight_sync"
     assert hm.phase("generation", backend="vllm").name == "rollout"
     with pytest.raises(ValueError, match="unknown phase 'decode'; phases: train, wake_up"):
         hm.phase("decode")

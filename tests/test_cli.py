@@ -14,10 +14,10 @@ import torch
 
 import hybridmem as hm
 from hybridmem import cli
-from hybridmem.allocator.scopes import _reset_state_for_tests
 from hybridmem.cli import main
 from hybridmem.ipc import capabilities
 from hybridmem.observe import timeline
+from hybridmem.scopes.allocator import _reset_state_for_tests
 from tests.conftest import FakeTorch
 from tests.helpers import run_python
 

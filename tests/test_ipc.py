@@ -15,6 +15,7 @@ from hybridmem import _torch
 from hybridmem._platform import linux as _linux
 from hybridmem.ipc import capabilities
 from hybridmem.ipc import shareable as ipc
+from hybridmem.scopes.ipc_safe import note_probe
 from tests.conftest import FakeTorch, patch_seam
 
 
@@ -166,7 +167,7 @@ def test_cached_probe_failure_picks_host(
     training: FakeTorch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     broken = capabilities._interpret(0, {"classic_ok": False, "classic_import_error": "boom"}, 0.1)
-    monkeypatch.setitem(capabilities._cache, 0, broken)
+    note_probe(0, broken.classic_ipc, broken.reason)  # what ipc_capabilities() notes
     with pytest.raises(hm.IpcUnavailableError, match="boom"), hm.ipc_safe(fallback="raise"):
         pass
     scope = hm.ipc_safe()

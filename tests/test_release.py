@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hybridmem as hm
-from hybridmem.memory.release import MAX_GC_ROUNDS
+from hybridmem.scopes.release import MAX_GC_ROUNDS
 from tests.conftest import FakeDevice, FakeTorch, patch_seam
 
 GiB = 1 << 30
@@ -303,7 +303,7 @@ def test_young_collection_collects_generations_0_and_1(fake_gpu: FakeTorch) -> N
 
 
 def test_the_gate_pays_a_full_pass_only_when_memory_stayed(fake_gpu: FakeTorch) -> None:
-    from hybridmem.memory.release import GC_SLACK_BYTES, GarbageGate
+    from hybridmem.scopes.garbage import GC_SLACK_BYTES, GarbageGate
 
     gate = GarbageGate()
     gate.release(None, "a")  # nothing to compare with yet
@@ -346,7 +346,7 @@ def test_blas_workspaces_go_before_the_cache_is_emptied(
 def test_a_stuck_cache_is_explained_once(
     fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from hybridmem.memory.release import STUCK_CACHE_BYTES
+    from hybridmem.scopes.release import STUCK_CACHE_BYTES
 
     caplog.set_level(logging.INFO, logger="hybridmem")
     device = fake_gpu.devices[0]
@@ -365,7 +365,7 @@ def test_a_stuck_cache_is_explained_once(
 def test_a_small_cache_left_is_not_worth_a_line(
     fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from hybridmem.memory.release import STUCK_CACHE_BYTES
+    from hybridmem.scopes.release import STUCK_CACHE_BYTES
 
     caplog.set_level(logging.INFO, logger="hybridmem")
     device = fake_gpu.devices[0]

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import hybridmem as hm
-from hybridmem.engine import phases
 from hybridmem.engine.ranks import RankStatus
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.memory.offload import OffloadInFlight, OffloadReport
 from hybridmem.observe.memory import MemoryInfo
+from hybridmem.scopes import phases
 from tests.conftest import FakeTorch, fail_resizes
 
 GiB = 1 << 30
@@ -553,7 +553,7 @@ def test_switch_collects_young_generations_and_a_full_pass_only_when_memory_stay
     # The KV cache after the copies landed: two release points to rollout (with it under
     # them, one: tests/test_switch_offload.py).
     switch, _ = make(trainer, kv_under_offload=False)  # the default: "adaptive"
-    assert switch.collect_garbage == "adaptive"
+    assert switch.garbage.mode == "adaptive"
     # The first switch has nothing to compare with: a full pass at each release point
     # (to rollout: after the offload and after the weight sync).
     switch.to_rollout()
@@ -578,7 +578,7 @@ def test_switch_collects_young_generations_and_a_full_pass_only_when_memory_stay
     assert trainer.events.count("gc:1") == 2
     assert "gc" in trainer.events  # after the offload, where memory stayed
     assert trainer.events.index("gc:1") < trainer.events.index("gc")
-    assert switch.garbage.full_passes == 4  # the first cycle's 3 release points, then this
+    assert switch.garbage.gate.full_passes == 4  # the first cycle's 3 release points, then this
     assert trainer.devices[0].allocated == held  # the cycle's gigabyte is back
 
 
@@ -595,14 +595,14 @@ def test_switch_without_garbage_collection(trainer: FakeTorch) -> None:
     assert trainer.events.count("gc") >= 5
     for bad in (1, 0, "always", None):
         with pytest.raises(
-            TypeError, match="collect_garbage must be True, False, 'once' or 'adaptive'"
+            TypeError, match="collect_garbage must be True, False, 'young', 'once' or 'adaptive'"
         ):
             make(trainer, collect_garbage=bad)
 
 
 def test_switch_collects_garbage_once_per_direction(trainer: FakeTorch) -> None:
     switch, _ = make(trainer, collect_garbage="once")
-    assert switch.collect_garbage == "once"
+    assert switch.garbage.mode == "once"
     for cycle in range(3):
         trainer.events.clear()
         switch.to_rollout()
@@ -877,7 +877,7 @@ def test_a_switch_builds_its_phases_once(
     trainer: FakeTorch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue #27: built in __init__, entered every cycle; the garbage policy at entry."""
-    from hybridmem.engine import phases
+    from hybridmem.scopes import phases
 
     built: list[str] = []
     original = phases.Phase.__init__

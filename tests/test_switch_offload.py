@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem.engine import phases, switch_reload
+from hybridmem.engine import switch_reload
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.engine.switch_offload import WEIGHTS_MARGIN_BYTES, kv_need, weights_need
 from hybridmem.engine.switch_reload import tail_bytes
 from hybridmem.memory.offload import OffloadInFlight
 from hybridmem.observe.memory import MemoryInfo
+from hybridmem.scopes import phases
 from tests.conftest import FakeTorch
 from tests.test_switch import (
     AsyncSGLang,
@@ -407,11 +408,11 @@ def test_the_landing_after_the_kv_wake_releases_at_the_staging_s_point(
     switch, _ = make(fake_gpu)  # "adaptive"
     switch.to_rollout()  # the first cycle: a full pass at each of its release points
     switch.to_trainer()
-    passes = switch.garbage.full_passes
+    passes = switch.garbage.gate.full_passes
     for _ in range(3):  # then young generations only, from the first cycle under it on
         fake_gpu.events.clear()
         switch.to_rollout()
         assert switch._state.kv_under
         assert [e for e in fake_gpu.events if e.startswith("gc")] == ["gc:1"]
         switch.to_trainer()
-    assert switch.garbage.full_passes == passes
+    assert switch.garbage.gate.full_passes == passes

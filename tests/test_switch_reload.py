@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 import hybridmem as hm
-from hybridmem.allocator.scopes import ExpandableSegments
-from hybridmem.engine.backends.registry import Step, get_backend
 from hybridmem.engine.switch_reload import early_margin, trainer_allocation
+from hybridmem.scopes.allocator import ExpandableSegments
+from hybridmem.scopes.profiles import Step
+from hybridmem.scopes.registry import get_backend
 from tests.conftest import FakeTorch
 from tests.test_switch import AsyncSGLang, Boom, FakeOffloader, FakeVLLM
 
@@ -105,7 +106,7 @@ def test_nothing_offloaded_means_nothing_to_queue(fake_gpu: FakeTorch) -> None:
 def test_the_async_driver_queues_it_too(
     fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hybridmem.engine import phases
+    from hybridmem.scopes import phases
 
     async def no_wait(device: Any, timeout_s: float, enough: Any = None) -> None:
         return None

@@ -15,9 +15,9 @@ import pytest
 
 import hybridmem as hm
 from hybridmem import _torch
-from hybridmem.engine import phases
 from hybridmem.engine.switch_settle import SETTLE_SLACK_BYTES, EngineReturn
 from hybridmem.observe.memory import MemoryInfo
+from hybridmem.scopes import phases
 from tests.conftest import FakeTorch
 
 GiB = 1 << 30
@@ -182,39 +182,3 @@ def test_await_free_ends_at_enough(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_enough_is_checked_where_it_is_given(value: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="enough"):
         phases.await_free(timeout_s=1, enough=value)  # type: ignore[arg-type]
-    with pytest.raises(error, match="enough_free"):
-        hm.phase("sleep", backend="sglang").entering(enough_free=value)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("driver", ["sync", "async"])
-def test_a_phase_passes_enough_free_to_its_await_free_step(
-    fake_gpu: FakeTorch, monkeypatch: pytest.MonkeyPatch, driver: str
-) -> None:
-    got: list[object] = []
-
-    def wait(device: Any = None, *, timeout_s: float = 5.0, enough: Any = None) -> Any:
-        got.append(enough)
-        return 0, 0.0
-
-    async def wait_async(device: Any, timeout_s: float, enough: Any = None) -> None:
-        got.append(enough)
-
-    monkeypatch.setattr(phases, "await_free", wait)
-    monkeypatch.setattr(phases, "await_free_async", wait_async)
-    sleep = hm.phase("sleep", backend="sglang")
-    if driver == "sync":
-        with sleep.entering(enough_free=7):
-            pass
-        with sleep:
-            pass
-    else:
-
-        async def main() -> None:
-            async with sleep.entering(enough_free=7):
-                pass
-            async with sleep:
-                pass
-
-        asyncio.run(main())
-    assert got == [7, None]
-    assert "enough_free=7" in repr(sleep.entering(enough_free=7))

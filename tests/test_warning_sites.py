@@ -20,7 +20,7 @@ import torch
 
 import hybridmem as hm
 from hybridmem import _env
-from hybridmem.engine.backends import registry
+from hybridmem.scopes import registry
 from tests.conftest import FakeDevice, FakeTorch, patch_seam
 from tests.helpers import REPO, run_python
 
@@ -148,8 +148,9 @@ TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("allocator/state.py", "_check_can_apply"): _no_setter,
     ("allocator/state.py", "_check_can_apply#2"): _async_backend,
     ("allocator/state.py", "pop"): _out_of_order,
-    ("engine/backends/registry.py", "_load_entry_points"): _broken_plugin,
+    ("scopes/registry.py", "_load_entry_points"): _broken_plugin,
     ("ipc/transports/choice.py", "choose_transport"): _bucket_fd_fallback,
+    ("scopes/ipc_safe.py", "_enter"): _ipc_host_fallback,
     ("memory/one_segment.py", "_enter"): _no_room_for_one_segment,
     ("observe/leakwatch.py", "observe"): _leak,
     # observe/timeline.py _start_from_env runs at import: tested in a fresh process below
@@ -206,16 +207,6 @@ def test_the_warning_names_the_users_line(
         assert Path(warning.filename) == Path(__file__), (
             f"{warning.message} points at {warning.filename}:{warning.lineno}"
         )
-
-
-def test_ipc_safes_fallback_to_host_names_the_users_line(fake: FakeTorch) -> None:
-    """The same call site as the bucket's fd fallback, reached from ``ipc_safe``."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _ipc_host_fallback(pytest.MonkeyPatch(), fake)
-    ours = [w for w in caught if issubclass(w.category, hm.HybridMemWarning)]
-    assert ours
-    assert all(Path(w.filename) == Path(__file__) for w in ours), ours[0].filename
 
 
 _IMPORT_SCRIPT = """\

@@ -29,94 +29,181 @@ only called by hybridmem once :func:`cuda_initialized` is true.
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from hybridmem._torch.blocks import (
-    MIN_BLOCK_BYTES,
-    SMALL_REQUEST_BYTES,
-    block_bytes,
-    hold_block,
-    private_pool_ranges,
-    storage_address,
-)
-from hybridmem._torch.device import (
-    clear_blas_workspaces,
-    cuda_available,
-    cuda_built,
-    cuda_initialized,
-    cuda_version,
-    current_device,
-    device_count,
-    empty_cache,
-    has_context,
-    initialized_devices,
-    ipc_collect,
-    mem_get_info,
-    memory_stats,
-    synchronize,
-)
-from hybridmem._torch.dist import (
-    dist_all_gather_object,
-    dist_all_gather_tensors,
-    dist_barrier,
-    dist_initialized,
-    dist_rank,
-    process_rank,
-)
-from hybridmem._torch.dlpack import live_external_tensors, tensor_from_memory
-from hybridmem._torch.ipc import (
-    device_index_by_uuid,
-    device_uuid,
-    event_seconds,
-    export_cuda_tensor,
-    import_cuda_tensor,
-    ipc_event_handle,
-    is_legacy_ipc_capable,
-    new_event,
-    new_ipc_event,
-    new_timed_event,
-    open_ipc_event,
-    query_event,
-    record_event,
-    synchronize_event,
-    wait_event,
-)
-from hybridmem._torch.mapped import copy_by_kernel, host_device_view
-from hybridmem._torch.settings import (
-    GETTER,
-    NEW_SETTER,
-    last_allocator_settings,
-    record_memory_history,
-    runtime_allocator_backend,
-    set_allocator_settings,
-    settings_setter_name,
-    snapshot,
-    snapshot_allocator_settings,
-)
-from hybridmem._torch.tensors import (
-    copy_many,
-    current_stream,
-    dense_parts,
-    is_device_tensor,
-    local_tensor,
-    new_stream,
-    nonzero_static,
-    pin_host_tensor,
-    release_stream,
-    resize_storage,
-    storage_bytes,
-    storage_key,
-    storage_of,
-    storage_resizable,
-    stream_scope,
-    synchronize_stream,
-    unpin_host_tensor,
-    wait_stream,
-)
-from hybridmem._torch.version import (
-    torch_version,
-    torch_version_string,
-)
+if TYPE_CHECKING:
+    from hybridmem._torch.blocks import (
+        MIN_BLOCK_BYTES,
+        SMALL_REQUEST_BYTES,
+        block_bytes,
+        hold_block,
+        private_pool_ranges,
+        storage_address,
+    )
+    from hybridmem._torch.device import (
+        clear_blas_workspaces,
+        cuda_available,
+        cuda_built,
+        cuda_initialized,
+        cuda_version,
+        current_device,
+        device_count,
+        empty_cache,
+        has_context,
+        initialized_devices,
+        ipc_collect,
+        mem_get_info,
+        memory_stats,
+        synchronize,
+    )
+    from hybridmem._torch.dist import (
+        dist_all_gather_object,
+        dist_all_gather_tensors,
+        dist_barrier,
+        dist_initialized,
+        dist_rank,
+        process_rank,
+    )
+    from hybridmem._torch.dlpack import live_external_tensors, tensor_from_memory
+    from hybridmem._torch.ipc import (
+        device_index_by_uuid,
+        device_uuid,
+        event_seconds,
+        export_cuda_tensor,
+        import_cuda_tensor,
+        ipc_event_handle,
+        is_legacy_ipc_capable,
+        new_event,
+        new_ipc_event,
+        new_timed_event,
+        open_ipc_event,
+        query_event,
+        record_event,
+        synchronize_event,
+        wait_event,
+    )
+    from hybridmem._torch.mapped import copy_by_kernel, host_device_view
+    from hybridmem._torch.settings import (
+        last_allocator_settings,
+        record_memory_history,
+        runtime_allocator_backend,
+        set_allocator_settings,
+        settings_setter_name,
+        snapshot,
+        snapshot_allocator_settings,
+    )
+    from hybridmem._torch.tensors import (
+        copy_many,
+        current_stream,
+        dense_parts,
+        is_device_tensor,
+        local_tensor,
+        new_stream,
+        nonzero_static,
+        pin_host_tensor,
+        release_stream,
+        resize_storage,
+        storage_bytes,
+        storage_key,
+        storage_of,
+        storage_resizable,
+        stream_scope,
+        synchronize_stream,
+        unpin_host_tensor,
+        wait_stream,
+    )
+    from hybridmem._torch.version import (
+        torch_version,
+        torch_version_string,
+    )
+
+# Where each name lives, loaded on first use (PEP 562): a process that uses only the
+# allocator scopes never loads the IPC, mapping or distributed modules.
+_LAZY = {
+    "MIN_BLOCK_BYTES": "hybridmem._torch.blocks",
+    "SMALL_REQUEST_BYTES": "hybridmem._torch.blocks",
+    "block_bytes": "hybridmem._torch.blocks",
+    "clear_blas_workspaces": "hybridmem._torch.device",
+    "copy_by_kernel": "hybridmem._torch.mapped",
+    "copy_many": "hybridmem._torch.tensors",
+    "cuda_available": "hybridmem._torch.device",
+    "cuda_built": "hybridmem._torch.device",
+    "cuda_initialized": "hybridmem._torch.device",
+    "cuda_version": "hybridmem._torch.device",
+    "current_device": "hybridmem._torch.device",
+    "current_stream": "hybridmem._torch.tensors",
+    "dense_parts": "hybridmem._torch.tensors",
+    "device_count": "hybridmem._torch.device",
+    "device_index_by_uuid": "hybridmem._torch.ipc",
+    "device_uuid": "hybridmem._torch.ipc",
+    "dist_all_gather_object": "hybridmem._torch.dist",
+    "dist_all_gather_tensors": "hybridmem._torch.dist",
+    "dist_barrier": "hybridmem._torch.dist",
+    "dist_initialized": "hybridmem._torch.dist",
+    "dist_rank": "hybridmem._torch.dist",
+    "empty_cache": "hybridmem._torch.device",
+    "event_seconds": "hybridmem._torch.ipc",
+    "export_cuda_tensor": "hybridmem._torch.ipc",
+    "has_context": "hybridmem._torch.device",
+    "hold_block": "hybridmem._torch.blocks",
+    "host_device_view": "hybridmem._torch.mapped",
+    "import_cuda_tensor": "hybridmem._torch.ipc",
+    "initialized_devices": "hybridmem._torch.device",
+    "ipc_collect": "hybridmem._torch.device",
+    "ipc_event_handle": "hybridmem._torch.ipc",
+    "is_device_tensor": "hybridmem._torch.tensors",
+    "is_legacy_ipc_capable": "hybridmem._torch.ipc",
+    "last_allocator_settings": "hybridmem._torch.settings",
+    "live_external_tensors": "hybridmem._torch.dlpack",
+    "local_tensor": "hybridmem._torch.tensors",
+    "mem_get_info": "hybridmem._torch.device",
+    "memory_stats": "hybridmem._torch.device",
+    "new_event": "hybridmem._torch.ipc",
+    "new_ipc_event": "hybridmem._torch.ipc",
+    "new_stream": "hybridmem._torch.tensors",
+    "new_timed_event": "hybridmem._torch.ipc",
+    "nonzero_static": "hybridmem._torch.tensors",
+    "open_ipc_event": "hybridmem._torch.ipc",
+    "pin_host_tensor": "hybridmem._torch.tensors",
+    "private_pool_ranges": "hybridmem._torch.blocks",
+    "process_rank": "hybridmem._torch.dist",
+    "query_event": "hybridmem._torch.ipc",
+    "record_event": "hybridmem._torch.ipc",
+    "record_memory_history": "hybridmem._torch.settings",
+    "release_stream": "hybridmem._torch.tensors",
+    "resize_storage": "hybridmem._torch.tensors",
+    "runtime_allocator_backend": "hybridmem._torch.settings",
+    "set_allocator_settings": "hybridmem._torch.settings",
+    "settings_setter_name": "hybridmem._torch.settings",
+    "snapshot": "hybridmem._torch.settings",
+    "snapshot_allocator_settings": "hybridmem._torch.settings",
+    "storage_address": "hybridmem._torch.blocks",
+    "storage_bytes": "hybridmem._torch.tensors",
+    "storage_key": "hybridmem._torch.tensors",
+    "storage_of": "hybridmem._torch.tensors",
+    "storage_resizable": "hybridmem._torch.tensors",
+    "stream_scope": "hybridmem._torch.tensors",
+    "synchronize": "hybridmem._torch.device",
+    "synchronize_event": "hybridmem._torch.ipc",
+    "synchronize_stream": "hybridmem._torch.tensors",
+    "tensor_from_memory": "hybridmem._torch.dlpack",
+    "torch_version": "hybridmem._torch.version",
+    "torch_version_string": "hybridmem._torch.version",
+    "unpin_host_tensor": "hybridmem._torch.tensors",
+    "wait_event": "hybridmem._torch.ipc",
+    "wait_stream": "hybridmem._torch.tensors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridmem._torch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups (and monkeypatching) see it here
+    return value
+
 
 __all__ = [
     "MIN_BLOCK_BYTES",
@@ -197,6 +284,10 @@ __all__ = [
 
 def api_report() -> dict[str, bool]:
     """Return which version-dependent torch APIs this build offers (for ``doctor``)."""
+    import torch
+
+    from hybridmem._torch.settings import GETTER, NEW_SETTER
+
     return {
         "torch._C._accelerator_setAllocatorSettings": callable(getattr(torch._C, NEW_SETTER, None)),
         "torch.cuda.memory._set_allocator_settings": callable(

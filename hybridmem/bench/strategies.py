@@ -36,13 +36,13 @@ from hybridmem import _torch
 from hybridmem.bench.engine import EngineClient
 from hybridmem.bench.engine_memory import memory_saver
 from hybridmem.bench.plan import BenchPlan
-from hybridmem.engine.backends.adapters import EngineAdapter, SGLangEngine
-from hybridmem.engine.phases import phase
 from hybridmem.engine.switch import HybridSwitch
 from hybridmem.ipc._plan import plan_batches
 from hybridmem.ipc.bucket import WeightBucket
 from hybridmem.memory.compact import compact
 from hybridmem.memory.offload import Offloader
+from hybridmem.scopes.engines import EngineAdapter, SGLangEngine
+from hybridmem.scopes.phases import phase
 
 __all__ = ["TMS_TAG", "Moved", "Strategy", "make_strategy", "strategy_classes"]
 

@@ -37,10 +37,6 @@ from hybridmem import _torch
 from hybridmem._checks import check_seconds
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
-from hybridmem.engine import phases
-from hybridmem.engine.backends.adapters import EngineAdapter, call_sync
-from hybridmem.engine.backends.registry import BackendProfile, get_backend
-from hybridmem.engine.phases import Phase
 from hybridmem.engine.ranks import (
     Barrier,
     DistRanks,
@@ -62,14 +58,20 @@ from hybridmem.engine.switch_parts import (
     in_thread,
     then_run,
 )
+from hybridmem.engine.switch_phase import SwitchPhase
 from hybridmem.engine.switch_ranks import RankProtocol
 from hybridmem.engine.switch_recovery import Recovery
 from hybridmem.engine.switch_reload import Reloading
 from hybridmem.engine.switch_settle import EngineReturn
 from hybridmem.memory.offload import Offloader
-from hybridmem.memory.release import GarbageGate, release_cache
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo, memory_info
+from hybridmem.scopes import phases
+from hybridmem.scopes.engines import EngineAdapter, call_sync
+from hybridmem.scopes.garbage import GarbageMode, GarbagePolicy
+from hybridmem.scopes.phases import Phase
+from hybridmem.scopes.profiles import BackendProfile
+from hybridmem.scopes.registry import get_backend
 
 __all__ = ["HybridSwitch"]
 
@@ -110,7 +112,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             (after the offload; after the engine sleeps) collects the young
             generations, and a full pass only when more device memory stayed
             allocated than after the last release at that point
-            (:class:`~hybridmem.memory.release.GarbageGate`): a planted reference
+            (:class:`~hybridmem.scopes.garbage.GarbageGate`): a planted reference
             cycle holding device memory is still freed, an idle release costs
             milliseconds; ``"once"``: a full pass in the first release of each
             direction; ``True`` in every release (five per cycle, the switch's own
@@ -153,7 +155,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         barrier: Barrier | RankSync | Literal["auto"] | None = "auto",
         confirm_timeout_s: float = 5.0,
         device: DeviceArg = None,
-        collect_garbage: bool | Literal["once", "adaptive"] = "adaptive",
+        collect_garbage: GarbageMode = "adaptive",
         reload_early: bool = True,
         reload_by: Literal["kernel", "copy_engine"] = "kernel",
         weights_under_offload: bool = True,
@@ -196,15 +198,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
-        if not (isinstance(collect_garbage, bool) or collect_garbage in ("once", "adaptive")):
-            raise TypeError(
-                "collect_garbage must be True, False, 'once' or 'adaptive', got "
-                f"{collect_garbage!r}"
-            )
-        self.collect_garbage: bool | Literal["once", "adaptive"] = collect_garbage
-        self._collected = False  # a gc pass ran (or is planned) in this direction
-        self.garbage = GarbageGate()  # "adaptive": young first, full when memory stayed
-        self._heading = "to_rollout"  # the direction being switched
+        self.garbage = GarbagePolicy(collect_garbage)  # when each release collects
         self.device = None if device is None else device_index(device)
         self.rank = _torch.process_rank()
         self.reports: list[SwitchReport] = []
@@ -231,15 +225,11 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
     ) -> None:
         phase = self._phases[name]
         steps = [s for s in phase.steps if enter_releases or s.when != "enter"]
-        # The recipes' releases skip gc too when the garbage policy says so, and while
+        # The recipes' releases collect as the garbage policy says, and nothing while
         # the offload's copies run ("once" goes to the release after they land).
         releases = any(s.action == "release_cache" for s in steps)
-        gc = releases and not self._copying and self._gc_now()  # "once" is used up here
-        entered = phase.entering(
-            collect_garbage=None if not releases or gc else False,
-            enough_free=enough_free,
-            enter_releases=enter_releases,
-        )
+        collect = None if not releases else False if self._copying else self.garbage.for_recipe()
+        entered = SwitchPhase(phase, collect, enough_free, enter_releases=enter_releases)
         entered.__enter__()
         self._state.phases.append(entered)
 
@@ -278,27 +268,10 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
 
         return asleep()
 
-    def _gc_now(self) -> bool:
-        """Whether the next release collects garbage (and count it as done)."""
-        if self.collect_garbage == "adaptive":
-            return False  # the recipes' releases: the switch's own use the gate
-        if self.collect_garbage == "once":
-            first = not self._collected
-            self._collected = True
-            return first
-        return bool(self.collect_garbage)
-
     def _release(self, point: str = "release") -> Awaitable[Any] | None:
-        if self.collect_garbage == "adaptive":
-            key = f"{self._heading}:{point}"  # like is compared with like
-            if self._async_mode:  # a full pass takes tens of milliseconds: off the loop
-                return asyncio.to_thread(self.garbage.release, self.device, key)
-            self.garbage.release(self.device, key)
-            return None
-        gc = self._gc_now()
         if self._async_mode:  # a gc pass takes tens of milliseconds: off the loop
-            return asyncio.to_thread(release_cache, self.device, collect_garbage=gc)
-        release_cache(self.device, collect_garbage=gc)
+            return asyncio.to_thread(self.garbage.release, self.device, point)
+        self.garbage.release(self.device, point)
         return None
 
     def _sync(self) -> object:
@@ -385,8 +358,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
     def _stages(
         self, direction: Literal["to_rollout", "to_trainer"]
     ) -> list[tuple[str, Callable[[], object] | None]]:
-        self._collected = False  # "once": one gc pass per direction
-        self._heading = direction  # "adaptive": the gate compares like with like
+        self.garbage.begin(direction)  # "once": a pass per direction; "adaptive": like with like
         return [(name, None if op is None else getattr(self, op)) for name, op in STAGES[direction]]
 
     def _start_stage(self, name: str, before: MemoryInfo | None = None) -> Stage:

@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridmem.engine.backends.adapters import EngineAdapter
-from hybridmem.engine.backends.registry import BackendProfile
-from hybridmem.engine.phases import PhaseUse
 from hybridmem.engine.ranks import SYNC_POINTS
+from hybridmem.engine.switch_phase import SwitchPhase
 from hybridmem.observe.memory import MemoryInfo
+from hybridmem.scopes.engines import EngineAdapter
+from hybridmem.scopes.profiles import BackendProfile
 
 __all__ = [
     "BLOCKING",
@@ -124,7 +124,7 @@ class SwitchState:
     offloaded: bool = False
     weights: bool = False
     kv: bool = False
-    phases: list[PhaseUse] = field(default_factory=list)
+    phases: list[SwitchPhase] = field(default_factory=list)
     #: the KV cache woke under the offload's copies this cycle (decision 89)
     kv_under: bool = False
 

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, cast
 from hybridmem._errors import HybridSwitchError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
-from hybridmem.engine import phases
 from hybridmem.engine.ranks import RankStatus
 from hybridmem.engine.switch_parts import Call, Failure, SwitchState
 from hybridmem.memory.offload import Offloader
 from hybridmem.observe.memory import MemoryInfo
+from hybridmem.scopes import phases
 
 __all__ = ["Recovery"]
 

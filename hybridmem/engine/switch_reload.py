@@ -55,12 +55,12 @@ from hybridmem._checks import check_bool
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
-from hybridmem.allocator.scopes import expandable_segments
-from hybridmem.engine.backends.registry import BackendProfile
 from hybridmem.engine.reports import SwitchReport
 from hybridmem.engine.switch_parts import SwitchState, in_thread, then_run
 from hybridmem.memory.offload import RELOAD_WAYS, Offloader, OffloadReport
 from hybridmem.memory.reload_feed import ReloadFeed
+from hybridmem.scopes.allocator import expandable_segments
+from hybridmem.scopes.profiles import BackendProfile
 
 __all__ = [
     "TAIL_CYCLES",
@@ -180,7 +180,7 @@ def trainer_allocation(profile: BackendProfile) -> contextlib.AbstractContextMan
     it in one thread.
 
     Example:
-        >>> from hybridmem.engine.backends.registry import get_backend
+        >>> from hybridmem.scopes.registry import get_backend
         >>> with trainer_allocation(get_backend("sglang")):   # doctest: +SKIP
         ...     offloader.reload()
     """

@@ -70,8 +70,8 @@ from hybridmem.ipc.transports.base import (
     drop_host_buffers,
 )
 from hybridmem.ipc.transports.choice import choose_transport
-from hybridmem.memory.release import release_cache
 from hybridmem.observe import timeline as _timeline
+from hybridmem.scopes.release import release_cache
 
 __all__ = [
     "BucketHandle",

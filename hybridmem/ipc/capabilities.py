@@ -14,6 +14,7 @@ from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
 from hybridmem._platform import linux as _linux
 from hybridmem.ipc import _launch as _probe_launch
+from hybridmem.scopes.ipc_safe import forget_probes, note_probe
 
 __all__ = ["IpcCapabilities", "cached_capabilities", "ipc_capabilities"]
 
@@ -277,6 +278,7 @@ def ipc_capabilities(device: DeviceArg = None, *, refresh: bool = False) -> IpcC
         elapsed = facts.pop("elapsed_s", None)
         caps = _interpret(index, facts, elapsed or time.perf_counter() - started)
         _cache[index] = caps
+        note_probe(index, caps.classic_ipc, caps.reason)  # for ipc_safe, which cannot ask
     logger.info(
         "CUDA IPC probe (device %d, %.1f s): classic=%s expandable=%s pidfd_getfd=%s%s",
         index,
@@ -297,3 +299,4 @@ def cached_capabilities(device: int) -> IpcCapabilities | None:
 def _reset_for_tests() -> None:
     with _lock:
         _cache.clear()
+        forget_probes()

@@ -1,120 +1,29 @@
-"""CUDA IPC that works in locked-down containers: ipc_safe, ipc_shareable, ptrace opt-in.
+"""A tensor shareable without pidfd after the fact (ipc_shareable), and the ptrace opt-in.
 
-A tensor in an expandable segment is exported as a POSIX file descriptor that the
-consumer must fetch with ``pidfd_getfd``; containers without ptrace rights deny it
-(``RuntimeError: pidfd_getfd: Operation not permitted``; verl #2846, pytorch
-#165685, ROLL #417). A tensor in a classic segment goes through
-``cudaIpcGetMemHandle`` and needs no pidfd. So: allocate what will be shared in
-classic segments (:func:`ipc_safe`), or copy it there (:func:`ipc_shareable`).
+What a block allocates is made shareable by :func:`hybridmem.scopes.ipc_safe.ipc_safe`;
+a tensor that already lives in an expandable segment is copied into a classic one
+here (:func:`ipc_shareable`), under the same scope.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar, overload
 
 import torch
 
 from hybridmem import _torch
-from hybridmem._checks import check_bool
 from hybridmem._env import disabled
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._log import info_once, logger
 from hybridmem._platform import linux as _linux
-from hybridmem.allocator.scopes import AllocatorScope
 from hybridmem.allocator.state import ENGINE, drop_cached_blocks
-from hybridmem.ipc.transports.base import Fallback, TransportName, check_fallback
-from hybridmem.ipc.transports.choice import choose_transport
+from hybridmem.scopes.ipc_safe import IpcSafe
 
-__all__ = [
-    "Fallback",
-    "IpcSafe",
-    "allow_ptrace_from_any",
-    "check_fallback",
-    "ipc_safe",
-    "ipc_shareable",
-]
+__all__ = ["allow_ptrace_from_any", "ipc_shareable"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 _ptracer_lock = threading.Lock()
 _ptracer_set = False
-
-
-class IpcSafe(AllocatorScope):
-    """Scope in which new allocations can be shared without pidfd (see :func:`ipc_safe`)."""
-
-    def __init__(self, *, fallback: Fallback = "auto", release_cache: bool = True) -> None:
-        super().__init__()
-        self.fallback = check_fallback(fallback)
-        self._changes = {"expandable_segments": "False"}
-        self._release_cache = check_bool("release_cache", release_cache)
-        self._force = False
-        self._label = f"ipc_safe(fallback={fallback!r})"
-        self.transport: TransportName = "cuda"
-
-    def _enter(self) -> object:
-        device = _torch.current_device()
-        index = 0 if device is None else device
-        # Decided before the switch: "raise" must leave the allocator untouched. The
-        # transports decide (issue #27); the scope keeps the chosen one's name.
-        chosen = choose_transport(
-            "cuda", self.fallback, index, who="ipc_safe", probe="cached", host_without_cuda=True
-        )
-        self.transport = chosen.name
-        return super()._enter()
-
-
-@overload
-def ipc_safe(func: _F, /) -> _F: ...
-
-
-@overload
-def ipc_safe(func: None = None, /, *, fallback: Fallback = "auto") -> IpcSafe: ...
-
-
-def ipc_safe(func: Any = None, /, *, fallback: Fallback = "auto") -> Any:
-    """Make new allocations in a block or call shareable over CUDA IPC without pidfd.
-
-    Inside, expandable segments are off (every other allocator setting kept) and,
-    when that changes the mode, cached blocks are released first so no new tensor
-    lands in an old expandable block. Tensors allocated inside can be sent to
-    another process with ``torch.multiprocessing`` (or :func:`ipc_shareable`,
-    :class:`WeightBucket`) even when the consumer may not call ``pidfd_getfd``.
-    On exit the previous settings come back.
-
-    ``fallback`` says what happens when classic-segment IPC is impossible here
-    (``cudaMallocAsync`` backend, no allocator setter while expandable segments
-    are on, or a cached :func:`ipc_capabilities` probe that found CUDA IPC
-    broken): ``"auto"`` warns once and sets ``transport`` to ``"host"``,
-    ``"host"`` always sets it to ``"host"``, ``"raise"`` raises
-    :class:`IpcUnavailableError` before changing anything. Read
-    ``scope.transport`` (``"cuda"`` or ``"host"``) to decide how to ship.
-
-    Scope: process-global allocator settings (like :func:`expandable_segments`);
-    re-entrant, nests, restores on any exception; context manager and decorator in
-    every form, with or without parentheses (``@hm.ipc_safe`` or
-    ``@hm.ipc_safe(fallback="raise")``).
-
-    Args:
-        func: what ``@hm.ipc_safe`` without parentheses decorates.
-        fallback: ``"auto"`` (default), ``"host"`` or ``"raise"``.
-
-    Returns:
-        An :class:`IpcSafe` context/decorator (``func`` decorated, when given).
-
-    Raises:
-        TypeError, ValueError: ``fallback`` is not one of the three, or ``func`` is
-            not something to decorate.
-
-    Example:
-        >>> with hm.ipc_safe():                       # doctest: +SKIP
-        ...     staging = torch.empty(n, device="cuda")
-        ...     queue.put(staging)                    # no pidfd needed by the consumer
-    """
-    scope = IpcSafe(fallback=fallback)
-    return scope if func is None else scope(func)
 
 
 def _safe_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -50,12 +50,12 @@ from hybridmem._env import disabled
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
-from hybridmem.allocator.scopes import expandable_segments
 from hybridmem.allocator.state import ENGINE
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.targets import Target, device_storages, select_groups
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import read_memory
+from hybridmem.scopes.allocator import expandable_segments
 
 __all__ = ["INTO", "CompactError", "CompactReport", "compact"]
 

@@ -18,6 +18,7 @@ from hybridmem._checks import check_number
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
 from hybridmem.memory.targets import GROUPS, Group, StorageEntry, Target, flatten
+from hybridmem.scopes.profiles import RELOAD_WAYS
 
 __all__ = [
     "RELOAD_WAYS",
@@ -44,7 +45,6 @@ _HEADROOM = 20 << 20  # one large block for what rounding misses
 
 #: How :meth:`Offloader.reload` may copy: by the copy engines, or by kernels reading
 #: the pool's device mapping (decision 80).
-RELOAD_WAYS = ("copy_engine", "kernel")
 
 
 @dataclass(frozen=True)

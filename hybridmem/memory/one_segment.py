@@ -33,8 +33,8 @@ from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_user
 from hybridmem._scope import ScopedContext
-from hybridmem.allocator.scopes import ExpandableSegments, expandable_segments
 from hybridmem.observe.memory import MemoryInfo, read_memory
+from hybridmem.scopes.allocator import ExpandableSegments, expandable_segments
 
 __all__ = ["OneSegment", "SegmentReport", "one_segment", "segment_bytes"]
 

@@ -22,7 +22,7 @@ from hybridmem.integrations.vllm.schema import Schema, check_weights
 from hybridmem.ipc._wire import BucketHandle, Peer, recv_within, send_to
 from hybridmem.ipc.receiver import BucketReceiver
 from hybridmem.ipc.transports.choice import transport_named
-from hybridmem.memory.release import release_cache
+from hybridmem.scopes.release import release_cache
 
 __all__ = ["EngineLink"]
 

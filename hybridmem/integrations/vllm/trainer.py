@@ -35,7 +35,7 @@ from hybridmem.integrations.vllm.link import (
 from hybridmem.integrations.vllm.schema import check_weights
 from hybridmem.ipc._wire import Peer, recv_within, send_to
 from hybridmem.ipc.bucket import SyncReport, TransportChoice, WeightBucket
-from hybridmem.ipc.shareable import Fallback
+from hybridmem.scopes.ipc_safe import Fallback
 
 __all__ = ["TrainerLink"]
 

@@ -16,12 +16,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from hybridmem import _torch
 from hybridmem._platform.stdlib import unlink_shared_memory
+from hybridmem.scopes.ipc_safe import Fallback, check_fallback
 
 __all__ = [
     "Buffers",
@@ -38,25 +39,6 @@ TransportName = Literal["cuda", "fd", "host"]
 #: How CUDA IPC's health is judged: run the IPC probe (once per process and device),
 #: read its cached result only, or not at all.
 Probe = Literal["run", "cached", "off"]
-#: What to do when CUDA IPC cannot be used: ``"auto"`` falls back to host memory
-#: with one warning, ``"host"`` always uses host memory, ``"raise"`` raises
-#: :class:`~hybridmem.IpcUnavailableError`.
-Fallback = Literal["auto", "host", "raise"]
-_FALLBACKS: tuple[str, ...] = get_args(Fallback)
-
-
-def check_fallback(fallback: object) -> Fallback:
-    """Return ``fallback`` if valid, else raise naming the allowed values."""
-    if not isinstance(fallback, str):
-        raise TypeError(
-            f"fallback must be one of {', '.join(map(repr, _FALLBACKS))}; got {fallback!r} "
-            f"({type(fallback).__name__})"
-        )
-    if fallback not in _FALLBACKS:
-        raise ValueError(
-            f"fallback must be one of {', '.join(map(repr, _FALLBACKS))}; got {fallback!r}"
-        )
-    return fallback  # type: ignore[return-value]
 
 
 def drop_host_buffers(

@@ -14,20 +14,12 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._errors import IpcUnavailableError
-from hybridmem.allocator.scopes import ExpandableSegments
-from hybridmem.allocator.state import ENGINE
-from hybridmem.ipc.capabilities import cached_capabilities, ipc_capabilities
+from hybridmem.ipc.capabilities import ipc_capabilities
 from hybridmem.ipc.transports.base import Buffers, Probe, Transport
+from hybridmem.scopes.allocator import ExpandableSegments
+from hybridmem.scopes.ipc_safe import classic_ipc_blocker, passed_over, refused
 
 __all__ = ["CudaTransport"]
-
-
-def _probed(device: int, probe: Probe) -> bool | None:
-    """The IPC probe's ``classic_ipc`` (None: not asked, or no cached result)."""
-    if probe == "run":
-        return ipc_capabilities(device).classic_ipc
-    caps = cached_capabilities(device) if probe == "cached" else None
-    return None if caps is None else caps.classic_ipc
 
 
 class CudaTransport(Transport):
@@ -39,30 +31,20 @@ class CudaTransport(Transport):
 
     @staticmethod
     def blocker(device: int, probe: Probe = "off") -> str | None:
-        if not _torch.cuda_available():
-            # No GPU here (or a CPU build): "cuda" would be a promise nothing can keep (#22).
-            built = _torch.cuda_built()
-            return "no CUDA device is visible" if built else "this torch is built without CUDA"
-        blocker = ENGINE.classic_blocker()
-        # The probe runs only where nothing else says no; its verdict None means "works".
-        if blocker is None and _probed(device, probe) is False:
-            caps = cached_capabilities(device)
-            blocker = f"the IPC probe found CUDA IPC broken here ({caps.reason if caps else '?'})"
-        return blocker
+        # The probe runs only where nothing else says no; it notes its verdict for
+        # classic_ipc_blocker, the one place that decides (ipc_safe asks it too).
+        blocker = classic_ipc_blocker(device, probe_verdicts=False)
+        if blocker is None and probe == "run":
+            ipc_capabilities(device)
+        return blocker or classic_ipc_blocker(device, probe_verdicts=probe != "off")
 
     @classmethod
     def refused(cls, who: str, device: int, blocker: str) -> str:
-        return (
-            f"{who}: CUDA IPC cannot be used on device {device}: {blocker}. Pass "
-            "fallback='host' (or 'auto') to ship tensors through host shared memory instead."
-        )
+        return refused(who, device, blocker)
 
     @classmethod
     def passed_over(cls, who: str, device: int, blocker: str) -> str:
-        return (
-            f"CUDA IPC cannot be used on device {device} ({blocker}); falling back to host "
-            "shared memory, which costs a device-to-host and a host-to-device copy"
-        )
+        return passed_over(who, device, blocker)
 
     def allocate(self, nbytes: int, count: int, device: int, into: Buffers) -> None:
         # Expandable segments off (the cache released first): fresh classic segments.

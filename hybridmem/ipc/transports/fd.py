@@ -15,10 +15,10 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._platform import cuda_vmm
-from hybridmem.allocator.scopes import ExpandableSegments
 from hybridmem.allocator.state import ENGINE
 from hybridmem.ipc.export import TensorHandle, ipc_export
 from hybridmem.ipc.transports.base import Buffers, Probe, Transport
+from hybridmem.scopes.allocator import ExpandableSegments
 
 __all__ = ["FdTransport"]
 

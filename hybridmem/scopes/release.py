@@ -26,26 +26,26 @@ from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo, read_memory
 
 __all__ = [
-    "GC_SLACK_BYTES",
     "STUCK_CACHE_BYTES",
     "CacheRelease",
     "DeviceRelease",
-    "GarbageGate",
+    "Garbage",
     "ReleaseReport",
     "aggressive_cache_release",
+    "check_garbage",
+    "check_release_args",
     "release_cache",
 ]
 
 #: A garbage-collection pass is repeated only while the previous one freed device
 #: memory, and never more than this (verl's helper ran 3 full passes every time).
 MAX_GC_ROUNDS = 3
-#: How much more device memory than last time a release may leave allocated before
-#: :class:`GarbageGate` pays for a full collection.
-GC_SLACK_BYTES = 64 << 20
 #: ``collect_garbage="young"``: generations 0 and 1 (``gc.collect(1)``).
 _YOUNG = 1
 _FULL = 2
 
+#: What one release collects: ``True`` a full ``gc.collect()`` (repeated while it frees
+#: device memory), ``False`` none, ``"young"`` generations 0 and 1 only.
 Garbage = bool | Literal["young"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -180,16 +180,22 @@ class ReleaseReport:
         )
 
 
+def check_garbage(collect_garbage: object) -> Garbage:
+    """Return ``collect_garbage`` if one release takes it (:data:`Garbage`), else raise.
+
+    Raises:
+        TypeError: any other value (a series' ``"once"``/``"adaptive"`` included:
+            :class:`~hybridmem.scopes.garbage.GarbagePolicy` takes those).
+    """
+    if isinstance(collect_garbage, bool) or collect_garbage == "young":
+        return collect_garbage
+    raise TypeError(f"collect_garbage must be True, False or 'young', got {collect_garbage!r}")
+
+
 def check_release_args(sync: object, collect_garbage: object, ipc_collect: object) -> None:
     """Refuse what :func:`release_cache` refuses (its own checker: a phase's step uses it too)."""
     check_bool("sync", sync)
-    if collect_garbage != "young":
-        try:
-            check_bool("collect_garbage", collect_garbage)
-        except TypeError:
-            raise TypeError(
-                f"collect_garbage must be True, False or 'young', got {collect_garbage!r}"
-            ) from None
+    check_garbage(collect_garbage)
     check_bool("ipc_collect", ipc_collect)
 
 
@@ -231,7 +237,7 @@ def release_cache(
         collect_garbage: run Python's garbage collector: ``True`` a full pass,
             ``"young"`` generations 0 and 1 only (``gc.collect(1)``: milliseconds,
             but a cycle that has aged into generation 2 stays; see
-            :class:`GarbageGate`), ``False`` none.
+            :class:`~hybridmem.scopes.garbage.GarbageGate`), ``False`` none.
         ipc_collect: call ``torch.cuda.ipc_collect()``.
 
     Returns:
@@ -311,53 +317,6 @@ def _hint_stuck_cache(after: list[MemoryInfo]) -> None:
             "hm.expandable_segments(True) keeps about 1 MiB per large weight: hm.compact(model) "
             "moves resident tensors into expandable segments once (docs/offload.md)",
         )
-
-
-class GarbageGate:
-    """Young generations at every release; a full pass only when memory did not come back.
-
-    A full ``gc.collect()`` costs tens of milliseconds in a trainer process (67 ms
-    on the H200 with the bench's trainer) and almost always finds nothing that holds
-    device memory. A reference cycle that does (a closure over activations, an
-    exception's traceback keeping a frame) shows as more device memory allocated
-    after the release than after the last one at the same point. So: collect the
-    young generations (``gc.collect(1)``), release, and compare what is still
-    allocated with the last time under the same ``key``; only when it is more by
-    over :data:`GC_SLACK_BYTES` (or there is no last time) collect everything and
-    release again. The level after a full pass becomes the reference.
-
-    Scope: the devices it releases; one instance per switch (not thread-safe).
-
-    Example:
-        >>> gate = GarbageGate()
-        >>> report = gate.release(None, "to_rollout")   # doctest: +SKIP
-    """
-
-    def __init__(self, slack_bytes: int = GC_SLACK_BYTES) -> None:
-        self.slack_bytes = slack_bytes
-        self._reference: dict[str, int] = {}
-        self.full_passes = 0  # how many releases needed the full pass
-
-    def release(self, device: DeviceArg, key: str) -> ReleaseReport:
-        """Release under ``key`` (a point of the cycle); return the last release's report."""
-        report = release_cache(device, collect_garbage="young")
-        allocated = report.allocated_after
-        reference = self._reference.get(key)
-        if reference is None or allocated > reference + self.slack_bytes:
-            if reference is not None:
-                logger.info(
-                    "release(%s): %s more allocated than last time after a young collection: "
-                    "a full garbage collection",
-                    key,
-                    fmt_bytes(allocated - reference),
-                )
-            report = release_cache(device, sync=False, collect_garbage=True)
-            self.full_passes += 1
-            allocated = report.allocated_after
-            self._reference[key] = allocated
-        elif allocated < reference:
-            self._reference[key] = allocated
-        return report
 
 
 _When = Literal["enter", "exit", "both"]

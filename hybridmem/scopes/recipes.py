@@ -5,8 +5,8 @@ Each step names its evidence; docs/backends/ explains them at length.
 
 from __future__ import annotations
 
-from hybridmem.engine.backends.adapters import SGLangEngine, VLLMEngine
-from hybridmem.engine.backends.registry import BackendProfile, Step, When
+from hybridmem.scopes.engines import SGLangEngine, VLLMEngine
+from hybridmem.scopes.profiles import BackendProfile, Step, When
 
 __all__ = ["BUILTIN", "DEFAULT", "SGLANG", "VLLM"]
 

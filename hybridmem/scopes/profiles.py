@@ -1,34 +1,36 @@
-"""The backend registry: which primitives each phase runs, per inference engine."""
+"""What a backend profile is: the steps each phase runs for one inference engine.
+
+A :class:`BackendProfile` names, per phase, the :class:`Step` s to run (a scope to
+enter, or an action at entry or exit) with their arguments and the evidence behind
+them; both are frozen and checked when made (an unknown action or argument names the
+nearest known one). :mod:`hybridmem.scopes.recipes` holds the built-in profiles,
+:mod:`hybridmem.scopes.registry` the registered ones.
+"""
 
 from __future__ import annotations
 
 import difflib
-import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from types import MappingProxyType
 from typing import Any, Literal
 
-from hybridmem._log import logger, warn_once
 from hybridmem._phase_names import ALIASES, PHASES, canonical_phase
-from hybridmem.engine.backends.adapters import EngineAdapter
+from hybridmem.scopes.engines import EngineAdapter
 
 __all__ = [
     "ACTIONS",
     "ACTION_ARGS",
     "ALIASES",
-    "ENTRY_POINT_GROUP",
     "PHASES",
+    "RELOAD_WAYS",
     "WHEN",
     "BackendProfile",
     "Step",
+    "When",
     "canonical_phase",
-    "get_backend",
-    "list_backends",
-    "register_backend",
-    "restore_registry",
+    "check_step_args",
+    "nearest",
 ]
 
 #: What a step can do, and when each kind runs.
@@ -53,11 +55,9 @@ ACTION_ARGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "reload": ("offloader", "groups", "by"),
     }
 )
+#: How a ``reload`` step's offloader copies back (``Offloader.reload(by=...)``).
+RELOAD_WAYS = ("copy_engine", "kernel")
 _SCOPES = ("expandable_segments", "ipc_safe")
-# The group the docs name (docs/phases.md). The code once read
-# "hybridmem.engine.backends", which no doc named, and ignored plugins silently (#22).
-ENTRY_POINT_GROUP = "hybridmem.backends"
-_BACKEND_ENV = "HYBRIDMEM_BACKEND"
 
 When = Literal["enter", "exit", "scope"]
 #: When a step runs: entered for the whole phase, or run once on entry or on exit.
@@ -137,6 +137,11 @@ class Step:
                 f"{where}: action {self.action!r} needs when={need}, got {self.when!r}"
             )
         args = check_step_args(where, self.action, self.args)
+        if self.action == "reload" and args.get("by", "kernel") not in RELOAD_WAYS:
+            raise ValueError(
+                f"{where}: reload's by must be one of {', '.join(map(repr, RELOAD_WAYS))}, "
+                f"got {args['by']!r}"
+            )
         _check_str(where, "why", self.why)
         _check_str(where, "versions", self.versions)
         object.__setattr__(self, "args", MappingProxyType(dict(args)))
@@ -213,156 +218,3 @@ class BackendProfile:
     def recipe(self, phase: str) -> tuple[Step, ...]:
         """The steps of ``phase`` (canonical name or alias); empty if none."""
         return self.recipes.get(canonical_phase(phase), ())
-
-
-_registry: dict[str, BackendProfile] = {}
-_lock = threading.Lock()
-_entry_points_loaded = False
-
-
-def register_backend(profile: BackendProfile, *, replace: bool = False) -> BackendProfile:
-    """Register ``profile`` under its name.
-
-    Args:
-        profile: the :class:`BackendProfile`.
-        replace: allow replacing a registered profile of the same name.
-
-    Returns:
-        ``profile``.
-
-    Raises:
-        TypeError: ``profile`` is not a BackendProfile.
-        ValueError: the name is taken and ``replace`` is false.
-
-    Scope: process-wide, thread-safe.
-
-    Example:
-        >>> hm.register_backend(hm.BackendProfile("mine", "my engine", {}))  # doctest: +SKIP
-    """
-    if not isinstance(profile, BackendProfile):
-        raise TypeError(f"register_backend takes a BackendProfile, got {type(profile).__name__}")
-    if not isinstance(replace, bool):
-        raise TypeError(f"replace must be True or False, got {replace!r}")
-    with _lock:
-        if profile.name in _registry and not replace:
-            raise ValueError(
-                f"a backend named {profile.name!r} is registered already; pass replace=True "
-                "to replace it"
-            )
-        _registry[profile.name] = profile
-    logger.debug("backend %r registered", profile.name)
-    return profile
-
-
-def _distribution(point: metadata.EntryPoint) -> str:
-    """``name version`` of the distribution that declares ``point``, as pip names it."""
-    dist = getattr(point, "dist", None)  # None for an EntryPoint made by hand
-    if dist is None:
-        return "an unknown distribution"
-    return f"the distribution {dist.metadata['Name']} {dist.version}"
-
-
-def _load_profile(point: metadata.EntryPoint) -> tuple[BackendProfile | None, str, str]:
-    """Load one entry point: (profile, "", "") or (None, what went wrong, the fix)."""
-    entry = f"{point.name} = {point.value}"
-    try:
-        loaded = point.load()
-    except Exception as exc:
-        return (
-            None,
-            f"importing {point.value} failed ({type(exc).__name__}: {exc})",
-            f"install what it needs, or correct its entry point ({entry})",
-        )
-    if callable(loaded) and not isinstance(loaded, BackendProfile):
-        try:
-            loaded = loaded()
-        except Exception as exc:
-            return (
-                None,
-                f"calling {point.value}() failed ({type(exc).__name__}: {exc})",
-                "fix that function, which must return a BackendProfile",
-            )
-    if not isinstance(loaded, BackendProfile):
-        return (
-            None,
-            f"it gave a {type(loaded).__name__}, not a BackendProfile",
-            f"make its entry point ({entry}) name a BackendProfile or a function returning one",
-        )
-    return loaded, "", ""
-
-
-def _load_entry_points() -> None:
-    """Register third-party profiles from the ``hybridmem.backends`` entry points, once.
-
-    A plugin that fails to load (import error, wrong type, a name already taken) is
-    one warning naming its distribution and the fix; the others still load.
-    """
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        profile, problem, fix = _load_profile(point)
-        if profile is not None:
-            with _lock:
-                taken = profile.name in _registry
-                if not taken:
-                    _registry[profile.name] = profile
-            if not taken:
-                logger.debug("backend %r registered from entry point %r", profile.name, point.name)
-                continue
-            problem = f"its backend name {profile.name!r} is taken already"
-            fix = "give its BackendProfile another name"
-        where = _distribution(point)
-        warn_once(
-            f"entry-point:{point.name}:{point.value}",
-            f"backend plugin {point.name!r} from {where} (entry-point group "
-            f"{ENTRY_POINT_GROUP!r}) was not loaded: {problem}. Fix: {fix}, or uninstall "
-            "that distribution. The other backends are loaded.",
-        )
-
-
-def list_backends() -> list[str]:
-    """Return the names of the registered backends (built-in and entry points), sorted."""
-    _load_entry_points()
-    with _lock:
-        return sorted(_registry)
-
-
-def get_backend(name: str | None = None) -> BackendProfile:
-    """Return the registered profile ``name``.
-
-    Args:
-        name: a backend name; None means ``HYBRIDMEM_BACKEND`` if set, else ``"default"``.
-
-    Raises:
-        TypeError: ``name`` is not a str or None.
-        ValueError: no such backend (the message lists the known ones).
-    """
-    if name is None:
-        name = os.environ.get(_BACKEND_ENV, "").strip() or "default"
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be a str or None, got {name!r}")
-    _load_entry_points()
-    with _lock:
-        profile = _registry.get(name)
-        known = sorted(_registry)
-    if profile is None:
-        raise ValueError(
-            f"unknown backend {name!r}; known: {', '.join(known)} (register others with "
-            f"hm.register_backend or the {ENTRY_POINT_GROUP!r} entry-point group)"
-        )
-    return profile
-
-
-def restore_registry(builtin: Iterable[BackendProfile]) -> None:
-    """Forget every registered backend but ``builtin``; entry points load again on next use.
-
-    Scope: process-wide, thread-safe. For test suites that register profiles.
-    """
-    global _entry_points_loaded
-    with _lock:
-        _registry.clear()
-        for profile in builtin:
-            _registry[profile.name] = profile
-    _entry_points_loaded = False

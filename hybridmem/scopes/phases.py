@@ -4,29 +4,41 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple, cast
+from typing import Any, TypeAlias, cast
 
 from hybridmem import _torch
-from hybridmem._checks import check_bool, check_number, check_seconds, refuse_bare_decoration
+from hybridmem._checks import check_number, check_seconds, refuse_bare_decoration
 from hybridmem._log import logger
 from hybridmem._scope import ScopedContext
-from hybridmem.allocator import ExpandableSegments
-from hybridmem.engine.backends.registry import (
+from hybridmem.observe import timeline as _timeline
+from hybridmem.scopes.allocator import ExpandableSegments
+from hybridmem.scopes.ipc_safe import IpcSafe
+from hybridmem.scopes.profiles import (
     BackendProfile,
     Step,
     canonical_phase,
     check_step_args,
-    get_backend,
     nearest,
 )
-from hybridmem.ipc.shareable import IpcSafe
-from hybridmem.memory.offload_parts import check_reload_way
-from hybridmem.memory.release import check_release_args, release_cache
-from hybridmem.observe import timeline as _timeline
+from hybridmem.scopes.registry import get_backend
+from hybridmem.scopes.release import Garbage, check_release_args, release_cache
 
-__all__ = ["Phase", "PhaseUse", "await_free", "await_free_async", "check_wait", "phase"]
+__all__ = [
+    "Act",
+    "Phase",
+    "PhaseStep",
+    "await_exit_waits",
+    "await_free",
+    "await_free_async",
+    "check_wait",
+    "enter_steps",
+    "leave_steps",
+    "phase",
+    "run_step",
+    "skipping_waits",
+]
 
 POLL_S = 0.01  # how often free memory is read while waiting for it
 
@@ -85,7 +97,7 @@ def await_free(
     Scope: reads device-wide free memory (other processes count); thread-safe.
 
     Example:
-        >>> from hybridmem.engine.phases import await_free
+        >>> from hybridmem.scopes.phases import await_free
         >>> free, seconds = await_free(0, timeout_s=30)  # doctest: +SKIP
     """
     check_wait(timeout_s, enough)
@@ -139,7 +151,10 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
             steps.append(step)
         elif isinstance(value, Mapping):
             check_step_args(f"{where}: override {step.name}", step.action, value)
-            steps.append(replace(step, args={**step.args, **value}))
+            try:
+                steps.append(replace(step, args={**step.args, **value}))
+            except (TypeError, ValueError) as exc:  # the step's own check, with the phase
+                raise type(exc)(f"{where}: {exc}") from None
         elif step.action in ("offload", "reload"):  # an Offloader, as a shorthand
             steps.append(replace(step, args={**step.args, "offloader": value}))
         else:
@@ -149,12 +164,16 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
     return steps
 
 
-class _Prepared:
+class PhaseStep:
     """One step of a phase, built and checked once: a scope to enter, or an action to run.
 
     Each argument is checked by its primitive's own checker (``ExpandableSegments`` and
     ``IpcSafe`` by their constructors, ``release_cache``'s and ``await_free``'s by
-    theirs), so a phase accepts exactly what the primitive accepts (issue #27).
+    theirs), so a phase accepts exactly what the primitive accepts.
+
+    Attributes:
+        step: the recipe's :class:`~hybridmem.scopes.profiles.Step`.
+        scope: the scope a ``"scope"`` step enters (None for an action).
     """
 
     def __init__(self, step: Step, where: str) -> None:
@@ -181,16 +200,17 @@ class _Prepared:
                 )
             elif step.action == "await_free":
                 check_wait(self.timeout_s)
-            elif step.action == "reload" and "by" in args:
-                check_reload_way(args["by"], 0)
         except (TypeError, ValueError) as exc:  # say which phase and step, keep the type
             # "phase('sleep', backend='vllm'): release_cache.collect_garbage must be ..."
             raise type(exc)(f"{where}: {step.name}.{exc}") from None
 
-    def run(self, collect_garbage: bool | None, enough_free: int | None = None) -> None:
-        """Run the action (``collect_garbage``, if given, overrides a release's own).
+    def run(self, collect_garbage: Garbage | None = None, enough_free: int | None = None) -> None:
+        """Run the action as the recipe says, or with these per-use changes.
 
-        ``enough_free``: free bytes that end an ``await_free`` step at once.
+        Args:
+            collect_garbage: what a ``release_cache`` step collects, instead of the
+                recipe's (None: the recipe's).
+            enough_free: free bytes that end an ``await_free`` step at once.
         """
         args, action = self.args, self.step.action
         if action == "release_cache":
@@ -210,7 +230,7 @@ class _Prepared:
                 logger.debug("phase step %s skipped: no offloader given", self.step.name)
             elif action == "offload":
                 offloader.offload(args.get("groups"))
-            elif "by" in args:  # "kernel" after an engine's sleep (decision 80)
+            elif "by" in args:  # "kernel" right after an engine's sleep
                 offloader.reload(args.get("groups"), by=args["by"])
             else:
                 offloader.reload(args.get("groups"))
@@ -219,14 +239,85 @@ class _Prepared:
 # The phases a sharding manager's `with` block is (decorating its __enter__ spans it).
 _BLOCK_PHASES = ("train", "rollout")
 
+#: How a use of a phase runs one of its actions (the step, then what it does).
+Act: TypeAlias = Callable[[PhaseStep], None]
 
-class _Entered(NamedTuple):
-    """What entering a phase leaves for its exit: the scopes entered and the per-use options."""
 
-    scopes: list[ScopedContext]
-    span: Any
-    collect_garbage: bool | None
-    enough_free: int | None
+def run_step(step: PhaseStep) -> None:
+    """Run ``step`` as its recipe says: what a plain ``with phase(...)`` does."""
+    step.run()
+
+
+def enter_steps(steps: Sequence[PhaseStep], act: Act = run_step) -> list[ScopedContext]:
+    """Enter a phase's steps in recipe order: ``"enter"`` actions by ``act``, scopes entered.
+
+    Returns:
+        The scopes entered, for :func:`leave_steps`. If a step fails, the scopes
+        entered before it are left (told of the error) and the error is raised.
+    """
+    entered: list[ScopedContext] = []
+    try:
+        for step in steps:
+            if step.step.when == "enter":
+                act(step)
+            elif step.scope is not None:
+                step.scope.__enter__()
+                entered.append(step.scope)
+    except BaseException as exc:
+        for scope in reversed(entered):
+            scope.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    return entered
+
+
+def leave_steps(
+    steps: Sequence[PhaseStep],
+    entered: Sequence[ScopedContext],
+    exc: BaseException | None,
+    where: str,
+    act: Act = run_step,
+) -> BaseException | None:
+    """Leave a phase: ``"exit"`` actions by ``act`` in reverse order, then its scopes.
+
+    The scopes are left whatever the actions raise. With no exception in flight, the
+    first failed action is raised once the scopes are left; with one, each failure is
+    logged (never raised over it).
+
+    Returns:
+        What failed (the exception in flight, else None): for the timeline.
+    """
+    errors: list[BaseException] = []
+    for step in reversed(steps):
+        if step.step.when != "exit":
+            continue
+        try:
+            act(step)
+        except Exception as error:  # keep going: the scopes must still be restored
+            errors.append(error)
+    for scope in reversed(entered):
+        scope.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+    if errors and exc is None:
+        raise errors[0]
+    for failure in errors:  # an exception is already in flight: say what else failed
+        logger.warning("%s: an exit step failed too: %r", where, failure)
+    return exc
+
+
+async def await_exit_waits(steps: Sequence[PhaseStep], enough_free: int | None = None) -> None:
+    """The ``await_free`` exit steps, polled with ``asyncio.sleep`` (never blocking the loop)."""
+    for step in reversed(steps):
+        if step.step.when == "exit" and step.step.action == "await_free":
+            await await_free_async(step.args.get("device"), step.timeout_s, enough_free)
+
+
+def skipping_waits(act: Act) -> Act:
+    """``act``, but ``await_free`` steps do nothing (an async exit awaited them first)."""
+
+    def acting(step: PhaseStep) -> None:
+        if step.step.action != "await_free":
+            act(step)
+
+    return acting
 
 
 class Phase(ScopedContext):
@@ -234,7 +325,15 @@ class Phase(ScopedContext):
 
     Built once: the name canonicalised, the recipe looked up, every step's arguments
     checked and its scope made. Entering it again (it is re-entrant, as every scope
-    is) re-runs the steps, not the checks; :meth:`entering` passes per-use options.
+    is) re-runs the steps, not the checks.
+
+    Attributes:
+        name: the canonical phase name.
+        profile: the backend's :class:`~hybridmem.scopes.profiles.BackendProfile`.
+        steps: the recipe's steps after the overrides.
+        prepared: each step built and checked (:class:`PhaseStep`), in recipe order:
+            what :func:`enter_steps` and :func:`leave_steps` run, for a runner of
+            one's own (:class:`~hybridmem.HybridSwitch` has one).
     """
 
     def __init__(
@@ -247,7 +346,7 @@ class Phase(ScopedContext):
         # Registration keyed the recipes by canonical name: no second canonicalisation.
         recipe = self.profile.recipes.get(self.name, ())
         self.steps = tuple(_resolve(recipe, overrides, where))
-        self._prepared = tuple(_Prepared(step, where) for step in self.steps)
+        self.prepared = tuple(PhaseStep(step, where) for step in self.steps)
         self._label = where
 
     def __repr__(self) -> str:
@@ -258,144 +357,45 @@ class Phase(ScopedContext):
         # and sleep are the work its __enter__ and __exit__ do.
         return self.name in _BLOCK_PHASES
 
-    def entering(
-        self,
-        *,
-        collect_garbage: bool | None = None,
-        enough_free: int | None = None,
-        enter_releases: bool = True,
-        exit_releases: bool = True,
-    ) -> PhaseUse:
-        """This phase with per-use options, for one ``with`` (nothing is rebuilt).
+    def begin(self, act: Act = run_step) -> tuple[list[ScopedContext], Any]:
+        """Enter the steps (``"enter"`` actions by ``act``) and open the phase's timeline span.
 
-        Args:
-            collect_garbage: False: the recipe's cache releases skip Python's garbage
-                collector this time (a :class:`~hybridmem.HybridSwitch` whose garbage
-                policy says so); None: as the recipe says.
-            enough_free: device free bytes that end the recipe's ``await_free`` steps
-                at once (what the engine's release is known to reach: a
-                :class:`~hybridmem.HybridSwitch` passes what its last sleep gave
-                back); None: they wait for free memory to settle.
-            enter_releases: False: the recipe's cache releases on entry are skipped
-                this time (a :class:`~hybridmem.HybridSwitch` whose offload is still
-                copying: a release synchronizes the device, so it would wait for the
-                copies; the switch releases once they have landed).
-            exit_releases: False: the recipe's cache releases on exit are skipped
-                this time, for the same reason (decision 89). The returned use's
-                ``exit_releases`` attribute may still be set until it is left.
-
-        Example:
-            >>> with hm.phase("sleep").entering(collect_garbage=False):  # doctest: +SKIP
-            ...     engine.sleep()
+        Returns:
+            What :meth:`end` takes: the scopes entered and the span.
         """
-        if collect_garbage is not None:
-            check_bool("collect_garbage", collect_garbage)
-        if enough_free is not None:
-            check_number("enough_free", enough_free, minimum=0, integer=True)
-        check_bool("enter_releases", enter_releases)
-        check_bool("exit_releases", exit_releases)
-        return PhaseUse(self, collect_garbage, enough_free, enter_releases, exit_releases)
-
-    def _enter(self) -> object:
-        return self._open(None, None)
-
-    def _open(
-        self, collect_garbage: bool | None, enough_free: int | None, releases: bool = True
-    ) -> object:
-        entered: list[ScopedContext] = []
-        try:
-            for prepared in self._prepared:
-                if prepared.step.when == "enter":
-                    if releases or prepared.step.action != "release_cache":
-                        prepared.run(collect_garbage)
-                elif prepared.scope is not None:
-                    prepared.scope.__enter__()
-                    entered.append(prepared.scope)
-        except BaseException as exc:
-            for scope in reversed(entered):
-                scope.__exit__(type(exc), exc, exc.__traceback__)
-            raise
+        entered = enter_steps(self.prepared, act)
         logger.debug("%s entered (%d steps)", self._label, len(self.steps))
-        span = _timeline.begin(f"phase:{self.name}", "phase", backend=self.profile.name)
-        return _Entered(entered, span, collect_garbage, enough_free)
+        return entered, _timeline.begin(f"phase:{self.name}", "phase", backend=self.profile.name)
 
-    def _exit(self, token: object, exc: BaseException | None, releases: bool = True) -> None:
-        self._leave(token, exc, skip_waits=False, releases=releases)
-
-    def _leave(
-        self, token: object, exc: BaseException | None, *, skip_waits: bool, releases: bool = True
-    ) -> None:
-        entered, span, collect_garbage, enough_free = cast(_Entered, token)
-        errors: list[BaseException] = []
-        # Exit actions run first (in reverse recipe order), inside the phase's scopes.
-        for prepared in reversed(self._prepared):
-            step = prepared.step
-            if step.when != "exit" or (skip_waits and step.action == "await_free"):
-                continue
-            if not releases and step.action == "release_cache":
-                continue
-            try:
-                prepared.run(collect_garbage, enough_free)
-            except Exception as error:  # keep going: the scopes must still be restored
-                errors.append(error)
-        for scope in reversed(entered):
-            scope.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
-        failed = exc if exc is not None else (errors[0] if errors else None)
-        if failed is not None:
-            _timeline.end(span, error=repr(failed))
-        else:
-            _timeline.end(span)
-        if errors and exc is None:
-            raise errors[0]
-        for failure in errors:  # an exception is already in flight: say what else failed
-            logger.warning("%s: an exit step failed too: %r", self._label, failure)
-
-    async def _aexit(self, token: object, exc: BaseException | None, releases: bool = True) -> None:
-        enough_free = cast(_Entered, token).enough_free
-        for prepared in reversed(self._prepared):  # the waits first, polling without blocking
-            if prepared.step.when == "exit" and prepared.step.action == "await_free":
-                await await_free_async(prepared.args.get("device"), prepared.timeout_s, enough_free)
-        self._leave(token, exc, skip_waits=True, releases=releases)
-
-
-class PhaseUse(ScopedContext):
-    """One use of a built :class:`Phase` with per-use options (see :meth:`Phase.entering`)."""
-
-    def __init__(
+    def end(
         self,
-        phase: Phase,
-        collect_garbage: bool | None,
-        enough_free: int | None,
-        enter_releases: bool = True,
-        exit_releases: bool = True,
+        begun: tuple[list[ScopedContext], Any],
+        exc: BaseException | None,
+        act: Act = run_step,
     ) -> None:
-        super().__init__()
-        self.phase = phase
-        self.collect_garbage = collect_garbage
-        self.enough_free = enough_free
-        self.enter_releases = enter_releases
-        #: read when the use is left: a switch decides after entering (decision 89)
-        self.exit_releases = exit_releases
-
-    def __repr__(self) -> str:
-        skipped = "" if self.enter_releases else ", enter_releases=False"
-        skipped += "" if self.exit_releases else ", exit_releases=False"
-        return (
-            f"{self.phase!r}.entering(collect_garbage={self.collect_garbage!r}, "
-            f"enough_free={self.enough_free!r}{skipped})"
-        )
-
-    def _spans_with_block(self) -> bool:
-        return self.phase._spans_with_block()
+        """Leave what :meth:`begin` entered (``"exit"`` actions by ``act``); close the span."""
+        entered, span = begun
+        failed: BaseException | None = exc
+        try:
+            leave_steps(self.prepared, entered, exc, self._label, act)
+        except Exception as error:
+            failed = error
+            raise
+        finally:
+            if failed is not None:
+                _timeline.end(span, error=repr(failed))
+            else:
+                _timeline.end(span)
 
     def _enter(self) -> object:
-        return self.phase._open(self.collect_garbage, self.enough_free, self.enter_releases)
+        return self.begin()
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
-        self.phase._exit(token, exc, self.exit_releases)
+        self.end(cast(tuple[list[ScopedContext], Any], token), exc)
 
     async def _aexit(self, token: object, exc: BaseException | None) -> None:
-        await self.phase._aexit(token, exc, self.exit_releases)
+        await await_exit_waits(self.prepared)
+        self.end(cast(tuple[list[ScopedContext], Any], token), exc, skipping_waits(run_step))
 
 
 def phase(name: str, backend: str | BackendProfile | None = None, **overrides: object) -> Phase:
