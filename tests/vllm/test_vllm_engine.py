@@ -369,14 +369,14 @@ def test_a_hybrid_switch_cycle_syncs_through_the_backend_and_serves_the_new_weig
     switch = hm.HybridSwitch(Recorded(llm), "vllm", sync_weights=sync_weights)
     trainer.source.state["lm_head.weight"] = torch.zeros_like(checkpoint["lm_head.weight"])
 
-    # The vllm profile's weight_sync phase asks for IPC-safe allocations: without CUDA
-    # it says once that host memory carries the weights instead (as it does).
+    # The vllm profile's weight_sync phase asks for IPC-safe allocations: without any
+    # CUDA device host memory carries the weights, by design and without a warning
+    # (HybridMemWarning is an error in this suite).
     def cycle() -> list[list[int]]:
         with switch.rollout():
             return _generate(llm)
 
-    with pytest.warns(hm.HybridMemWarning, match="CUDA IPC cannot be used"):
-        zeroed = cycle()
+    zeroed = cycle()
     trainer.source.state = dict(checkpoint)
     restored = cycle()
     assert zeroed == [[0] * 8 for _ in PROMPTS]
