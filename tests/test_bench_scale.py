@@ -320,7 +320,7 @@ def test_hybridmems_offload_rate_is_its_copies_own_time(
 ) -> None:
     """Decision 90: the report's wall time runs on to the landing after the KV wake."""
     from hybridmem.bench.strategies import Hybridmem
-    from hybridmem.memory.offload_parts import OffloadReport
+    from hybridmem.memory.offload_report import OffloadReport
 
     report = OffloadReport("offload", ("optimizer",), GiB, 3, 0.2, GiB, "cuda:0", 0, copy_seconds)
     switch = SimpleNamespace(to_rollout=lambda: None, offload_report=report)

@@ -842,7 +842,7 @@ def test_send_takes_what_check_returned_without_checking_every_tensor_again(
     ],
 )
 def test_auto_size_is_half_the_model_within_bounds(total: int, expected: tuple[int, int]) -> None:
-    from hybridmem.ipc.bucket_parts import auto_size
+    from hybridmem.ipc.bucket_options import auto_size
 
     assert auto_size(total) == expected
 

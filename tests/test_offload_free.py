@@ -19,7 +19,7 @@ from hybridmem import _torch
 from hybridmem.memory import offload_free
 from hybridmem.memory.host_pool import HostPool
 from hybridmem.memory.offload_free import Landing
-from hybridmem.memory.offload_parts import CopyClock, OffloadReport
+from hybridmem.memory.offload_report import CopyClock, OffloadReport
 from tests.conftest import fail_resizes
 from tests.test_offload import (
     _FAULT_POINTS,

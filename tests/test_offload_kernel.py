@@ -24,7 +24,7 @@ from hybridmem._torch import mapped, tensors
 from hybridmem.engine import switch_reload
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.engine.switch_reload import tail_bytes
-from hybridmem.memory.offload_parts import OffloadReport
+from hybridmem.memory.offload_report import OffloadReport
 from hybridmem.observe.memory import MemoryInfo
 from tests.conftest import FakeTorch
 from tests.test_offload import assert_bitwise_equal, make_model, offloaded_model, snapshot

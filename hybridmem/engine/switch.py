@@ -9,10 +9,12 @@ with many ranks no rank wakes its KV cache until every GPU has room for it (its
 offload landed, or room beside the copies still running: ``switch_offload``).
 
 Why this module is long: one class holds one state machine (what is offloaded, what
-is awake, which phases are entered); its parts live in modules of their own (issue
-#27): the stages as data, the calls and the state (``switch_parts``), the rank
-protocol (``switch_ranks``), the recovery (``switch_recovery``), the reload
-(``switch_reload``), mixed into :class:`HybridSwitch`. Here: the stage operations, the
+is awake, which phases are entered); its parts live in modules of their own: the
+stages as data and the state (``switch_stages``), the calls its drivers run
+(``switch_calls``), how it runs a phase (``switch_phase``), the rank protocol
+(``switch_ranks``), the recovery (``switch_recovery``), the offload under the
+engine's wake (``switch_offload``) and the reload (``switch_reload``), mixed into
+:class:`HybridSwitch`. Here: the stage operations, the
 sans-IO direction (:meth:`HybridSwitch._direction`, a generator of calls) and the two
 thin drivers that run it (sync, and async with blocking calls in worker threads).
 
@@ -45,24 +47,14 @@ from hybridmem.engine.ranks import (
     RankSync,
 )
 from hybridmem.engine.reports import StageReport, SwitchReport
+from hybridmem.engine.switch_calls import BLOCKING, Call, in_thread, then_run
 from hybridmem.engine.switch_offload import Offloading
-from hybridmem.engine.switch_parts import (
-    BLOCKING,
-    STAGE_PHASES,
-    STAGES,
-    Call,
-    Failure,
-    Stage,
-    SwitchState,
-    adapter,
-    in_thread,
-    then_run,
-)
 from hybridmem.engine.switch_phase import SwitchPhase
 from hybridmem.engine.switch_ranks import RankProtocol
 from hybridmem.engine.switch_recovery import Recovery
 from hybridmem.engine.switch_reload import Reloading
 from hybridmem.engine.switch_settle import EngineReturn
+from hybridmem.engine.switch_stages import STAGE_PHASES, STAGES, Failure, Stage, SwitchState
 from hybridmem.memory.offload import Offloader
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo, memory_info
@@ -170,7 +162,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         self._settles_on_sleep = any(
             s.action == "await_free" and s.when == "exit" for s in self._phases["sleep"].steps
         )
-        self.engine = adapter(engine, self.profile)
+        self.engine = self.profile.adapt(engine)
         if offloader is not None and not isinstance(offloader, Offloader):
             raise TypeError(f"offloader must be an hm.Offloader or None, got {offloader!r}")
         if sync_weights is not None and not callable(sync_weights):

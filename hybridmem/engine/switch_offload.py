@@ -51,7 +51,8 @@ from hybridmem._checks import check_bool
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem.engine.reports import SwitchReport
-from hybridmem.engine.switch_parts import SwitchState, then_run
+from hybridmem.engine.switch_calls import then_run
+from hybridmem.engine.switch_stages import SwitchState
 from hybridmem.memory.offload import Offloader, OffloadInFlight, OffloadReport
 from hybridmem.observe.memory import MemoryInfo
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from hybridmem import _torch
 from hybridmem._errors import HybridSwitchError
 from hybridmem.engine.ranks import RankStatus, RankSync
-from hybridmem.engine.switch_parts import Failure, SwitchState
+from hybridmem.engine.switch_stages import Failure, SwitchState
 
 __all__ = ["RankProtocol"]
 

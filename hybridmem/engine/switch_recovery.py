@@ -19,7 +19,8 @@ from hybridmem._errors import HybridSwitchError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
 from hybridmem.engine.ranks import RankStatus
-from hybridmem.engine.switch_parts import Call, Failure, SwitchState
+from hybridmem.engine.switch_calls import Call
+from hybridmem.engine.switch_stages import Failure, SwitchState
 from hybridmem.memory.offload import Offloader
 from hybridmem.observe.memory import MemoryInfo
 from hybridmem.scopes import phases

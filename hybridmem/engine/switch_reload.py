@@ -56,7 +56,8 @@ from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem.engine.reports import SwitchReport
-from hybridmem.engine.switch_parts import SwitchState, in_thread, then_run
+from hybridmem.engine.switch_calls import in_thread, then_run
+from hybridmem.engine.switch_stages import SwitchState
 from hybridmem.memory.offload import RELOAD_WAYS, Offloader, OffloadReport
 from hybridmem.memory.reload_feed import ReloadFeed
 from hybridmem.scopes.allocator import expandable_segments

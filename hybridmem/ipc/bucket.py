@@ -14,9 +14,10 @@ The wire format is in :mod:`hybridmem.ipc._wire`; the receiving side is
 :mod:`hybridmem.ipc.receiver`.
 
 Why this module is long: the producer's side of one protocol (send, wait for the
-receiver, reuse the buffers). Around it (issue #27): the wire format and the batch
-plan in ``_wire`` and ``_plan``, the tensors' checks in ``tensor_checks``, the
-packing and fills in ``bucket_fill``, sizes and the report in ``bucket_parts``, and
+receiver, reuse the buffers). Around it: the wire format and the batch plan in
+``_wire`` and ``_plan``, the tensors' checks in ``tensor_checks``, the packing and
+fills in ``bucket_fill``, its arguments' values in ``bucket_options``, its report in
+``sync_report``, and
 the transports (their choice, allocation, export, open and teardown) in
 ``transports``.
 """
@@ -54,13 +55,8 @@ from hybridmem.ipc._wire import (
     send_to,
 )
 from hybridmem.ipc.bucket_fill import Filler
-from hybridmem.ipc.bucket_parts import (
-    MAX_BUFFERS,
-    SyncReport,
-    TransportChoice,
-    auto_size,
-    check_transport,
-)
+from hybridmem.ipc.bucket_options import MAX_BUFFERS, TransportChoice, auto_size, check_transport
+from hybridmem.ipc.sync_report import SyncReport
 from hybridmem.ipc.tensor_checks import Checked, NamedTensors, validate
 from hybridmem.ipc.transports.base import (
     Buffers,

@@ -23,7 +23,7 @@ from hybridmem import _torch
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem._platform.host_memory import huge_page_region
-from hybridmem.memory.offload_parts import Slot
+from hybridmem.memory.slots import Slot
 
 __all__ = ["HostPool"]
 

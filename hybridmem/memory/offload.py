@@ -45,31 +45,32 @@ from hybridmem.memory.offload_free import (
     free_as_landed,
     free_slots,
 )
-from hybridmem.memory.offload_parts import (
+from hybridmem.memory.offload_report import CopyClock, OffloadReport
+from hybridmem.memory.offload_walk import stream_to_host
+from hybridmem.memory.reload_feed import FEED_CHUNK_BYTES, ReloadFeed
+from hybridmem.memory.reload_plan import (
     RELOAD_WAYS,
-    CopyClock,
-    OffloadReport,
+    check_reload_way,
+    first_slots,
+    kernel_split,
+    reload_need,
+)
+from hybridmem.memory.slots import (
     Slot,
     allocate,
     check_freeable,
     check_refillable,
-    check_reload_way,
     collect_slots,
-    drop_grads,
-    first_slots,
     groups_of,
-    kernel_split,
-    reload_need,
     unallocate,
 )
-from hybridmem.memory.offload_walk import stream_to_host
-from hybridmem.memory.reload_feed import FEED_CHUNK_BYTES, ReloadFeed
 from hybridmem.memory.targets import (
     GROUPS,
     Group,
     StorageEntry,
     Target,
     device_storages,
+    drop_grads,
     flatten,
     select_groups,
 )
@@ -486,7 +487,7 @@ class Offloader:
         return feed
 
     def _unallocate(self, slots: Sequence[Slot]) -> None:
-        """Free again the slots reallocated but not refilled (:func:`.offload_parts.unallocate`)."""
+        """Free again the slots reallocated but not refilled (:func:`.slots.unallocate`)."""
         unallocate(slots, self._stream)
 
     def _stream_to_host(

@@ -24,7 +24,8 @@ from typing import Any
 
 from hybridmem import _torch
 from hybridmem._errors import OffloadError
-from hybridmem.memory.offload_parts import OffloadReport, Slot, groups_of
+from hybridmem.memory.offload_report import OffloadReport
+from hybridmem.memory.slots import Slot, groups_of
 
 __all__ = ["LANDING_CHUNK_BYTES", "Landing", "OffloadInFlight", "free_as_landed", "free_slots"]
 

@@ -16,7 +16,8 @@ import torch
 from hybridmem import _torch
 from hybridmem.memory.host_pool import HostPool
 from hybridmem.memory.offload_free import Landing
-from hybridmem.memory.offload_parts import CopyClock, Slot
+from hybridmem.memory.offload_report import CopyClock
+from hybridmem.memory.slots import Slot
 from hybridmem.memory.targets import Group, StorageEntry
 
 __all__ = ["stream_to_host"]

@@ -30,7 +30,8 @@ from hybridmem._checks import check_number, check_seconds
 from hybridmem._errors import OffloadError
 from hybridmem._format import first_line
 from hybridmem._log import logger
-from hybridmem.memory.offload_parts import OffloadReport, Slot, allocate, groups_of
+from hybridmem.memory.offload_report import OffloadReport
+from hybridmem.memory.slots import Slot, allocate, groups_of
 
 __all__ = ["FEED_CHUNK_BYTES", "FEED_DEPTH", "STOP_TIMEOUT_S", "ReloadFeed"]
 

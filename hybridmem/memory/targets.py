@@ -11,7 +11,8 @@ are not changed meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "StorageEntry",
     "Target",
     "device_storages",
+    "drop_grads",
     "flatten",
     "select_groups",
     "tensors",
@@ -143,3 +145,23 @@ def device_storages(
             seen.add(key)
             part = name if len(storages) == 1 else f"{name}[{local.layout} part {index}]"
             yield part, storage, group, local.device
+
+
+def drop_grads(targets: Sequence[Target]) -> int:
+    """Free the gradients of the modules among ``targets`` (``grads="drop"``); their bytes."""
+    dropped = 0
+    for index, item in enumerate(targets):
+        for _, target in flatten(item, f"targets[{index}]"):
+            if not isinstance(target, torch.nn.Module):
+                continue
+            for param in target.parameters():
+                if param.grad is None:
+                    continue
+                local = _torch.local_tensor(param.grad)
+                if _torch.is_device_tensor(local):
+                    with contextlib.suppress(TypeError):  # counted where it can be
+                        dropped += sum(
+                            _torch.storage_of(part).nbytes() for part in _torch.dense_parts(local)
+                        )
+                param.grad = None
+    return dropped

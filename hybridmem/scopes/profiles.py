@@ -215,6 +215,28 @@ class BackendProfile:
         object.__setattr__(self, "recipes", MappingProxyType(recipes))
         object.__setattr__(self, "notes", MappingProxyType(dict(self.notes)))
 
+    def adapt(self, engine: object) -> EngineAdapter:
+        """``engine`` as an :class:`EngineAdapter`: given as one, or wrapped by :attr:`adapter`.
+
+        Raises:
+            TypeError: no adapter here and ``engine`` is not one, or the adapter
+                returned something else.
+        """
+        if isinstance(engine, EngineAdapter):
+            return engine
+        if self.adapter is None:
+            raise TypeError(
+                f"wrap the engine in an adapter (hm.VLLMEngine, hm.SGLangEngine or an "
+                f"hm.EngineAdapter subclass); backend {self.name!r} has no default adapter "
+                "(a BackendProfile names one with adapter=...)"
+            )
+        adapted = self.adapter(engine)
+        if not isinstance(adapted, EngineAdapter):
+            raise TypeError(
+                f"backend {self.name!r}: its adapter returned {adapted!r}, not an hm.EngineAdapter"
+            )
+        return adapted
+
     def recipe(self, phase: str) -> tuple[Step, ...]:
         """The steps of ``phase`` (canonical name or alias); empty if none."""
         return self.recipes.get(canonical_phase(phase), ())

@@ -1,27 +1,25 @@
-"""A WeightBucket's sizes, transports and report: the values its arguments take.
+"""What a WeightBucket's arguments take: its buffers' count and sizes, its transports.
 
-Split out of :mod:`hybridmem.ipc.bucket` (issue #27).
+:func:`auto_size` is ``WeightBucket.for_tensors``'s choice: buffers of half the model,
+between 256 MiB and 1 GiB, three once the model fills eight of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, get_args
 
-from hybridmem._format import fmt_bytes
 from hybridmem.ipc._plan import align_up
-from hybridmem.ipc.transports.base import Fallback, TransportName
+from hybridmem.ipc.transports.base import Fallback
 
 __all__ = [
     "MAX_BUFFERS",
-    "SyncReport",
     "TransportChoice",
     "auto_size",
     "check_transport",
 ]
 
 MAX_BUFFERS = 8
-# WeightBucket.for_tensors: half the model, within these bounds (issue #25's runs).
+# WeightBucket.for_tensors: half the model, within these bounds (benchmarks/weight_sync.py).
 _AUTO_MIN, _AUTO_MAX, _AUTO_STEP = 256 << 20, 1 << 30, 64 << 20
 
 
@@ -34,28 +32,6 @@ def auto_size(total: int) -> tuple[int, int]:
 #: What ``WeightBucket(transport=...)`` accepts.
 TransportChoice = Literal["auto", "cuda", "fd", "host"]
 _CHOICES: tuple[str, ...] = get_args(TransportChoice)
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    """What one :meth:`WeightBucket.send` did."""
-
-    tensors: int
-    nbytes: int
-    batches: int
-    seconds: float
-    transport: TransportName
-
-    @property
-    def gbps(self) -> float:
-        """Tensor bytes per second, in GB/s (1e9)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def __str__(self) -> str:
-        return (
-            f"synced {self.tensors} tensors ({fmt_bytes(self.nbytes)}) in {self.batches} "
-            f"batches over {self.transport} in {self.seconds * 1e3:.1f} ms ({self.gbps:.1f} GB/s)"
-        )
 
 
 def check_transport(transport: object, fallback: Fallback) -> str:
