@@ -64,7 +64,7 @@ def _index_of(
         count = _torch.device_count()
         if index >= count and not (count == 0 and without_cuda_ok):
             # Also without CUDA: a device that is named and not there is a mistake, not
-            # a no-op (#22); only device=None stays a harmless no-op on such a machine.
+            # a no-op; only device=None stays a harmless no-op on such a machine.
             if not _torch.cuda_built():
                 where = "this torch is built without CUDA, so no CUDA device is visible"
             elif count == 0:

@@ -3,7 +3,7 @@
 ``torch.cuda.Stream()`` draws from a per-device pool that torch fills on first use
 with 32 streams for each priority level it supports; on an H200 that first call
 grew the context by 70 MiB of device memory that nothing gives back
-(``benchmarks/stack_reservation.py``, issue #25). hybridmem needs one side stream per
+(``benchmarks/stack_reservation.py``). hybridmem needs one side stream per
 Offloader, bucket and receiver, so it makes exactly those with ``cuStreamCreate``
 (public driver API) in the device's primary context, the one torch uses, and wraps
 them in ``torch.cuda.ExternalStream`` (in :mod:`hybridmem._torch`, which keeps them

@@ -8,7 +8,7 @@ into an address range of its own, viewing the same memory. torch sends the
 consumer the producer's pid and fd numbers and lets it copy the fds with
 ``pidfd_getfd`` (pytorch#165685), which a container's seccomp profile denies;
 hybridmem passes the fds themselves over a Unix socket instead (see
-:mod:`hybridmem._platform.fd_passing`). Every call here is public driver API
+:mod:`hybridmem._platform.unix_socket`). Every call here is public driver API
 (CUDA 10.2+ for POSIX fds).
 
 Stdlib only (ctypes), so the IPC probe child can use it without torch.

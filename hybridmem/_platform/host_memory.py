@@ -3,7 +3,7 @@
 Pinning (``cudaHostRegister``) walks and locks every page of the range: with 2 MiB
 transparent huge pages instead of 4 KiB ones it has 512 times fewer to take, and
 pinned twice as fast on the H200 host (3 GiB in 0.75 s against 1.85 s, 8 GiB in
-2.15 s against 4.13 s; ``benchmarks/pinning.py``, issue #25). Device memory and copy
+2.15 s against 4.13 s; ``benchmarks/pinning.py``). Device memory and copy
 rates were the same either way.
 
 Scope: process-global memory, thread-safe (no shared state).

@@ -14,7 +14,7 @@ ourselves, as ``unittest.mock._patch.__call__`` does, and give each decorated ca
 fresh state, as ``torch/utils/_contextlib.py`` does. (The standard library already
 has every piece of ``contextlib2``; hybridmem needs neither.)
 
-One module per job (issue #27):
+One module per job:
 
 - :mod:`~hybridmem._scope.context`: the base, its token stacks, ``with`` and
   ``async with``, and the decorator's dispatch on the kind of target;

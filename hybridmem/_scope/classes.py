@@ -4,7 +4,7 @@ The class's ``__enter__``/``__exit__`` (and ``__aenter__``/``__aexit__``) are wr
 and so are those a subclass defines later (``__init_subclass__``), so that every
 ``with`` statement enters the scope exactly once, ``super()`` chains included.
 
-One template for sync and async (issue #27): each protocol (enter, exit) is written
+One template for sync and async: each protocol (enter, exit) is written
 once as a generator that yields the steps to take (enter the scope, call the class's
 own method, exit the scope) and receives their results; :func:`_run` performs the
 steps, :func:`_arun` awaits them. The price of sharing: a step that raises

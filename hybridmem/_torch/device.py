@@ -130,7 +130,7 @@ def memory_stats(index: int) -> dict[str, Any]:
     ``"num_alloc_retries"``), without the ``small_pool``/``large_pool`` split. Read from
     ``torch.cuda.memory_stats_as_nested_dict`` (public in every torch this supports):
     ``memory_stats`` flattens and sorts every counter of every pool in Python, and a
-    switch reads memory at each of its stages' boundaries (decision 91). Empty without
+    switch reads memory at each of its stages' boundaries. Empty without
     a CUDA context.
 
     Example:

@@ -1,6 +1,6 @@
 """Copies done by kernels that read pinned host memory through its device mapping.
 
-Why (issue #25, decision 80): right after another process frees a lot of device
+Why: right after another process frees a lot of device
 memory, host-to-device copies by the copy engines run at about half the pinned rate
 for half a second and more, whichever memory they land in. An elementwise kernel
 reading the same pinned memory through its device mapping keeps about 0.82 of that

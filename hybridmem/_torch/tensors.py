@@ -122,13 +122,13 @@ def new_stream(device: torch.device) -> Any:
     One stream made with the driver (``cuStreamCreate``) and wrapped in
     ``torch.cuda.ExternalStream`` (torch 1.9+): ``torch.cuda.Stream()`` would fill
     torch's stream pool on first use, 70 MiB of device memory on an H200 that is
-    never given back (issue #25). Where the driver cannot make one, torch's pool
+    never given back. Where the driver cannot make one, torch's pool
     serves. Its owner hands it back with :func:`release_stream` when it closes.
 
     A stream is never destroyed, as torch never destroys its pool's: torch may still
     name it (its allocator keeps the stream a block was made on). Nor is it released
     by a finalizer on the wrapper: on the H200, one such finalizer running at exit
-    crashed the process (``weakref.finalize`` on ``ExternalStream``, issue #25).
+    crashed the process (``weakref.finalize`` on ``ExternalStream``).
 
     Scope: process-global per device; thread-safe (list and set operations are
     atomic).

@@ -1,6 +1,6 @@
 """What torch's allocator-settings parsers share: units, limits, aliases, C's number readers.
 
-Split out of :mod:`hybridmem.allocator.rules` (issue #27): the rules of each version
+The rules of each version (:mod:`hybridmem.allocator.rules`)
 and the two parsers (:mod:`hybridmem.allocator.parsers`) both read these.
 Pure Python, no torch import.
 """

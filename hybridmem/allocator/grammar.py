@@ -1,6 +1,6 @@
 """Allocator settings as hybridmem's functions take them: known keys, Python values, text.
 
-torch's own grammar, version by version, is :mod:`hybridmem._torch_rules`; this
+torch's own grammar, version by version, is :mod:`hybridmem.allocator.rules`; this
 module holds what hybridmem adds on top: which keys its keyword arguments accept
 (with the Python types they take), how a Python value becomes settings text, and
 how a settings string reads as ``{key: value}`` under a given torch's rules.

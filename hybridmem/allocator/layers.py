@@ -1,6 +1,6 @@
 """The allocator settings' layers: one per active change, each the settings it makes effective.
 
-Split out of :mod:`hybridmem.allocator.state` (issue #27). An :class:`Effective` is
+The engine in :mod:`hybridmem.allocator.state` stacks them. An :class:`Effective` is
 shared while a change changes nothing, and a change's merged settings are cached on
 the settings they were merged onto, so entering the same scope again costs no copy.
 """

@@ -1,7 +1,7 @@
 """torch's two allocator-settings parsers, replayed: the strict one (<= 2.9), the tokenizer (2.10+).
 
-Split out of :mod:`hybridmem.allocator.rules` (issue #27), which holds what each
-version knows (:class:`~hybridmem.allocator.rules.TorchRules`) and runs one of these
+What each version knows is in :mod:`hybridmem.allocator.rules`
+ (:class:`~hybridmem.allocator.rules.TorchRules`) and runs one of these
 on a string. Pure Python, no torch import.
 """
 

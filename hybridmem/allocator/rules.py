@@ -37,7 +37,7 @@ them). The families it encodes:
 Pure Python, no torch import: the tests replay every recorded version anywhere.
 
 The two parsers are in :mod:`hybridmem.allocator.parsers`, what they share (units,
-aliases, C's number readers) in :mod:`hybridmem.allocator.cparse` (issue #27).
+aliases, C's number readers) in :mod:`hybridmem.allocator.cparse`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ expandable segments on. hybridmem keeps one merged view (:class:`AllocatorState`
 env, then process defaults, then active scopes) and always applies it whole,
 writing back explicitly every key torch would otherwise keep.
 
-torch's rules are the running version's own (:mod:`hybridmem._torch_rules`, a
-model of its parser checked against torch 2.4 - 2.13): which env variable it
+torch's rules are the running version's own (:mod:`hybridmem.allocator.rules`, a
+model of its parser checked against torch 2.4 - 2.15): which env variable it
 reads, what it accepts, what each call resets. Every string is run through that
 model before torch sees it, so a string torch would refuse is refused before
 anything is applied; if torch refuses one anyway, the settings before it are

@@ -248,7 +248,7 @@ class EngineClient:
         """Wake ``tags`` (``weights``, ``kv_cache``; None: both); note what the KV wake took.
 
         No synchronize here: the trainer's offload may still be copying under the KV
-        wake (decision 89). :meth:`read_handback` reads the hand-back once the switch
+        wake. :meth:`read_handback` reads the hand-back once the switch
         is done.
         """
         tags = list(tags) if tags is not None else ["weights", "kv_cache"]

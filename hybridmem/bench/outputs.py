@@ -1,7 +1,7 @@
 """What a bench run writes and reads: its output paths checked first, its saved results.
 
-Split out of :mod:`hybridmem.bench.run` (issue #27): ``hybridmem bench --from-json``
-(:func:`report`) needs no GPU and no run.
+Apart from the run itself: ``hybridmem bench --from-json`` (:func:`report`) needs no
+GPU and no run.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ __all__ = [
     "scale_plan",
 ]
 
-#: ``hybridmem bench --scale``'s trainer states (GiB of model + grads + AdamW), issue #25.
+#: ``hybridmem bench --scale``'s trainer states (GiB of model + grads + AdamW).
 SCALE_GIB = (8, 32, 64)
 
 #: The ways of switching that the bench compares (``tms`` needs torch_memory_saver).
@@ -237,7 +237,7 @@ def handback_ratio(free: int, total: int, live: int, context: int) -> float:
 
 @dataclass
 class Figures:
-    """One strategy's results, the figures of issue #5."""
+    """One strategy's results: the figures its verdicts judge."""
 
     strategy: str
     cycles: int
@@ -285,7 +285,7 @@ class Figures:
     #: per cycle, the seconds the trainer's GPU took to finish the training step's
     #: queued work once the host had queued it all: waited for before each switch to
     #: rollout is timed, since no strategy can start its copies before that work
-    #: (decision 91). Before, that wait was inside the to-rollout seconds. Empty in
+    #:. Before, that wait was inside the to-rollout seconds. Empty in
     #: results saved before.
     train_drain_s: list[float] = field(default_factory=list)
     #: what packing the engine's weights into one segment did at their last making

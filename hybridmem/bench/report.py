@@ -50,7 +50,7 @@ _PER_CYCLE: dict[str, Callable[[dict[str, Any]], list[float]]] = {
     ],
 }
 
-#: issue #5's targets for hybridmem.
+#: The targets hybridmem's switch is held to (docs/benchmarks.md).
 TARGETS = {
     "handback": (">=", 0.998),
     "trainer_cached_mib": ("<=", 64.0),
@@ -139,7 +139,7 @@ def _fmt(value: object) -> str:
 
 
 def verdicts(rows: dict[str, dict[str, Any]], raws: dict[str, Any] | None = None) -> list[str]:
-    """hybridmem's figures against issue #5's targets and against each baseline.
+    """hybridmem's figures against its targets and against each baseline.
 
     Figures are rounded to 4 significant digits; hybridmem is called worse than a
     baseline only when the difference exceeds the noise (:func:`noise`: the
@@ -251,7 +251,7 @@ def plot_results(rows: dict[str, dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-#: ``hybridmem bench --scale``: each switch within this factor of its ceiling (issue #25).
+#: ``hybridmem bench --scale``: each switch within this factor of its ceiling.
 SCALE_TARGET = 1.1
 
 

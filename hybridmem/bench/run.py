@@ -259,7 +259,7 @@ def _cycle(
         engine.engine_seconds = engine.memory_seconds = 0.0
         # The step's kernels may still run: the host queues them ahead of the GPU.
         # Every strategy's first copy waits for them, so they are no switch's time,
-        # nor in the ceiling it is measured against (decision 91): waited for here.
+        # nor in the ceiling it is measured against: waited for here.
         drained = time.perf_counter()
         torch.cuda.synchronize()
         figures.train_drain_s.append(time.perf_counter() - drained)
@@ -268,7 +268,7 @@ def _cycle(
             out = strategy.to_rollout()
         to_rollout = time.perf_counter() - started
         wake = engine.memory_seconds
-        engine.read_handback()  # untimed: the switch is done (decision 89)
+        engine.read_handback()  # untimed: the switch is done
         figures.kv_obtained.append(engine.last_kv)
         figures.handback.append(engine.last_handback)
         figures.missing.append(dict(engine.last_missing))

@@ -4,7 +4,7 @@ Each size runs every strategy (each in its own process, as ``hybridmem bench`` d
 with :func:`hybridmem.bench.plan.scale_plan`, and reports its to-rollout and
 to-trainer seconds against the ceiling measured in the same process (the bytes each
 switch copies over the host link, the optimizer state, at the pinned copy rate), the
-hand-back and the drift (issue #25). ``hybridmem bench --from-json`` merges the
+hand-back and the drift. ``hybridmem bench --from-json`` merges the
 files of several scale runs (sizes run apart, a strategy run again).
 
 Scope: starts processes on the current device, one at a time; needs a GPU.

@@ -98,7 +98,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             memory to settle itself (``sglang``: an ``await_free`` step, bounded by
             its own ``timeout_s``), that wait is the settling, and this bounds the
             wait for room only. After a first cycle, free memory as high as the last
-            sleep took it ends either wait (decision 82).
+            sleep took it ends either wait.
         collect_garbage: when releases run a ``gc.collect()`` pass:
             ``"adaptive"`` (default): the switch's own release of each direction
             (after the offload; after the engine sleeps) collects the young
@@ -118,15 +118,15 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             where the device has room already, most of it by copy engine while the
             engine still holds its memory, the rest during the sleep (False: after
             the sleep, always); a reload after the sleep copied by ``"kernel"`` or
-            ``"copy_engine"`` (``Offloader.reload``; decisions 80 and 81).
+            ``"copy_engine"`` (``Offloader.reload``).
         weights_under_offload: wake and sync the engine's weights while the
             offload's copies run, where the device has room for them beside the
             trainer state (what they took in the last cycle, plus 256 MiB;
-            :mod:`~hybridmem.engine.switch_offload`, decision 86). False: after the
+            :mod:`~hybridmem.engine.switch_offload`). False: after the
             offload, always.
         kv_under_offload: wake the KV cache under those copies too, where the device
             has room for what its last wake took (after landed copies) plus 512 MiB
-            (decision 89). False: after the copies land, always.
+           . False: after the copies land, always.
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -274,13 +274,13 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         return then_run(self._exit_phase(), lambda: self._enter_phase("rollout"))  # wake_up
 
     def _put_to_sleep(self) -> Awaitable[Any] | None:
-        # ``_enough`` (decision 82) was read at this stage's start; ``reload_early`` left rollout
+        # ``_enough`` was read at this stage's start; ``reload_early`` left rollout
         self._enter_phase("sleep", self._enough)
         return self._sleep()
 
     def _confirm(self) -> object:
         # The sleep recipe's own wait (SGLang's) has just watched free memory settle; a
-        # second found it settled, 20 ms for nothing (decision 73). The room check stays.
+        # second found it settled, 20 ms for nothing. The room check stays.
         settled, enough = self._settles_on_sleep, self._enough
 
         def settle() -> object:
@@ -354,7 +354,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         return [(name, None if op is None else getattr(self, op)) for name, op in STAGES[direction]]
 
     def _start_stage(self, name: str, before: MemoryInfo | None = None) -> Stage:
-        # The last stage's closing reading, taken just now: nothing ran since (decision 91).
+        # The last stage's closing reading, taken just now: nothing ran since.
         info = self._memory() if before is None else before
         if name == "sleep":  # free memory as high as the last sleep took it ends its wait
             self._enough = self._returns.mark(info, shared=self._shared_device)
@@ -371,7 +371,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
     def _finish_stage(self, report: SwitchReport, stage: Stage) -> MemoryInfo:
         """Close ``stage`` into ``report``; return its closing reading (the next one's opening)."""
         info = self._memory()
-        if stage.name == "confirm":  # what this sleep gave back, for the next (decision 82)
+        if stage.name == "confirm":  # what this sleep gave back, for the next
             self._returns.learn(info)
         _timeline.end(stage.span, memory=info)
         seconds = time.perf_counter() - stage.clock

@@ -1,6 +1,6 @@
 """The switch's offload, and the engine's weights (and KV cache) woken under its copies.
 
-Why (issue #25, item 3; decisions 85 and 86): at 32 GiB of trainer state the switch to
+Why: at 32 GiB of trainer state the switch to
 rollout spent 22-24 ms in its weight stages after an offload of 315 ms, about 7% of
 the ceiling. Measured on an H200 with a prototype: once the ``wake_up`` recipe's
 release (a device-wide synchronize) was left out, the engine's weights woke in 3 ms
@@ -23,7 +23,7 @@ Where the process runs expandable segments between phases, entering ``wake_up``
 changes the allocator mode, and that change releases the cache (a synchronize):
 the weights then wait for the copies, correct but no faster.
 
-The KV cache too (decision 89, built from decision 88's probe): where the copies still
+The KV cache too: where the copies still
 run after the weight sync and the device has room for what the KV cache's wake took in
 the last cycle whose copies had landed before it (:func:`kv_need`, plus
 :data:`KV_MARGIN_BYTES`), ``offload_land`` leaves the copies in flight,
@@ -153,7 +153,7 @@ class Offloading:
         return self._flight is not None and self._flight.pending
 
     def _room_for_weights(self) -> bool:
-        """Whether the weight stages fit beside the trainer state now (decision 86)."""
+        """Whether the weight stages fit beside the trainer state now."""
         if not self.weights_under_offload:
             return False
         if self._shared_device:  # another rank's engine here may wake in our memory
@@ -167,7 +167,7 @@ class Offloading:
         return need is not None and self._fits_now(need + WEIGHTS_MARGIN_BYTES, "the weights")
 
     def _room_for_kv(self) -> bool:
-        """Whether the KV cache fits beside the copies still in flight now (decision 89)."""
+        """Whether the KV cache fits beside the copies still in flight now."""
         if not self.kv_under_offload or self._kv_need is None:
             return False
         return self._fits_now(self._kv_need + KV_MARGIN_BYTES, "the KV cache")
@@ -203,7 +203,7 @@ class Offloading:
         if self._room_for_weights():
             self._flight = self.offloader.start_offload()  # offload_land frees
             return
-        report = self.offloader.offload()  # released as its copies land (decisions 83, 85)
+        report = self.offloader.offload()  # released as its copies land
         self.offload_report = report if isinstance(report, OffloadReport) else None
 
     def _release_offloaded(self) -> Awaitable[Any] | None:
@@ -215,7 +215,7 @@ class Offloading:
 
     def _wake_weights(self) -> Awaitable[Any] | None:
         """Stage ``wake_weights``: enter ``wake_up`` (without its release under the copies)."""
-        # Under the offload's copies the recipe's release would wait for them (decision 86).
+        # Under the offload's copies the recipe's release would wait for them.
         self._enter_phase("wake_up", enter_releases=not self._copying)
         return self._wake("weights")
 

@@ -1,6 +1,6 @@
 """The switch's rank protocol: every sync point carries each rank's status.
 
-Split out of :mod:`hybridmem.engine.switch` (issue #27). A mixin of
+A mixin of
 :class:`~hybridmem.engine.switch.HybridSwitch`: it reads the switch's rank, cycle and
 state, declared here for the type checker only.
 """

@@ -1,6 +1,6 @@
 """The switch's reload: queued before the engine sleeps when the device has room, else after.
 
-Why (issue #25, decision 79): a host-to-device copy right after another process freed
+Why: a host-to-device copy right after another process freed
 a lot of device memory runs at about half its rate, for half a second and more
 (measured on an H200, ``benchmarks/reload_rate.py``: 0.46-0.50 of the pinned rate
 against 0.90-1.00 otherwise, whatever memory the copy lands in). The reload after
@@ -15,7 +15,7 @@ On by default since the GPU switch tests ran fifty cycles with it (their
 ``handed_back`` now counts the trainer's own reserved change over the sleep out);
 ``HybridSwitch(reload_early=False)`` always reloads after the sleep.
 
-How (decisions 80 and 81): the reload after the sleep is done by kernels reading the
+How: the reload after the sleep is done by kernels reading the
 pinned pool's device mapping (``reload_by="kernel"``, :mod:`hybridmem._torch.mapped`):
 the copy engines slow down as the engine frees, during the sleep as after it (0.46 of
 the pinned rate after a 60 GiB free and 0.53-0.64 during it; kernels 0.80-0.82,
@@ -25,19 +25,19 @@ the full rate while the engine still holds its memory, then a **tail** fed to th
 copy engines a chunk at a time through the sleep and the wait for free memory
 (:func:`tail_bytes`, :meth:`~hybridmem.memory.offload.Offloader.start_reload`), so
 that those stages overlap the copy. The ``reload`` stage stops the feed and copies
-what is left by ``reload_by`` (decision 94: sleeps vary, and a tail queued in full
+what is left by ``reload_by`` (sleeps vary, and a tail queued in full
 could neither stop when a short sleep ended nor go on through a long one). Not by
 kernel: kernels top out at 0.82 of the pinned rate even with nothing freed, both ways
 at once ran slower than kernels alone (0.62-0.71), and a tail by kernel held the
 engine's sleep up (84-110 ms against 22-64 ms with the copy engines, in the bench at 8
 and 32 GiB).
 
-Where (decision 85): every reload allocates the trainer state in the allocator mode
+Where: every reload allocates the trainer state in the allocator mode
 the backend's ``train`` recipe trains in (expandable segments, for the built-in
 backends; :func:`trainer_allocation`), whatever mode the process runs in between
 phases. Reloaded in classic segments, the state's next offload freed classic
 segments, whose ``cudaFree`` waits for the whole device: the offload's release as its
-copies land (decision 83) then waited for all of them (31-34 ms after the copies at
+copies land then waited for all of them (31-34 ms after the copies at
 32 GiB in the bench; 1-2 ms as they land). A profile whose ``train`` recipe has no
 ``expandable_segments`` step reloads in the process's own mode.
 
@@ -108,7 +108,7 @@ def _seconds(reports: list[SwitchReport], direction: str, stage: str) -> float |
 #: a tail still in flight when the ``confirm`` stage releases the cache is waited for
 #: there, which lengthens ``confirm`` and so the next tail; at 0.75 and 1.0 that grew
 #: cycle after cycle in the bench (confirm 232 -> 357 ms at 32 GiB), at 0.5 it settled
-#: after one cycle (decision 81).
+#: after one cycle.
 TAIL_SHARE = 0.5
 
 #: The stages an early reload's tail runs through: the engine's sleep and the wait for
@@ -116,7 +116,7 @@ TAIL_SHARE = 0.5
 #: 166-243 ms in the bench and would size the next tail by it).
 TAIL_STAGES = ("sleep", "confirm")
 
-#: The cycles whose longest sleep sizes the tail, and the margin on it (decision 94).
+#: The cycles whose longest sleep sizes the tail, and the margin on it.
 #: Fed a chunk at a time (:meth:`~hybridmem.memory.offload.Offloader.start_reload`), a
 #: tail that outlasts the sleep is stopped by the ``reload`` stage, which copies the
 #: rest by kernel at 1/0.8 of its head time: a quarter more for each byte too many.
@@ -148,7 +148,7 @@ def tail_bytes(reports: list[SwitchReport], host_bytes: int, offload_s: float | 
     and the wait for its memory) of the last :data:`TAIL_CYCLES` cycles, a
     :data:`TAIL_STRETCH` more, at :data:`TAIL_SHARE` of the last offload's rate (the
     same pool and bus, the other way): ``host_bytes`` over ``offload_s`` (the
-    Offloader's report: its copies' own time, decision 90), else over the last
+    Offloader's report: its copies' own time), else over the last
     ``offload`` stage. The rest (the head) goes first, and the host waits for it:
     those copies run at the full rate while the engine still holds its memory. 0
     before any full cycle: all of it first, then the sleep.
@@ -159,7 +159,7 @@ def tail_bytes(reports: list[SwitchReport], host_bytes: int, offload_s: float | 
     """
     window = _window(reports)
     # The offload's own seconds where known: with the weights under its copies
-    # (decision 86) the ``offload`` stage only queues them.
+    # the ``offload`` stage only queues them.
     offload = offload_s or _seconds(reports, "to_rollout", "offload")
     if not window or not offload or host_bytes <= 0:
         return 0
@@ -225,7 +225,7 @@ class Reloading:
         """Stage ``reload_early``: leave the rollout phase; reload now where there is room.
 
         After the phase: the trainer state's memory is allocated in the train recipe's
-        allocator mode (:func:`trainer_allocation`, decision 85). The head's wait
+        allocator mode (:func:`trainer_allocation`). The head's wait
         runs in a worker thread under the async driver (the event loop keeps running).
         """
 
@@ -260,11 +260,11 @@ class Reloading:
             return
         total = self.offloader.host_bytes
         last = self.offload_report
-        # The copies' own time (decision 90): the report's wall time ran on to a
+        # The copies' own time: the report's wall time ran on to a
         # landing after the KV wake, and would size the tail too small.
         tail = tail_bytes(self.reports, total, last.copy_or_wall_seconds if last else None)
         try:
-            with trainer_allocation(self.profile):  # where it trains (decision 85)
+            with trainer_allocation(self.profile):  # where it trains
                 if tail < total:  # the host waits: no engine frees while these copies run
                     self.offloader.reload(by="copy_engine", max_bytes=total - tail)
                 if self.offloader.offloaded_groups:  # through the sleep, a chunk at a time
@@ -296,6 +296,6 @@ class Reloading:
                 self._state.offloaded = False
         # Not ``else``: what a feed did not cover (a later group) must still come back.
         if self.offloader is not None and self._state.offloaded:
-            with trainer_allocation(self.profile):  # where it trains (decision 85)
+            with trainer_allocation(self.profile):  # where it trains
                 self.offloader.reload(by=self.reload_by)
             self._state.offloaded = False

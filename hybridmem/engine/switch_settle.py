@@ -1,8 +1,8 @@
 """When the engine's sleep has given its memory back: as much as it gave the last time.
 
-Why (issue #25, item 3): after the engine's sleep returns, the switch waits for device
+Why: after the engine's sleep returns, the switch waits for device
 free memory to settle (SGLang's ``release_memory_occupation`` can return before the
-scheduler has freed, decision 73). Settling is three equal readings 10 ms apart: at
+scheduler has freed). Settling is three equal readings 10 ms apart: at
 least 20 ms, every cycle (``confirm`` took 21-22 ms in the bench at every size, a
 third of the switch to trainer's distance from its ceiling at 32 GiB). An engine gives
 back the same memory cycle after cycle (its weights and KV cache), so once one sleep

@@ -10,7 +10,7 @@ consumer checks the two syscalls an expandable-segment import needs
 the three exports and checks their bytes. The producer prints one JSON object.
 
 Everything that can fail is caught and reported as text: the parent turns the
-facts into :class:`hybridmem.IpcCapabilities`. Run by path (``sys.path[0]`` is
+facts into :class:`hybridmem.ipc.capabilities.IpcCapabilities`. Run by path (``sys.path[0]`` is
 the package folder), so the syscall-only probe never imports torch.
 """
 

@@ -151,7 +151,7 @@ class WeightBucket(ClosesOnExit):
         choice = check_transport(transport, self.fallback)
         self._index = device_index(device)
         self.nbytes = size
-        # The transport is chosen once, here, and asked from then on (issue #27).
+        # The transport is chosen once, here, and asked from then on.
         self._transport = choose_transport(
             choice,
             self.fallback,
@@ -173,7 +173,7 @@ class WeightBucket(ClosesOnExit):
         self._peer = Peer(None, "receiver")  # learnt from its hello
         # A bucket dropped without close() (or whose set-up failed midway) still
         # unlinks its host segments: torch's resource tracker would otherwise report
-        # them leaked at exit, and they would outlive the process in /dev/shm (#22).
+        # them leaked at exit, and they would outlive the process in /dev/shm.
         # The host part of Buffers.release only: at exit, device tensors are left alone.
         self._release_host = weakref.finalize(
             self, drop_host_buffers, self._held.pinned, self._held.shms, unlink=True
@@ -257,8 +257,8 @@ class WeightBucket(ClosesOnExit):
         GPU hand-off between the processes (~0.5 ms on the H200), so big buckets
         win: at 8 GiB (190 tensors of an 8B model) 1 GiB x 2 took 10.3 ms per sync,
         79% of the two-copy ceiling, against 14.1 ms with 256 MiB x 2; at 1 GiB,
-        512 MiB x 2 took 1.4 ms (76%) against 1.7 ms (benchmarks/weight_sync.py, run
-        3 of issue #25). The price is device memory: up to 3 GiB while the bucket lives.
+        512 MiB x 2 took 1.4 ms (76%) against 1.7 ms (benchmarks/weight_sync.py
+        on the H200). The price is device memory: up to 3 GiB while the bucket lives.
 
         Args:
             named_tensors: what will be sent, a mapping or a list of pairs (only

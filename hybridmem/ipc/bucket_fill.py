@@ -1,6 +1,6 @@
 """How a WeightBucket packs tensors into its buffers: the plan (cached), and each batch's fill.
 
-Split out of :mod:`hybridmem.ipc.bucket` (issue #27). The plan packs the tensors at
+The plan packs the tensors at
 256-byte-aligned offsets, splitting those larger than a buffer; a batch is filled
 by copying each tensor as it is into a view of the buffer with its dtype and shape
 (small ones batched), the views made once per plan.
@@ -130,8 +130,8 @@ class Filler:
         Each whole tensor is copied as it is into a view of the buffer with its own
         dtype and shape (made once per plan); small ones of one dtype together, in one
         ``torch._foreach_copy_``. Per tensor and sync that is one copy to launch and
-        no view to make: view making was most of a sync's host time (issue #25,
-        ``benchmarks/sync_anatomy.py``). Pieces of a split tensor go as words.
+        no view to make: view making was most of a sync's host time
+        (``benchmarks/sync_anatomy.py``). Pieces of a split tensor go as words.
         """
         batch = plan.batches[number]
         targets = self._targets(buffer, number, plan, items)

@@ -199,7 +199,7 @@ class BucketReceiver(ClosesOnExit):
             whole = start == 0 and nbytes == total
             if typed is not None and whole:
                 # Into `out` as it is, from a view of the buffer made once: no view of
-                # the user's tensor per sync (issue #25).
+                # the user's tensor per sync.
                 source_view = typed[index]
                 target = self._target(entry, out, dtype_named(dtype_name))
                 if source_view is not None:

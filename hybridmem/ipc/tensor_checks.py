@@ -1,6 +1,6 @@
 """What a WeightBucket ships: the checks every tensor passes before anything is sent.
 
-Split out of :mod:`hybridmem.ipc.bucket` (issue #27). A bad tensor is refused here,
+A bad tensor is refused here,
 naming it, before a byte is sent (and before a control-plane call is made, through
 :meth:`~hybridmem.ipc.bucket.WeightBucket.check`).
 """
@@ -89,7 +89,7 @@ def check_tensor(name: str, tensor: object, device: torch.device) -> torch.Tenso
     # here, before anything is sent, that it can be read as such words. Whether it
     # can depends on the tensor's class and dtype alone (the word width is chosen to
     # divide its size and offset), so each pair is tried once per process: the try
-    # was half of a sync's checks (issue #25).
+    # was half of a sync's checks.
     kind = (type(tensor), tensor.dtype)
     if kind not in _BYTE_VIEWABLE:
         try:

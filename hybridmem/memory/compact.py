@@ -218,7 +218,7 @@ def compact(
     (parameters a trainer keeps resident, buffers). The optimizer state an
     :class:`~hybridmem.Offloader` moves is reallocated at every reload, in the
     settings in force there: ``HybridSwitch`` reloads it in its backend's ``train``
-    recipe's mode (decision 85). Building the model inside ``hm.phase("train")``
+    recipe's mode. Building the model inside ``hm.phase("train")``
     (or ``hm.expandable_segments(True)``) has the effect of compacting it.
 
     The storages go through pinned host memory (as many bytes as they hold, released

@@ -1,11 +1,11 @@
 """The Offloader's host pool: one exact-size allocation, pinned once, unpinned before it is freed.
 
-Split out of :mod:`hybridmem.memory.offload` (issue #27). The pool is an anonymous
+The pool is an anonymous
 mapping advised ``MADV_HUGEPAGE`` (:func:`hybridmem._platform.host_memory.huge_page_region`),
 registered with ``cudaHostRegister`` through the seam: exactly the bytes asked (torch's
 pinned allocator would round up to a power of two), pinned twice as fast as 4 KiB pages
-(``benchmarks/pinning.py``, issue #25), and mapped, so that a reload can be done by
-kernels reading it (:meth:`HostPool.device_view`, decision 80).
+(``benchmarks/pinning.py``), and mapped, so that a reload can be done by
+kernels reading it (:meth:`HostPool.device_view`).
 
 Scope: host memory of this process; not thread-safe (its Offloader is not).
 """

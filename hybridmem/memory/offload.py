@@ -387,7 +387,7 @@ class Offloader:
                 data, without the host waiting.
             by: ``"copy_engine"`` (leaves the SMs to work beside it) or ``"kernel"``:
                 kernels read the pool's device mapping at full speed where the copy
-                engines run at half after another process's large free (decision 80).
+                engines run at half after another process's large free.
             copy_engine_first: with ``"kernel"``, storages in the first this many
                 bytes go by copy engine (kernels hold up another process's unmapping).
             max_bytes: reload only the first storages (in pool order) within this many
@@ -445,7 +445,7 @@ class Offloader:
         """Reload by copy engine, a chunk at a time from a thread, until told to stop.
 
         Allocates every storage here (this thread's allocator mode) while the first
-        copies run; a thread then keeps two chunks in flight (decision 94).
+        copies run; a thread then keeps two chunks in flight.
 
         Args:
             groups, max_bytes: as for :meth:`reload`.

@@ -1,11 +1,11 @@
 """Freeing an offload's device storage: all or none, and chunk by chunk as its copies land.
 
-Split out of :mod:`hybridmem.memory.offload` (issue #25). :func:`free_slots` frees
+:func:`free_slots` frees
 storages whose copies have landed, all or none. :func:`free_as_landed` does it chunk
 by chunk while the later copies still run, and gives each chunk's memory back to the
 driver at once.
 
-Why chunk by chunk (issue #25, item 3): returning what an offload freed (the driver
+Why chunk by chunk: returning what an offload freed (the driver
 unmapping and releasing expandable segments' pages) took 44-48 ms after a 16-34 GiB
 offload in the bench's switch to rollout, in a stage of its own after the copies.
 Measured on an H200 (``benchmarks/release_during_offload.py``, 16 GiB in 64 MiB

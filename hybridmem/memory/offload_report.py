@@ -87,7 +87,7 @@ class OffloadReport:
         """``copy_seconds`` where measured (and not 0), else the wall-clock ``seconds``.
 
         What a rate is best read over: the switch sizes its early reload's tail by it,
-        and the bench its offload rate (decision 90).
+        and the bench its offload rate.
         """
         return self.copy_seconds or self.seconds
 

@@ -1,8 +1,7 @@
 """The scoped offload: ``hm.offloaded(...)`` keeps targets offloaded for a block or call.
 
-Split out of :mod:`hybridmem.memory.offload` (issue #25; that module holds the
-:class:`~hybridmem.memory.offload.Offloader` itself). ``hybridmem.memory.offload``
-still answers ``Offloaded`` and ``offloaded``.
+One :class:`~hybridmem.memory.offload.Offloader` serves every entry (its pool pinned
+once); nested entries offload once and reload at the outermost exit.
 """
 
 from __future__ import annotations

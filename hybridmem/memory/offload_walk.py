@@ -1,6 +1,6 @@
 """An offload's copies queued while the targets are walked, if they still match the plan.
 
-Split out of :mod:`hybridmem.memory.offload` (its 600 lines). Every offload walks the
+Every offload walks the
 targets, since they may have changed since the last one. When nothing is offloaded and
 the walk finds the planned storages in the planned order, each copy is queued as soon
 as its storage is found, so the walk overlaps the transfers instead of preceding them.

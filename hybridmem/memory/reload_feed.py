@@ -1,6 +1,6 @@
 """A reload fed to the copy engines a chunk at a time from a thread, until it is told to stop.
 
-Why (issue #25, item 3, decision 94): the switch's early reload queues a tail of copies
+Why: the switch's early reload queues a tail of copies
 just before the engine's sleep, so that the copy engines work while the engine frees
 its memory. Queued in full, the tail cannot be taken back, so it had to be sized by a
 guess at how long the sleep will take (the last cycle's), and sleeps vary: 38, 61
@@ -10,7 +10,7 @@ run); one that runs on copies at half rate after it. A feed keeps at most
 :data:`FEED_DEPTH` chunks of :data:`FEED_CHUNK_BYTES` in flight, so when the sleep
 ends it stops within a chunk or two, and :meth:`ReloadFeed.finish` copies the rest
 by kernel, which keeps its rate after a peer's large free where the copy engines
-halve theirs (decision 80).
+halve theirs.
 
 Made by :meth:`Offloader.start_reload <hybridmem.memory.offload.Offloader.start_reload>`,
 which allocates every storage first, in the caller's thread and allocator mode: the

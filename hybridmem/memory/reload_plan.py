@@ -30,7 +30,7 @@ def reload_need(slots: Sequence[Slot]) -> int:
 
     Each storage rounded as the caching allocator rounds it, plus one 20 MiB block
     (:meth:`~hybridmem.memory.offload.Offloader.reload_bytes`). Storages allocated
-    already, to be refilled (a reload feed's, decision 94), need nothing more.
+    already, to be refilled (a reload feed's), need nothing more.
     """
     total = 0
     for slot in slots:

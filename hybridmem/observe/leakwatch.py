@@ -1,6 +1,6 @@
 """LeakWatch: memory at a phase boundary that keeps growing across cycles.
 
-Slow leaks show up only after 50-220 steps (verl #1232, #3902, #6548): a staging
+Slow leaks show up only after 50-220 steps (verl #1232, #3902): a staging
 buffer kept per step, a reference cycle holding activations, IPC blocks nobody
 collects. Measuring the same boundary every cycle and fitting a line over a window
 turns "it OOMs at step 223" into "allocated grows 38 MiB per cycle after sleep".

@@ -418,7 +418,7 @@ def pack(
         align: pad each sequence to a multiple of this (``tp``; ``tp * cp_size * 2``
             with context parallelism).
         total_align: pad the last sequence further so that the total is a multiple
-            of this (a multiple of ``align``); :func:`fp8_alignment` gives verl's
+            of this (a multiple of ``align``); :func:`~hybridmem.packing.fp8_alignment` gives verl's
             ``use_fp8_padding`` pair. None: no total alignment.
         cp_size, cp_rank: the context-parallel split; this rank's chunks are returned.
         check: compare ``lengths`` with the mask: True always (one sync on a GPU),

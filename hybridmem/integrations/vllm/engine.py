@@ -252,7 +252,7 @@ def _receiver_device(device: torch.device, handle: BucketHandle) -> int | None:
     """The receiver's device index: the worker's GPU, or None (host buckets without CUDA)."""
     if device.type == "cuda":
         return device.index if device.index is not None else torch.cuda.current_device()
-    if transport_named(handle.transport).on_device:  # the transport says (issue #27)
+    if transport_named(handle.transport).on_device:  # the transport says
         raise ValueError(
             f"the trainer's bucket is {handle.transport!r} (device memory) but this worker "
             f"runs on {device}: start the trainer with transport='host'"

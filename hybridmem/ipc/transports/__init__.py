@@ -5,5 +5,5 @@ consumer's open, the buffers and their teardown); ``cuda`` (CUDA IPC of classic
 segments), ``fd`` (expandable segments, their pages' fds passed over a Unix socket)
 and ``host`` (POSIX shared memory) implement it; ``choice`` holds the registry and the
 one function that chooses (``auto``, ``fallback``). A fourth transport is one module
-plus one entry in ``choice.TRANSPORTS`` (issue #27).
+plus one entry in ``choice.TRANSPORTS``.
 """

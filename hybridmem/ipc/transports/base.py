@@ -1,6 +1,6 @@
 """What every transport is: its interface, the buffers it holds, and the values it takes.
 
-A transport owns, for one bucket (issue #27): what blocks it on this machine
+A transport owns, for one bucket: what blocks it on this machine
 (:meth:`Transport.blocker`), the producer's allocation and export
 (:meth:`Transport.allocate`, :meth:`Transport.exports`), the consumer's open
 (:meth:`Transport.open`), and the teardown of what either side holds

@@ -1,4 +1,4 @@
-"""Which transport a bucket or an ``ipc_safe`` scope uses: decided once, here (issue #27).
+"""Which transport a bucket or an ``ipc_safe`` scope uses: decided once, here.
 
 The registry of transports by name (a fourth is one module plus one entry in
 :data:`TRANSPORTS`), and :func:`choose_transport`, the one function that turns what
@@ -54,7 +54,7 @@ def choose_transport(
 ) -> Transport:
     """The transport to use for ``device``, given what was asked and what works here.
 
-    The one place the choice is made (issue #27). ``fallback="host"`` is host memory.
+    The one place the choice is made. ``fallback="host"`` is host memory.
     Otherwise the transport asked (``"auto"``: ``"cuda"``) is taken unless it says what
     blocks it here; then ``fallback="raise"`` raises, and ``"auto"`` warns once and
     tries the transport it falls back to (``fd`` -> ``cuda`` -> ``host``).
