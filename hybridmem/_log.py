@@ -47,8 +47,8 @@ def user_stacklevel() -> int:
     Counted for a ``warnings.warn`` call made by the function that calls this one:
     the first frame outside hybridmem (and outside the import machinery and
     contextlib), wherever in the package the warning starts, so no call site counts
-    its own depth (hand-counted depths drift as code moves). Python 3.12's ``skip_file_prefixes`` does the
-    same for one prefix; 3.10 and 3.11 lack it.
+    its own depth (hand-counted depths drift as code moves). Python 3.12's
+    ``skip_file_prefixes`` does the same for one prefix; 3.10 and 3.11 lack it.
     """
     frame = sys._getframe(1)  # the caller of warnings.warn
     level = 1
