@@ -1,8 +1,8 @@
 """The switch's recovery: back to the trainer phase with every rank, or say what remains.
 
 With the room check that comes before a reload (the engine must have let go before
-the trainer state comes back). A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state
-and stage operations are declared here for the type checker only.
+the trainer state comes back). A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`:
+the switch's state and stage operations are declared here for the type checker only.
 """
 
 from __future__ import annotations
