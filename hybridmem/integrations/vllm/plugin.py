@@ -34,6 +34,9 @@ def register() -> bool:
         >>> register()   # vLLM does this itself in every process it starts
         True
     """
+    from hybridmem.integrations.verl.install import install_from_env
+
+    install_from_env()  # verl's drop-ins too, where HYBRIDMEM_VERL=1 asks for them
     try:
         from vllm.distributed.weight_transfer.factory import (
             WeightTransferEngineFactory,

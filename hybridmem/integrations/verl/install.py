@@ -1,0 +1,191 @@
+"""Swap hybridmem's drop-ins into verl, in this process: one call, verl's code unchanged.
+
+:func:`install` replaces, in verl 0.9's modules:
+
+- ``BucketedWeightSender`` and ``BucketedWeightReceiver``
+  (``verl.workers.rollout.vllm_rollout.bucketed_weight_transfer``, and every module
+  that imported them by name: ``vllm_rollout.vllm_rollout``) by
+  :mod:`hybridmem.integrations.verl.transfer`'s;
+- ``set_expandable_segments`` (``verl.utils.device``, and ``verl.workers.engine_workers``,
+  which imported it by name) by
+  :func:`~hybridmem.integrations.verl.allocator.set_expandable_segments`;
+- ``ActorRolloutRefWorker.update_weights`` (``verl.workers.engine_workers``) by itself
+  wrapped in :func:`~hybridmem.integrations.verl.allocator.restored_on_failure`.
+
+Modules verl has not imported yet are patched when it imports them (an import hook
+that runs after each of them loads), so the call may come before or after verl's
+imports. Both processes of a transfer need it: the trainer's (the sender) and the vLLM
+worker's (the receiver). vLLM runs hybridmem's plugin in every process it starts,
+which calls :func:`install` there when ``HYBRIDMEM_VERL=1``; for verl's Ray workers,
+Ray's ``runtime_env`` can run it in each (``worker_process_setup_hook``), or the
+worker's code calls it. Never by surprise: nothing is patched unless asked.
+
+Scope: process-global; idempotent; thread-safe.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from hybridmem._log import logger
+
+__all__ = ["ENV", "install", "installed", "uninstall"]
+
+#: Set to ``1`` in processes vLLM starts (its plugin then calls :func:`install`).
+ENV = "HYBRIDMEM_VERL"
+
+_TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
+_ROLLOUT = "verl.workers.rollout.vllm_rollout.vllm_rollout"
+_DEVICE = "verl.utils.device"
+_WORKERS = "verl.workers.engine_workers"
+_TARGETS = (_TRANSFER, _ROLLOUT, _DEVICE, _WORKERS)
+
+_lock = threading.Lock()
+_originals: dict[tuple[str, str], Any] = {}  # (module, name) -> what verl had
+_hook: _PatchOnImport | None = None
+
+
+def _ours() -> dict[str, Any]:
+    from hybridmem.integrations.verl import allocator, transfer
+
+    return {
+        "BucketedWeightSender": transfer.BucketedWeightSender,
+        "BucketedWeightReceiver": transfer.BucketedWeightReceiver,
+        "set_expandable_segments": allocator.set_expandable_segments,
+    }
+
+
+def _patch(module: ModuleType) -> list[str]:
+    """Replace verl's names in ``module`` by ours (those it has); what was replaced."""
+    done: list[str] = []
+    for name, replacement in _ours().items():
+        current = getattr(module, name, None)
+        if current is None or current is replacement:
+            continue
+        _originals.setdefault((module.__name__, name), current)
+        setattr(module, name, replacement)
+        done.append(f"{module.__name__}.{name}")
+    worker = getattr(module, "ActorRolloutRefWorker", None) if module.__name__ == _WORKERS else None
+    if worker is not None and "update_weights" in vars(worker):
+        from hybridmem.integrations.verl.allocator import restored_on_failure
+
+        method = vars(worker)["update_weights"]
+        wrapped = restored_on_failure(method)
+        if wrapped is not method:
+            _originals.setdefault((module.__name__, "ActorRolloutRefWorker.update_weights"), method)
+            worker.update_weights = wrapped
+            done.append(f"{_WORKERS}.ActorRolloutRefWorker.update_weights")
+    return done
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patch each of verl's target modules right after it is first imported."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _TARGETS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None and spec.loader is not None:
+                loader = spec.loader
+                execute: Callable[[ModuleType], None] | None = getattr(loader, "exec_module", None)
+                if execute is None:
+                    return None
+
+                def exec_module(module: ModuleType, execute: Any = execute) -> None:
+                    execute(module)
+                    with _lock:
+                        if _hook is not None:
+                            _patch(module)
+
+                spec.loader = _Loader(loader, exec_module)
+                found: importlib.machinery.ModuleSpec = spec
+                return found
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    """A loader that runs another's ``exec_module`` and then patches the module."""
+
+    def __init__(self, loader: Any, exec_module: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._exec = exec_module
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        create = getattr(self._loader, "create_module", None)
+        made: ModuleType | None = None if create is None else create(spec)
+        return made
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._exec(module)
+
+
+def install() -> list[str]:
+    """Put hybridmem's drop-ins in verl's place in this process (see the module).
+
+    Returns:
+        What was replaced now, as ``module.name`` (empty when verl's modules are not
+        imported yet: they are patched when they are).
+
+    Example:
+        >>> import hybridmem.integrations.verl as hv   # doctest: +SKIP
+        >>> hv.install()
+        ['verl.workers.rollout.vllm_rollout.bucketed_weight_transfer.BucketedWeightSender', ...]
+    """
+    global _hook
+    with _lock:
+        if _hook is None:
+            _hook = _PatchOnImport()
+            sys.meta_path.insert(0, _hook)
+        done: list[str] = []
+        for name in _TARGETS:
+            module = sys.modules.get(name)
+            if module is not None:
+                done += _patch(module)
+    if done:
+        logger.info("verl drop-in installed: %s", ", ".join(done))
+    return done
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect in this process."""
+    return _hook is not None
+
+
+def uninstall() -> None:
+    """Put verl's own names back and stop patching imports."""
+    global _hook
+    with _lock:
+        if _hook is not None and _hook in sys.meta_path:
+            sys.meta_path.remove(_hook)
+        _hook = None
+        for (module_name, name), original in _originals.items():
+            module = sys.modules.get(module_name)
+            if module is None:
+                continue
+            if "." in name:
+                owner, attr = name.split(".")
+                setattr(getattr(module, owner), attr, original)
+            else:
+                setattr(module, name, original)
+        _originals.clear()
+
+
+def install_from_env() -> bool:
+    """:func:`install` if ``HYBRIDMEM_VERL=1`` (what the vLLM plugin calls); whether it did."""
+    if os.environ.get(ENV, "").strip() != "1":
+        return False
+    install()
+    return True

@@ -1,0 +1,396 @@
+"""The drop-in's two ends for one ``zmq_handle``, kept for the life of the process.
+
+verl builds a new ``BucketedWeightSender`` and a new ``BucketedWeightReceiver`` for
+every weight update, each allocating, exporting and opening a fresh buffer. Here the
+sender's process keeps one :class:`SenderLink` per ``zmq_handle`` (one
+:class:`~hybridmem.WeightBucket`, exported once, and one listening socket) and the
+receiver's process one :class:`ReceiverLink` (the bucket opened once, one connection):
+verl's objects come and go, the links stay.
+
+The socket: beside verl's own ZMQ path for an ``ipc://`` handle (``<path>.hybridmem``:
+the two processes share ``/tmp`` exactly as verl's ZMQ sockets need), else an abstract
+Unix socket named after the handle. Only a process of the same user is accepted.
+
+One sync, over that connection (each wait bounded by ``timeout``):
+
+- sender: ``("sync", n, bucket_size)``, then for each group of tensors
+  ``("group", last, count)`` and, when ``count``, the bucket's own protocol
+  (:meth:`~hybridmem.WeightBucket.send`);
+- receiver: the tensors in verl's batches to ``on_bucket_received``
+  (:class:`~hybridmem.integrations.verl.batches.VerlBatches`), then ``("done", n)``,
+  or ``("failed", n, why)`` when a callback raised (the sender raises it too).
+
+Scope: one sync at a time per link (a lock); the links of a process by handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from hybridmem._errors import SyncError
+from hybridmem._log import logger
+from hybridmem._platform import unix_socket
+from hybridmem.integrations.verl.batches import OnBucket, VerlBatches, Weights
+from hybridmem.ipc._wire import BucketHandle, Peer, recv_within, send_to
+from hybridmem.ipc.bucket import WeightBucket
+from hybridmem.ipc.receiver import BucketReceiver
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ReceiverLink",
+    "SenderLink",
+    "address_of",
+    "close_links",
+    "receiver_link",
+    "sender_link",
+]
+
+#: How long either end waits for the other, per message and for the first connection.
+DEFAULT_TIMEOUT_S = 120.0
+_TIMEOUT_ENV = "HYBRIDMEM_VERL_TIMEOUT"
+_CONNECT_SLICE_S = 0.01  # how often a receiver retries a sender not yet listening
+_PATH_MAX = 100  # sun_path holds 108 bytes
+
+
+def timeout_s() -> float:
+    """The links' bound on every wait: ``HYBRIDMEM_VERL_TIMEOUT`` seconds, else 120."""
+    raw = os.environ.get(_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{_TIMEOUT_ENV}={raw!r}: a number of seconds > 0 is needed") from None
+    if not value > 0:
+        raise ValueError(f"{_TIMEOUT_ENV}={raw!r}: a number of seconds > 0 is needed")
+    return value
+
+
+def address_of(zmq_handle: str) -> bytes:
+    """The drop-in's socket for verl's ``zmq_handle`` (both ends compute the same)."""
+    if not isinstance(zmq_handle, str) or not zmq_handle:
+        raise TypeError(f"zmq_handle must be a non-empty str, got {zmq_handle!r}")
+    if zmq_handle.startswith("ipc://"):
+        path = zmq_handle[len("ipc://") :] + ".hybridmem"
+        if len(path.encode()) <= _PATH_MAX:
+            return path.encode()
+    digest = hashlib.sha256(zmq_handle.encode()).hexdigest()[:32]
+    return b"\0hybridmem-verl-" + digest.encode()
+
+
+class SenderLink:
+    """The sender's end for one handle: a bucket exported once, a socket listened on once.
+
+    Args:
+        zmq_handle: verl's handle.
+        bucket_size: verl's bucket, bytes; the bucket's buffers are as large.
+        use_shm: verl's flag: host shared memory instead of the device (``transport="host"``).
+        device: where the tensors to send are (the bucket's device).
+    """
+
+    def __init__(self, zmq_handle: str, bucket_size: int, use_shm: bool, device: Any) -> None:
+        self.zmq_handle = zmq_handle
+        self.bucket_size = bucket_size
+        self.timeout = timeout_s()
+        self.address = address_of(zmq_handle)
+        self.lock = threading.Lock()
+        self._syncs = 0
+        self._conn: Any = None
+        self._peer = Peer(None, "vLLM worker")
+        if not self.address.startswith(b"\0"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.address)  # a stale socket of an earlier run
+        self._listener: socket.socket | None = unix_socket.listen(self.address, stream=True)
+        index = device.index if isinstance(device, torch.device) and device.type == "cuda" else None
+        self._bucket_args = (bucket_size, index, "host" if use_shm else "auto")
+        self._served = False  # a receiver opened the bucket (host buffers' names are gone)
+        try:
+            self.bucket = self._new_bucket()
+        except BaseException:
+            self._close_listener()
+            raise
+        logger.info(
+            "verl drop-in: %s serves %s over a %s bucket of %d bytes",
+            self.address,
+            zmq_handle,
+            self.bucket.transport,
+            bucket_size,
+        )
+
+    def _new_bucket(self) -> WeightBucket:
+        size, index, transport = self._bucket_args
+        return WeightBucket(size, index, transport=transport, fallback="auto")  # type: ignore[arg-type]
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            if not self.address.startswith(b"\0"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.address)
+
+    def _connection(self) -> Any:
+        """The receiver's connection: kept while it lives, else a new one within the timeout."""
+        if self._conn is not None and not unix_socket.peer_closed(self._conn):
+            return self._conn
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None
+        assert self._listener is not None
+        readable, _, _ = select.select([self._listener], [], [], self.timeout)
+        if not readable:
+            raise SyncError(
+                f"no verl receiver connected to {self.zmq_handle!r} within {self.timeout:g} s "
+                f"({_TIMEOUT_ENV}): is the vLLM worker calling update_weights_from_ipc, and "
+                "does it run hybridmem's BucketedWeightReceiver (hybridmem.integrations.verl."
+                "install() there, or HYBRIDMEM_VERL=1)?"
+            )
+        sock, _ = self._listener.accept()
+        pid, uid, _ = unix_socket.peer_credentials(sock)
+        if uid != os.getuid():
+            sock.close()
+            raise SyncError(f"a process of another user (uid {uid}) connected; refused")
+        conn = unix_socket.message_channel(sock)
+        self._peer = Peer(pid or None, "vLLM worker")
+        if self._served and self.bucket.transport == "host":
+            # A new worker (the last one exited): host buffers are opened by name, and
+            # their names went once the last one had them. Device buffers open again.
+            self.bucket.close()
+            self.bucket = self._new_bucket()
+        try:
+            send_to(
+                conn, ("bucket", self.bucket.handle, self.bucket_size), self._peer, "the bucket"
+            )
+            answer = recv_within(conn, self.timeout, self._peer, "its ready message")
+            if not (isinstance(answer, tuple) and answer[:1] == ("ready",)):
+                raise SyncError(f"unexpected answer from the verl receiver: {answer!r}")
+        except BaseException:
+            conn.close()
+            raise
+        self.bucket.unlink_shared_names()  # host buffers: mapped there, names can go
+        self._served = True
+        self._conn = conn
+        return conn
+
+    def send(self, groups: Iterable[tuple[list[tuple[str, torch.Tensor]], bool]]) -> int:
+        """Send one sync, group by group (``(tensors, last)``); return how many tensors.
+
+        Raises:
+            SyncError: the receiver did not connect or answer in time, died, or its
+                ``on_bucket_received`` raised (its error is in the message).
+        """
+        with self.lock:
+            conn = self._connection()
+            self._syncs += 1
+            sync = self._syncs
+            sent = 0
+            send_to(conn, ("sync", sync, self.bucket_size), self._peer, f"the start of sync {sync}")
+            try:
+                for items, last in groups:
+                    send_to(conn, ("group", last, len(items)), self._peer, "a group's header")
+                    if items:
+                        self.bucket.send(items, conn, timeout=self.timeout)
+                        sent += len(items)
+                    if last:
+                        break
+            except BaseException as exc:
+                reason = self._reason(conn, sync)
+                if reason is not None:
+                    raise SyncError(
+                        f"the vLLM worker's on_bucket_received failed: {reason}"
+                    ) from exc
+                with contextlib.suppress(Exception):  # the receiver waits for a group: stop it
+                    conn.send(("abort", sync, f"{type(exc).__name__}: {exc}"))
+                raise
+            while True:  # what an earlier, stopped sync left unread is skipped
+                answer = recv_within(conn, self.timeout, self._peer, f"the end of sync {sync}")
+                if isinstance(answer, tuple) and answer[:2] == ("failed", sync):
+                    raise SyncError(f"the vLLM worker's on_bucket_received failed: {answer[2]}")
+                if answer == ("done", sync):
+                    return sent
+
+    def _reason(self, conn: Any, sync: int) -> str | None:
+        """What the receiver said when it stopped a sync (its callback's error), if it did."""
+        with contextlib.suppress(Exception):
+            deadline = time.monotonic() + min(self.timeout, 5.0)
+            while time.monotonic() < deadline and conn.poll(0.05):
+                message = conn.recv()
+                if isinstance(message, tuple) and message[:2] == ("failed", sync):
+                    return str(message[2])
+        return None
+
+    def close(self) -> None:
+        """Free the bucket and close the socket. Idempotent."""
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None
+        self._close_listener()
+        self._peer.close()
+        self.bucket.close()
+
+
+class ReceiverLink:
+    """The receiver's end for one handle: connected and the bucket opened, once.
+
+    Args:
+        zmq_handle: verl's handle.
+        device: where received tensors go (the worker's device; the CPU without CUDA).
+    """
+
+    def __init__(self, zmq_handle: str, device: torch.device) -> None:
+        self.zmq_handle = zmq_handle
+        self.timeout = timeout_s()
+        self.lock = threading.Lock()
+        address = address_of(zmq_handle)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                sock = unix_socket.connect(address, self.timeout, stream=True)
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                if time.monotonic() > deadline:
+                    raise SyncError(
+                        f"no verl sender listens for {zmq_handle!r} after {self.timeout:g} s "
+                        f"({_TIMEOUT_ENV}): does the trainer run hybridmem's "
+                        "BucketedWeightSender (hybridmem.integrations.verl.install())?"
+                    ) from None
+                time.sleep(_CONNECT_SLICE_S)
+        pid = unix_socket.peer_credentials(sock)[0] or None
+        conn = unix_socket.message_channel(sock)
+        self._peer = Peer(pid, "verl sender")
+        try:
+            message = recv_within(conn, self.timeout, self._peer, "the bucket")
+            if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "bucket"):
+                raise SyncError(f"unexpected first message from the verl sender: {message!r}")
+            handle = message[1]
+            if not isinstance(handle, BucketHandle):
+                raise SyncError(f"the verl sender sent {type(handle).__name__}, not a bucket")
+            index = device.index if device.type == "cuda" else None
+            if device.type == "cuda" and index is None:
+                index = torch.cuda.current_device()
+            self.receiver = BucketReceiver(handle, index)
+            send_to(conn, ("ready", os.getpid()), self._peer, "its ready message")
+        except BaseException:
+            conn.close()
+            self._peer.close()
+            raise
+        self._conn = conn
+
+    def receive(self, on_bucket_received: OnBucket) -> int:
+        """Receive one sync, calling ``on_bucket_received`` with verl's batches; count them.
+
+        Raises:
+            SyncError: the sender died or went silent (nothing more is delivered).
+            Exception: what ``on_bucket_received`` raised (the sender is told).
+        """
+        with self.lock:
+            conn = self._conn
+            while True:  # what an earlier, stopped sync left unread is skipped
+                header = recv_within(conn, self.timeout, self._peer, "the start of a sync")
+                if isinstance(header, tuple) and len(header) == 3 and header[0] == "sync":
+                    break
+            _, sync, bucket_size = header
+            calls: list[int] = [0]
+
+            def deliver(weights: Weights, last: bool) -> None:
+                calls[0] += 1
+                on_bucket_received(weights, last)
+
+            batches = VerlBatches(int(bucket_size), deliver)
+            try:
+                while True:
+                    group = recv_within(conn, self.timeout, self._peer, "the next group")
+                    if isinstance(group, tuple) and group[:2] == ("abort", sync):
+                        raise SyncError(
+                            f"the verl sender stopped sync {sync} ({group[2]}); what was "
+                            "delivered before stays delivered"
+                        )
+                    if not (isinstance(group, tuple) and len(group) == 3 and group[0] == "group"):
+                        raise SyncError(f"unexpected message from the verl sender: {group!r}")
+                    _, last, count = group
+                    if count:
+                        received = self.receiver.receive(conn, timeout=self.timeout)
+                        try:
+                            for name, tensor in received:
+                                batches.add(name, tensor)
+                        finally:
+                            received.close()  # stopped early: the sender is told
+                    if last:
+                        batches.finish()
+                        break
+            except SyncError:
+                raise
+            except BaseException as exc:
+                with contextlib.suppress(Exception):
+                    conn.send(("failed", sync, f"{type(exc).__name__}: {exc}"))
+                raise
+            send_to(conn, ("done", sync), self._peer, f"the end of sync {sync}")
+            return calls[0]
+
+    @property
+    def closed(self) -> bool:
+        """Whether the sender closed its end (its process exited or shut the link)."""
+        return unix_socket.peer_closed(self._conn)
+
+    def close(self) -> None:
+        """Let go of the bucket and the connection. Idempotent."""
+        self.receiver.close()
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        self._peer.close()
+
+
+_senders: dict[str, SenderLink] = {}
+_receivers: dict[str, ReceiverLink] = {}
+# One lock per side: a receiver that waits for its sender (in the same process, as
+# vLLM's in-process engine runs) must not stop that sender from listening.
+_senders_lock = threading.Lock()
+_receivers_lock = threading.Lock()
+
+
+def sender_link(zmq_handle: str, bucket_size: int, use_shm: bool, device: Any) -> SenderLink:
+    """This process's sender link for ``zmq_handle``, made once (again if the size changed)."""
+    with _senders_lock:
+        link = _senders.get(zmq_handle)
+        if link is not None and link.bucket_size == bucket_size:
+            return link
+        if link is not None:
+            link.close()
+        link = _senders[zmq_handle] = SenderLink(zmq_handle, bucket_size, use_shm, device)
+        return link
+
+
+def receiver_link(zmq_handle: str, device: torch.device) -> ReceiverLink:
+    """This process's receiver link for ``zmq_handle``, connected once (again if it broke)."""
+    with _receivers_lock:
+        link = _receivers.get(zmq_handle)
+        if link is not None and not link.closed:
+            return link
+        if link is not None:
+            link.close()
+        link = _receivers[zmq_handle] = ReceiverLink(zmq_handle, device)
+        return link
+
+
+def close_links() -> None:
+    """Close every link of this process (its buckets freed, its sockets closed)."""
+    with _receivers_lock:
+        for link in list(_receivers.values()):
+            link.close()
+        _receivers.clear()
+    with _senders_lock:
+        for sender in list(_senders.values()):
+            sender.close()
+        _senders.clear()

@@ -1,0 +1,217 @@
+"""verl's ``BucketedWeightSender`` and ``BucketedWeightReceiver``, through one persistent bucket.
+
+Same constructors, methods and callback contract as verl 0.9.1's
+(``verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py``):
+
+- ``BucketedWeightSender(zmq_handle, bucket_size_mb=512, use_shm=False)`` and
+  ``await sender.async_send_weights(weights)`` (a generator or async iterator of
+  ``(name, tensor)``);
+- ``BucketedWeightReceiver(zmq_handle, device, use_shm=False)`` and
+  ``receiver.receive_weights(on_bucket_received)``, which calls
+  ``on_bucket_received(weights, is_last)`` with exactly the batches verl's own pair
+  delivers (:mod:`~hybridmem.integrations.verl.batches`); ``weights`` are valid
+  during the callback (clone what you keep, as verl's LoRA path does).
+
+What changes underneath (:mod:`~hybridmem.integrations.verl.link`): the bytes move
+through one :class:`~hybridmem.WeightBucket` per ``zmq_handle`` and process, made and
+exported once and reused by every sync though verl builds new objects each time; its
+transport is chosen as the bucket chooses (``cuda``; ``fd`` where ``pidfd_getfd`` is
+denied and asked for; ``host`` with ``use_shm``); every wait is bounded
+(``HYBRIDMEM_VERL_TIMEOUT``, 120 s), a dead or silent peer is a ``SyncError`` on both
+sides; a tensor larger than the bucket is delivered alone, as verl's CUDA-IPC path
+delivers it, also with ``use_shm`` (where verl's asserts after it has flushed the
+bucket before it, and its receiver then waits forever).
+
+What the sender holds: the tensors of one group (twice the bucket) until the group is
+sent, where verl's holds one tensor at a time; the receiver, one hybridmem batch of
+copies until verl's batch is delivered.
+
+Scope: one sync at a time per ``zmq_handle`` and process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hybridmem._checks import check_bool, check_number
+from hybridmem._log import logger
+from hybridmem.integrations.verl.link import receiver_link, sender_link
+
+__all__ = ["GROUP_BUCKETS", "BucketedWeightReceiver", "BucketedWeightSender"]
+
+#: How many buckets' worth of tensors one group holds (one bucket sync, pipelined).
+GROUP_BUCKETS = 2
+
+
+def _check_handle(zmq_handle: object) -> str:
+    if not isinstance(zmq_handle, str) or not zmq_handle:
+        raise TypeError(
+            f"zmq_handle must be a non-empty str (verl's 'ipc:///tmp/...sock'), got {zmq_handle!r}"
+        )
+    return zmq_handle
+
+
+async def _items(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """``weights`` as an async iterator: verl passes a generator or an async iterator."""
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+async def _put(queue: asyncio.Queue[Any], item: object, sending: asyncio.Future[Any]) -> None:
+    """Queue ``item`` for the link, unless the link already stopped (then it takes no more)."""
+    putting = asyncio.ensure_future(queue.put(item))
+    await asyncio.wait({putting, sending}, return_when=asyncio.FIRST_COMPLETED)
+    if not putting.done():
+        putting.cancel()
+
+
+def _checked(item: object) -> tuple[str, torch.Tensor]:
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+        raise TypeError(f"weights must yield (name, tensor) pairs, got {item!r}")
+    name, tensor = item
+    if not isinstance(name, str):
+        raise TypeError(f"a weight's name must be a str, got {name!r}")
+    return name, tensor.detach().contiguous()
+
+
+class BucketedWeightSender:
+    """verl's sender, over a persistent hybridmem bucket (see the module).
+
+    Args:
+        zmq_handle: verl's handle (``ipc:///tmp/rl-colocate-zmq-...sock``).
+        bucket_size_mb: the bucket, in MiB (verl's
+            ``rollout.checkpoint_engine.update_weights_bucket_megabytes``).
+        use_shm: carry the bytes through host shared memory (verl sets it where
+            device IPC is not supported).
+
+    Raises:
+        TypeError, ValueError: a bad argument (the message names it).
+
+    Example:
+        >>> sender = BucketedWeightSender(handle, bucket_size_mb=512)  # doctest: +SKIP
+        >>> await sender.async_send_weights(model.named_parameters())
+    """
+
+    def __init__(self, zmq_handle: str, bucket_size_mb: int = 512, use_shm: bool = False) -> None:
+        self.zmq_handle = _check_handle(zmq_handle)
+        self.bucket_size_mb = int(
+            check_number(
+                "bucket_size_mb",
+                bucket_size_mb,
+                integer=True,
+                minimum=1,
+                maximum=1 << 20,
+                expected="a whole number of MiB from 1 to 1048576",
+            )
+        )
+        self.bucket_size = self.bucket_size_mb << 20
+        self.use_shm = check_bool("use_shm", use_shm)
+
+    async def async_send_weights(self, weights: Any) -> None:
+        """Send every ``(name, tensor)`` of ``weights``; return once the receiver took them all.
+
+        Args:
+            weights: a generator or async iterator of ``(name, tensor)``.
+
+        Raises:
+            TypeError: an item is not a ``(name, tensor)`` pair.
+            SyncError: the receiver did not connect, died, went silent, or its
+                ``on_bucket_received`` raised (its error in the message).
+        """
+        stream = _items(weights)
+        first = await anext(stream, None)
+        device = torch.device("cpu") if first is None else _checked(first)[1].device
+        link = await asyncio.to_thread(
+            sender_link, self.zmq_handle, self.bucket_size, self.use_shm, device
+        )
+        limit = GROUP_BUCKETS * self.bucket_size
+        group: list[tuple[str, torch.Tensor]] = []
+        held = 0
+        # One group queued while the link sends another: what the sender holds is bounded.
+        groups: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+        loop = asyncio.get_running_loop()
+
+        def produced() -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+            while True:
+                item = asyncio.run_coroutine_threadsafe(groups.get(), loop).result()
+                if isinstance(item, BaseException):
+                    raise item  # the weights' iterator failed: the link tells the receiver
+                yield item
+                if item[1]:
+                    return
+
+        sending = asyncio.ensure_future(asyncio.to_thread(link.send, produced()))
+        try:
+            pending = first
+            while pending is not None and not sending.done():  # a failed link: stop feeding
+                name, tensor = _checked(pending)
+                group.append((name, tensor))
+                held += tensor.nbytes
+                if held >= limit:
+                    await _put(groups, (group, False), sending)
+                    group, held = [], 0
+                pending = await anext(stream, None)
+            await _put(groups, (group, True), sending)
+        except BaseException as exc:
+            if not sending.done():
+                await _put(groups, exc, sending)
+            with contextlib.suppress(BaseException):
+                await sending
+            raise
+        sent = await sending
+        logger.debug("verl drop-in: sent %d tensors over %s", sent, self.zmq_handle)
+
+
+class BucketedWeightReceiver:
+    """verl's receiver, over the sender's persistent hybridmem bucket (see the module).
+
+    Args:
+        zmq_handle: verl's handle (the sender's).
+        device: where the received tensors go.
+        use_shm: verl's flag; the sender's bucket says how the bytes come, so it
+            only has to match the sender's.
+
+    Raises:
+        TypeError, ValueError: a bad argument (the message names it).
+    """
+
+    def __init__(self, zmq_handle: str, device: torch.device, use_shm: bool = False) -> None:
+        self.zmq_handle = _check_handle(zmq_handle)
+        if isinstance(device, str):
+            device = torch.device(device)
+        elif isinstance(device, int) and not isinstance(device, bool):
+            device = torch.device("cuda", device)
+        if not isinstance(device, torch.device):
+            raise TypeError(f"device must be a torch.device, got {device!r}")
+        self.device = device
+        self.use_shm = check_bool("use_shm", use_shm)
+
+    def receive_weights(self, on_bucket_received: Any) -> None:
+        """Receive one sync, calling ``on_bucket_received(weights, is_last)`` per verl batch.
+
+        Raises:
+            TypeError: ``on_bucket_received`` is not callable.
+            SyncError: the sender died or went silent; what was delivered before
+                stays delivered (as with verl's), nothing more comes.
+        """
+        if not callable(on_bucket_received):
+            raise TypeError(f"on_bucket_received must be callable, got {on_bucket_received!r}")
+        if inspect.iscoroutinefunction(on_bucket_received):
+            raise TypeError("on_bucket_received is called synchronously, as verl's receiver does")
+        link = receiver_link(self.zmq_handle, self.device)
+        link.receive(on_bucket_received)
+
+
+def _pairs(weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """For tests and tools: ``weights`` checked as the sender checks them."""
+    return [_checked(item) for item in weights]

@@ -1,0 +1,141 @@
+"""install() puts the drop-ins in verl's place, before or after verl imports them, and back.
+
+verl's modules are stand-ins written to a temporary folder under verl's own module
+names (verl and its dependencies are not installed here): the patching is what is
+tested, the drop-ins' equivalence with verl's code is tests/test_verl_transfer.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import hybridmem as hm
+from hybridmem.integrations.verl import allocator, install, transfer
+from tests.conftest import FakeTorch
+
+MODULES = {
+    "verl/__init__.py": "",
+    "verl/utils/__init__.py": "",
+    "verl/utils/device.py": """
+        calls = []
+        def set_expandable_segments(enable):
+            calls.append(enable)
+    """,
+    "verl/workers/__init__.py": "",
+    "verl/workers/engine_workers.py": """
+        from verl.utils.device import set_expandable_segments
+        class ActorRolloutRefWorker:
+            async def update_weights(self, global_steps=None, mode="auto"):
+                set_expandable_segments(False)
+                raise RuntimeError("the engine did not wake")
+    """,
+    "verl/workers/rollout/__init__.py": "",
+    "verl/workers/rollout/vllm_rollout/__init__.py": "",
+    "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py": """
+        class BucketedWeightSender: ...
+        class BucketedWeightReceiver: ...
+    """,
+    "verl/workers/rollout/vllm_rollout/vllm_rollout.py": """
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import (
+            BucketedWeightSender,
+        )
+    """,
+}
+
+
+@pytest.fixture
+def fake_verl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    for name, text in MODULES.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    install.uninstall()
+    for name in list(sys.modules):
+        if name == "verl" or name.startswith("verl."):
+            del sys.modules[name]
+
+
+def test_modules_imported_after_install_are_patched_as_they_load(fake_verl: Path) -> None:
+    assert install.install() == []  # nothing of verl imported yet
+    rollout = importlib.import_module("verl.workers.rollout.vllm_rollout.vllm_rollout")
+    bucketed = sys.modules["verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"]
+    assert rollout.BucketedWeightSender is transfer.BucketedWeightSender
+    assert bucketed.BucketedWeightReceiver is transfer.BucketedWeightReceiver
+    device = importlib.import_module("verl.utils.device")
+    workers = importlib.import_module("verl.workers.engine_workers")
+    assert device.set_expandable_segments is allocator.set_expandable_segments
+    assert workers.set_expandable_segments is allocator.set_expandable_segments
+    assert workers.ActorRolloutRefWorker.update_weights.__hybridmem_restored__
+
+
+def test_modules_imported_before_are_patched_at_once_and_uninstall_restores(
+    fake_verl: Path,
+) -> None:
+    rollout = importlib.import_module("verl.workers.rollout.vllm_rollout.vllm_rollout")
+    theirs = rollout.BucketedWeightSender
+    replaced = install.install()
+    assert "verl.workers.rollout.vllm_rollout.vllm_rollout.BucketedWeightSender" in replaced
+    assert install.install() == []  # idempotent
+    assert install.installed()
+    install.uninstall()
+    assert rollout.BucketedWeightSender is theirs
+    assert not install.installed()
+
+
+def test_a_failed_update_restores_the_mode_and_says_so(
+    fake_verl: Path, training: FakeTorch
+) -> None:
+    install.install()
+    workers = importlib.import_module("verl.workers.engine_workers")
+    assert hm.allocator_state().expandable_segments
+    with pytest.raises(RuntimeError, match="did not wake") as failed:
+        asyncio.run(workers.ActorRolloutRefWorker().update_weights())
+    assert hm.allocator_state().expandable_segments  # back on, as before the call
+    notes = getattr(failed.value, "__notes__", [""])
+    assert sys.version_info < (3, 11) or "expandable_segments is back to True" in notes[0]
+    assert "empty_cache" in training.events
+
+
+def test_the_toggle_keeps_every_other_setting(training: FakeTorch) -> None:
+    allocator.set_expandable_segments(False)
+    state = hm.allocator_state()
+    assert not state.expandable_segments
+    assert state["max_split_size_mb"] == "256"  # the user's, from the env
+    assert state["garbage_collection_threshold"] == "0.6"
+    assert "max_split_size_mb:256" in training.set_strings()[-1]  # what torch was given
+    allocator.set_expandable_segments(True)
+    assert hm.allocator_state().expandable_segments
+    with pytest.raises(TypeError, match="enable must be True or False"):
+        allocator.set_expandable_segments("yes")  # type: ignore[arg-type]
+
+
+def test_an_explicit_env_false_is_never_enabled(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridmem.scopes.allocator import _reset_state_for_tests
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    _reset_state_for_tests()
+    allocator.set_expandable_segments(True)
+    assert not hm.allocator_state().expandable_segments
+
+
+def test_the_env_installs_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(install.ENV, raising=False)
+    assert not install.install_from_env()
+    assert not install.installed()
+    monkeypatch.setenv(install.ENV, "1")
+    try:
+        assert install.install_from_env()
+        assert install.installed()
+    finally:
+        install.uninstall()
