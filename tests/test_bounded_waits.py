@@ -35,6 +35,12 @@ def _name(node: ast.expr) -> str:
     return node.id if isinstance(node, ast.Name) else ""
 
 
+def _called(call: ast.Call) -> str:
+    """The called name: ``f`` of ``f(...)`` or of ``module.f(...)``."""
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else _name(func)
+
+
 def _keywords(call: ast.Call) -> set[str]:
     return {k.arg for k in call.keywords if k.arg}
 
@@ -46,9 +52,15 @@ def _calls(tree: ast.AST) -> list[ast.Call]:
 def _unbounded(path: Path) -> list[str]:
     found: list[str] = []
     tree = ast.parse(path.read_text(), filename=str(path))
+    # An awaitable bounded by asyncio.wait_for(awaitable, timeout) is bounded.
+    bounded = {
+        id(call.args[0])
+        for call in _calls(tree)
+        if _called(call) == "wait_for" and call.args and len(call.args) + len(call.keywords) >= 2
+    }
     for call in _calls(tree):
         func = call.func
-        if not isinstance(func, ast.Attribute):
+        if not isinstance(func, ast.Attribute) or id(call) in bounded:
             continue
         where = f"{path.relative_to(REPO)}:{call.lineno}"
         bare = not call.args and not call.keywords
@@ -124,6 +136,7 @@ def test_the_rules_catch_what_they_are_for(tmp_path: Path, monkeypatch: pytest.M
         "    peer.stdout.readline()\n"
         "    subprocess.run(['x'])\n"
         "    process.communicate()\n"
+        "    asyncio.wait_for(tasks.get())\n"
     )
     found = "\n".join(_unbounded(bad))
     for rule in (
@@ -134,6 +147,7 @@ def test_the_rules_catch_what_they_are_for(tmp_path: Path, monkeypatch: pytest.M
         "readline() from a process",
         "subprocess.run() without timeout=",
         "process.communicate() without a timeout",
+        "tasks.get() without a timeout",
     ):
         assert rule in found
     good = tmp_path / "good.py"
@@ -147,5 +161,6 @@ def test_the_rules_catch_what_they_are_for(tmp_path: Path, monkeypatch: pytest.M
         "    queue.get(timeout=60)\n"
         "    ', '.join(['a'])\n"
         "    subprocess.run(['x'], timeout=60)\n"
+        "    asyncio.wait_for(tasks.get(), 60)\n"
     )
     assert _unbounded(good) == []

@@ -64,13 +64,16 @@ def _fresh_links() -> Iterator[None]:
 def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int, strided: bool) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     full = shape if not strided or not shape else (*shape[:-1], shape[-1] * 2)
-    raw = torch.randint(0, 256, (max(1, int(torch.Size(full).numel())) * 8,), generator=gen)
+    high = 2 if dtype == torch.bool else 256  # a bool's byte is 0 or 1
+    raw = torch.randint(0, high, (max(1, int(torch.Size(full).numel())) * 8,), generator=gen)
     base = raw.to(torch.uint8)[: torch.Size(full).numel() * dtype.itemsize]
     tensor = base.view(dtype).reshape(full) if full else base.view(dtype).reshape(())
     return tensor[..., ::2] if strided and shape else tensor
 
 
-def ours(weights: Weights, bucket_size_mb: int, *, use_shm: bool = False) -> Callbacks:
+def ours(
+    weights: Weights, bucket_size_mb: int, *, use_shm: bool = False, bucket_bytes: int | None = None
+) -> Callbacks:
     """The drop-in's callbacks for one sync (sender here, receiver in a thread)."""
     handle = f"ipc:///tmp/hybridmem-verl-test-{os.getpid()}-{threading.get_ident()}.sock"
     seen: Callbacks = []
@@ -88,9 +91,12 @@ def ours(weights: Weights, bucket_size_mb: int, *, use_shm: bool = False) -> Cal
     thread = threading.Thread(target=receive)
     thread.start()
     sender = BucketedWeightSender(handle, bucket_size_mb=bucket_size_mb, use_shm=use_shm)
+    if bucket_bytes is not None:  # as the oracle sets verl's: the same attribute
+        sender.bucket_size = bucket_bytes
     asyncio.run(sender.async_send_weights(iter(weights)))
     thread.join(timeout=60)
-    assert not thread.is_alive() and not failed, failed
+    assert not thread.is_alive()
+    assert not failed, failed
     return seen
 
 
@@ -100,7 +106,8 @@ def same(theirs: Callbacks, mine: Callbacks) -> None:
     ]
     for (their_batch, _), (my_batch, _) in zip(theirs, mine):
         for (name, a), (_, b) in zip(their_batch, my_batch):
-            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert a.dtype == b.dtype, name
+            assert a.shape == b.shape, name
             assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
                 name
             )
@@ -135,6 +142,23 @@ def test_the_callbacks_are_verls_own_bit_for_bit(model: list[Any], seed: int) ->
     same(theirs, ours(weights, 1))
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    model=st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(0, 40)), min_size=0, max_size=40),
+    bucket_bytes=st.sampled_from([8, 37, 64, 100, 256, 1000]),
+    seed=st.integers(0, 1000),
+)
+def test_small_buckets_cut_where_verls_cut(model: list[Any], bucket_bytes: int, seed: int) -> None:
+    """Many cuts, each where alignment to the element size decides whether a tensor fits."""
+    oracle = _oracle()
+    weights = [
+        (f"w{i}", _tensor(dtype, (n,), seed + i, False)) for i, (dtype, n) in enumerate(model)
+    ]
+    theirs, error = oracle.verl_callbacks(weights, 1, bucket_bytes=bucket_bytes)
+    assert error is None
+    same(theirs, ours(weights, 1, bucket_bytes=bucket_bytes))
+
+
 @pytest.mark.parametrize("count", [1, 500])
 def test_many_tensors_and_small_buckets(count: int) -> None:
     oracle = _oracle()
@@ -148,7 +172,8 @@ def test_many_tensors_and_small_buckets(count: int) -> None:
 
 def test_an_empty_model_is_one_empty_last_callback() -> None:
     theirs, error = _oracle().verl_callbacks([], 4)
-    assert error is None and [(b, last) for b, last in theirs] == [([], True)]
+    assert error is None
+    assert [(b, last) for b, last in theirs] == [([], True)]
     assert [(b, last) for b, last in ours([], 4)] == [([], True)]
 
 
@@ -242,7 +267,9 @@ def test_a_sender_whose_weights_fail_stops_the_receiver() -> None:
 
     def receive() -> None:
         try:
-            BucketedWeightReceiver(handle, torch.device("cpu")).receive_weights(lambda b, l: None)
+            BucketedWeightReceiver(handle, torch.device("cpu")).receive_weights(
+                lambda batch, last: None
+            )
         except BaseException as exc:
             failures.append(exc)
 
@@ -252,7 +279,8 @@ def test_a_sender_whose_weights_fail_stops_the_receiver() -> None:
         asyncio.run(BucketedWeightSender(handle, bucket_size_mb=1).async_send_weights(weights()))
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert isinstance(failures[0], SyncError) and "FSDP gather failed" in str(failures[0])
+    assert isinstance(failures[0], SyncError)
+    assert "FSDP gather failed" in str(failures[0])
 
 
 def test_no_receiver_is_a_bounded_sync_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,7 +290,7 @@ def test_no_receiver_is_a_bounded_sync_error(monkeypatch: pytest.MonkeyPatch) ->
         asyncio.run(sender.async_send_weights(iter([("w", torch.ones(4))])))
     with pytest.raises(SyncError, match=r"no verl sender listens .* after 0\.5 s"):
         BucketedWeightReceiver("ipc:///tmp/nobody.sock", torch.device("cpu")).receive_weights(
-            lambda b, l: None
+            lambda batch, last: None
         )
 
 
@@ -293,13 +321,14 @@ def test_a_sender_that_dies_mid_sync_is_a_sync_error_in_the_receiver() -> None:
     handle = f"ipc:///tmp/hybridmem-verl-dies-{os.getpid()}.sock"
     sender = _child(verl_peer.send, handle, 40, 20)
     delivered: list[bool] = []
-    with pytest.raises(SyncError, match="died|closed|gone"):
+    with pytest.raises(SyncError, match=r"died|closed|gone"):
         BucketedWeightReceiver(handle, torch.device("cpu")).receive_weights(
             lambda batch, last: delivered.append(last)
         )
     sender.join(timeout=30)
     assert sender.exitcode == 3
-    assert delivered and not any(delivered)  # some batches, never a last one
+    assert delivered
+    assert not any(delivered)
     assert link._receivers[handle].closed  # the next receive connects anew
 
 
@@ -309,7 +338,7 @@ def test_a_receiver_that_dies_mid_sync_is_a_sync_error_in_the_sender() -> None:
     handle = f"ipc:///tmp/hybridmem-verl-rx-dies-{os.getpid()}.sock"
     receiver = _child(verl_peer.receive, handle, 3)
     weights = [(f"w{i}", torch.full((1 << 18,), float(i))) for i in range(40)]
-    with pytest.raises(SyncError, match="died|closed|gone"):
+    with pytest.raises(SyncError, match=r"died|closed|gone"):
         asyncio.run(
             BucketedWeightSender(handle, bucket_size_mb=1).async_send_weights(iter(weights))
         )

@@ -24,10 +24,11 @@ import queue
 import sys
 import threading
 import types
+import uuid
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -55,7 +56,7 @@ class _Zmq:
     """zmq's Context, REQ and REP sockets as verl uses them, over in-process queues."""
 
     REQ, REP = 3, 4
-    _channels: dict[str, tuple[queue.Queue[Any], queue.Queue[Any]]] = {}
+    _channels: ClassVar[dict[str, tuple[queue.Queue[Any], queue.Queue[Any]]]] = {}
     _lock = threading.Lock()
 
     class Context:
@@ -157,11 +158,19 @@ def load_transfer() -> types.ModuleType:
 
 
 def verl_callbacks(
-    weights: list[tuple[str, torch.Tensor]], bucket_size_mb: int, *, use_shm: bool = False
+    weights: list[tuple[str, torch.Tensor]],
+    bucket_size_mb: int,
+    *,
+    use_shm: bool = False,
+    bucket_bytes: int | None = None,
 ) -> tuple[Callbacks, BaseException | None]:
-    """Run verl's sender and receiver on ``weights``; their callbacks, and the sender's error."""
+    """Run verl's sender and receiver on ``weights``; their callbacks, and the sender's error.
+
+    ``bucket_bytes`` sets the sender's ``bucket_size`` attribute after it is made (verl
+    reads it there), for buckets smaller than the 1 MiB its argument allows.
+    """
     module = load_transfer()
-    handle = f"ipc:///oracle-{id(weights)}-{threading.get_ident()}.sock"
+    handle = f"ipc:///oracle-{uuid.uuid4().hex}.sock"  # fresh queues: nothing left over
     seen: Callbacks = []
     failed: list[BaseException] = []
 
@@ -177,12 +186,15 @@ def verl_callbacks(
     thread = threading.Thread(target=receive, daemon=True)
     thread.start()
     sender = module.BucketedWeightSender(handle, bucket_size_mb=bucket_size_mb, use_shm=use_shm)
+    if bucket_bytes is not None:
+        sender.bucket_size = bucket_bytes
     error: BaseException | None = None
     try:
         asyncio.run(sender.async_send_weights(iter(weights)))
     except BaseException as exc:
         error = exc
     thread.join(timeout=5 if error is not None else 60)
+    _Zmq._channels.pop(handle, None)
     return seen, error
 
 

@@ -48,6 +48,24 @@ def validate(named: NamedTensors, device: torch.device) -> list[tuple[str, torch
     return items
 
 
+def _canonical_strides(tensor: torch.Tensor) -> torch.Tensor:
+    """The same contiguous memory with row-major strides.
+
+    ``is_contiguous()`` ignores the strides of an empty tensor and of dimensions of
+    size 1, but reading the tensor as words needs the last stride to be 1: an empty or
+    one-element slice ``t[::2]`` is contiguous with stride ``(2,)``.
+    """
+    strides = []
+    step = 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    canonical = tuple(reversed(strides))
+    if tensor.stride() == canonical:
+        return tensor
+    return tensor.as_strided(tensor.shape, canonical)
+
+
 def check_tensor(name: str, tensor: object, device: torch.device) -> torch.Tensor:
     """Return ``tensor`` if a bucket on ``device`` can ship it, else raise naming it."""
     if not isinstance(tensor, torch.Tensor):
@@ -74,6 +92,7 @@ def check_tensor(name: str, tensor: object, device: torch.device) -> torch.Tenso
         raise ValueError(f"{name!r} has layout {tensor.layout}; only dense tensors ship")
     if not tensor.is_contiguous():
         raise ValueError(f"{name!r} is not contiguous; pass tensor.contiguous() instead")
+    tensor = _canonical_strides(tensor)
     if tensor.is_quantized:
         raise TypeError(
             f"{name!r} is a quantized tensor; send tensor.int_repr() and its scale and "

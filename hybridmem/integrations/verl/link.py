@@ -41,7 +41,7 @@ from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem._platform import unix_socket
 from hybridmem.integrations.verl.batches import OnBucket, VerlBatches, Weights
-from hybridmem.ipc._wire import BucketHandle, Peer, recv_within, send_to
+from hybridmem.ipc._wire import BucketHandle, Peer, PeerAborted, recv_within, send_to
 from hybridmem.ipc.bucket import WeightBucket
 from hybridmem.ipc.receiver import BucketReceiver
 
@@ -93,7 +93,9 @@ class SenderLink:
 
     Args:
         zmq_handle: verl's handle.
-        bucket_size: verl's bucket, bytes; the bucket's buffers are as large.
+        bucket_size: verl's bucket, bytes, at the first sync: the bucket's buffers are
+            as large. A later sync may name another size: it is sent with the sync (the
+            receiver cuts verl's batches by it) and the buffers stay.
         use_shm: verl's flag: host shared memory instead of the device (``transport="host"``).
         device: where the tensors to send are (the bucket's device).
     """
@@ -183,8 +185,12 @@ class SenderLink:
         self._conn = conn
         return conn
 
-    def send(self, groups: Iterable[tuple[list[tuple[str, torch.Tensor]], bool]]) -> int:
+    def send(
+        self, groups: Iterable[tuple[list[tuple[str, torch.Tensor]], bool]], bucket_size: int
+    ) -> int:
         """Send one sync, group by group (``(tensors, last)``); return how many tensors.
+
+        ``bucket_size`` is verl's bucket for this sync: the receiver cuts by it.
 
         Raises:
             SyncError: the receiver did not connect or answer in time, died, or its
@@ -195,21 +201,22 @@ class SenderLink:
             self._syncs += 1
             sync = self._syncs
             sent = 0
-            send_to(conn, ("sync", sync, self.bucket_size), self._peer, f"the start of sync {sync}")
+            send_to(conn, ("sync", sync, bucket_size), self._peer, f"the start of sync {sync}")
             try:
                 for items, last in groups:
+                    checked = self.bucket.check(items)  # refused before the receiver waits
                     send_to(conn, ("group", last, len(items)), self._peer, "a group's header")
-                    if items:
-                        self.bucket.send(items, conn, timeout=self.timeout)
+                    if checked:
+                        self.bucket.send(checked, conn, timeout=self.timeout)
                         sent += len(items)
                     if last:
                         break
-            except BaseException as exc:
+            except PeerAborted as exc:  # the receiver stopped: its callback says why
                 reason = self._reason(conn, sync)
-                if reason is not None:
-                    raise SyncError(
-                        f"the vLLM worker's on_bucket_received failed: {reason}"
-                    ) from exc
+                raise SyncError(
+                    f"the vLLM worker's on_bucket_received failed: {reason or exc}"
+                ) from exc
+            except BaseException as exc:
                 with contextlib.suppress(Exception):  # the receiver waits for a group: stop it
                     conn.send(("abort", sync, f"{type(exc).__name__}: {exc}"))
                 raise
@@ -361,14 +368,11 @@ _receivers_lock = threading.Lock()
 
 
 def sender_link(zmq_handle: str, bucket_size: int, use_shm: bool, device: Any) -> SenderLink:
-    """This process's sender link for ``zmq_handle``, made once (again if the size changed)."""
+    """This process's sender link for ``zmq_handle``, made once (by the first sync's size)."""
     with _senders_lock:
         link = _senders.get(zmq_handle)
-        if link is not None and link.bucket_size == bucket_size:
-            return link
-        if link is not None:
-            link.close()
-        link = _senders[zmq_handle] = SenderLink(zmq_handle, bucket_size, use_shm, device)
+        if link is None:
+            link = _senders[zmq_handle] = SenderLink(zmq_handle, bucket_size, use_shm, device)
         return link
 
 

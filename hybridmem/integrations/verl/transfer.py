@@ -32,6 +32,7 @@ Scope: one sync at a time per ``zmq_handle`` and process.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from hybridmem._checks import check_bool, check_number
+from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem.integrations.verl.link import receiver_link, sender_link
 
@@ -134,7 +136,7 @@ class BucketedWeightSender:
         link = await asyncio.to_thread(
             sender_link, self.zmq_handle, self.bucket_size, self.use_shm, device
         )
-        limit = GROUP_BUCKETS * self.bucket_size
+        limit = GROUP_BUCKETS * max(self.bucket_size, link.bucket_size)
         group: list[tuple[str, torch.Tensor]] = []
         held = 0
         # One group queued while the link sends another: what the sender holds is bounded.
@@ -143,14 +145,24 @@ class BucketedWeightSender:
 
         def produced() -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
             while True:
-                item = asyncio.run_coroutine_threadsafe(groups.get(), loop).result()
+                waiting = asyncio.run_coroutine_threadsafe(
+                    asyncio.wait_for(groups.get(), link.timeout), loop
+                )
+                try:
+                    item = waiting.result(timeout=link.timeout + 1)
+                except (concurrent.futures.TimeoutError, TimeoutError):
+                    waiting.cancel()
+                    raise SyncError(
+                        f"the weights to send gave no tensor for {link.timeout:g} s "
+                        "(HYBRIDMEM_VERL_TIMEOUT): the iterator is stuck"
+                    ) from None
                 if isinstance(item, BaseException):
                     raise item  # the weights' iterator failed: the link tells the receiver
                 yield item
                 if item[1]:
                     return
 
-        sending = asyncio.ensure_future(asyncio.to_thread(link.send, produced()))
+        sending = asyncio.ensure_future(asyncio.to_thread(link.send, produced(), self.bucket_size))
         try:
             pending = first
             while pending is not None and not sending.done():  # a failed link: stop feeding
