@@ -294,6 +294,21 @@ def test_no_receiver_is_a_bounded_sync_error(monkeypatch: pytest.MonkeyPatch) ->
         )
 
 
+@pytest.mark.parametrize("value", ["ipc", "CUDA", "1"])
+def test_an_unknown_transport_names_the_allowed_ones(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("HYBRIDMEM_VERL_TRANSPORT", value)
+    with pytest.raises(ValueError, match=r"HYBRIDMEM_VERL_TRANSPORT=.*'auto', 'cuda', 'fd'"):
+        link.transport()
+
+
+@pytest.mark.parametrize("value", ["", " host ", "auto"])
+def test_a_named_transport_is_the_buckets(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("HYBRIDMEM_VERL_TRANSPORT", value)
+    assert link.transport() == (value.strip() or "auto")
+
+
 def test_a_hundred_syncs_leave_no_fd_shm_or_thread_behind() -> None:
     weights = [(f"w{i}", torch.full((50_000,), float(i))) for i in range(6)]
     ours(weights, 1)  # the link made once

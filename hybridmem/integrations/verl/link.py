@@ -58,6 +58,7 @@ __all__ = [
 #: How long either end waits for the other, per message and for the first connection.
 DEFAULT_TIMEOUT_S = 120.0
 _TIMEOUT_ENV = "HYBRIDMEM_VERL_TIMEOUT"
+_TRANSPORT_ENV = "HYBRIDMEM_VERL_TRANSPORT"
 _CONNECT_SLICE_S = 0.01  # how often a receiver retries a sender not yet listening
 _PATH_MAX = 100  # sun_path holds 108 bytes
 
@@ -74,6 +75,17 @@ def timeout_s() -> float:
     if not value > 0:
         raise ValueError(f"{_TIMEOUT_ENV}={raw!r}: a number of seconds > 0 is needed")
     return value
+
+
+def transport() -> str:
+    """The bucket's transport, from ``HYBRIDMEM_VERL_TRANSPORT``: auto, cuda, fd or host."""
+    raw = os.environ.get(_TRANSPORT_ENV, "").strip() or "auto"
+    if raw not in ("auto", "cuda", "fd", "host"):
+        raise ValueError(
+            f"{_TRANSPORT_ENV}={raw!r}: one of 'auto', 'cuda', 'fd' (no pidfd_getfd in the "
+            "vLLM worker needed, expandable segments kept) or 'host'"
+        )
+    return raw
 
 
 def address_of(zmq_handle: str) -> bytes:
@@ -114,7 +126,7 @@ class SenderLink:
                 os.unlink(self.address)  # a stale socket of an earlier run
         self._listener: socket.socket | None = unix_socket.listen(self.address, stream=True)
         index = device.index if isinstance(device, torch.device) and device.type == "cuda" else None
-        self._bucket_args = (bucket_size, index, "host" if use_shm else "auto")
+        self._bucket_args = (bucket_size, index, "host" if use_shm else transport())
         self._served = False  # a receiver opened the bucket (host buffers' names are gone)
         try:
             self.bucket = self._new_bucket()

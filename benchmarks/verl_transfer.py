@@ -1,0 +1,272 @@
+"""verl's own weight transfer against hybridmem's drop-ins, in one run on one GPU.
+
+A trainer process sends an 8B model's tensors (Llama 3 8B shapes and dtypes, as
+``benchmarks/weight_sync.py``: 1 GiB, 8 GiB and the whole model, 15 GiB) to an engine
+process that copies each received tensor into its own copy of the model (what vLLM's
+``load_weights`` and SGLang's do), every sync, each route side by side:
+
+- vLLM route: ``verl``: verl 0.9.1's own ``BucketedWeightSender`` and
+  ``BucketedWeightReceiver`` (``bucketed_weight_transfer.py`` read from verl's wheel:
+  ``HYBRIDMEM_VERL_WHEEL``; real ZMQ and CUDA IPC; verl's device helpers answered by
+  a CUDA stand-in, its other dependencies unused), a new pair each sync as verl makes
+  them; ``drop-in``: :mod:`hybridmem.integrations.verl`'s pair, same calls, same
+  bucket size; ``drop-in-fd``: the same with ``HYBRIDMEM_VERL_TRANSPORT=fd`` and an
+  engine denied ``pidfd_getfd`` (seccomp), where verl's only way out is ``use_shm``;
+- SGLang route (SGLang's server does not run here; what it does with each payload is
+  done by its own code, ``tensor_bucket.py`` from its wheel: ``HYBRIDMEM_SGLANG_WHEEL``):
+  ``per-tensor``: one CUDA IPC handle per tensor, opened and copied (its
+  ``update_weights``); ``flattened``: the drop-in's payload
+  (:func:`hybridmem.integrations.sglang.flattened_payload`), one handle per batch of
+  512 MiB, rebuilt by SGLang's ``FlattenedTensorBucket`` and copied.
+
+Reported per size and method: seconds per sync (median of the timed syncs, after two
+warm-ups), speed against verl's (vLLM route) or per-tensor's (SGLang route), the share
+of the two-copy ceiling (half the device copy rate, measured in the same run), and
+device memory lost per sync over the timed syncs (100 by default at 1 GiB).
+
+Run on a GPU: ``python benchmarks/verl_transfer.py [--gib 1 8 15] [--json FILE]``
+(pyzmq installed; the two wheels downloaded with ``pip download --no-deps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import types
+import zipfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from weight_sync import _model, copy_rate  # noqa: E402  (this folder's)
+
+MiB, GiB = 1 << 20, 1 << 30
+WARMUP = 2
+HANDLE = "ipc:///tmp/hybridmem-bench-verl-{}.sock"
+TRANSFER = "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py"
+BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
+
+
+def _from_wheel(env: str, member: str, name: str) -> types.ModuleType:
+    """``member`` of the wheel ``$env`` names, run as module ``name`` (registered)."""
+    path = os.environ.get(env)
+    if not path:
+        raise SystemExit(f"set {env} to the wheel (pip download --no-deps)")
+    with zipfile.ZipFile(path) as wheel:
+        source = wheel.read(member).decode()
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(compile(source, member, "exec"), module.__dict__)
+    return module
+
+
+def verl_module() -> types.ModuleType:
+    """verl's bucketed transfer, its device helpers answered for CUDA (see the module)."""
+    import torch
+
+    device = types.ModuleType("verl.utils.device")
+    device.get_device_id = torch.cuda.current_device  # type: ignore[attr-defined]
+    device.get_device_name = lambda: "cuda"  # type: ignore[attr-defined]
+    device.get_torch_device = lambda: torch.cuda  # type: ignore[attr-defined]
+    device.is_support_ipc = lambda: True  # type: ignore[attr-defined]
+    sys.modules["verl.utils.device"] = device
+    utils = types.ModuleType("verl.workers.rollout.utils")
+
+    async def ensure_async_iterator(items: Any) -> Any:
+        for item in items:
+            yield item
+
+    utils.ensure_async_iterator = ensure_async_iterator  # type: ignore[attr-defined]
+    sys.modules["verl.workers.rollout.utils"] = utils
+    return _from_wheel("HYBRIDMEM_VERL_WHEEL", TRANSFER, "verl_bucketed_weight_transfer")
+
+
+def _engine(conn: Any, deny: bool) -> None:
+    """The engine's side: its own model copy; receives one sync per command."""
+    import torch
+
+    if deny:
+        from tests.seccomp import deny_pidfd_getfd
+
+        deny_pidfd_getfd()
+    from hybridmem import _torch
+    from hybridmem.integrations.verl.transfer import BucketedWeightReceiver
+
+    verl = verl_module()
+    bucket = _from_wheel("HYBRIDMEM_SGLANG_WHEEL", BUCKET, "sglang_tensor_bucket")
+    device = torch.device("cuda", torch.cuda.current_device())
+    out: dict[str, Any] = {}
+
+    def load(weights: list[tuple[str, Any]], last: bool) -> None:
+        for name, tensor in weights:
+            out[name].copy_(tensor)
+
+    while True:
+        command = conn.recv()
+        kind = command[0]
+        if kind == "stop":
+            return
+        if kind == "model":
+            out = {}
+            torch.cuda.empty_cache()
+            out = _model(command[1])
+            torch.cuda.synchronize()
+        elif kind == "verl":
+            verl.BucketedWeightReceiver(command[1], device).receive_weights(load)
+        elif kind == "drop-in":
+            BucketedWeightReceiver(command[1], device).receive_weights(load)
+        elif kind == "per-tensor":
+            for name, (rebuild, args) in command[1]:
+                tensor = _torch.import_cuda_tensor(rebuild, args, device.index)
+                out[name].copy_(tensor)
+                del tensor
+        elif kind == "flattened":
+            for (rebuild, args), metadata in command[1]:
+                flat = _torch.import_cuda_tensor(rebuild, args, device.index)
+                named = bucket.FlattenedTensorBucket(
+                    flattened_tensor=flat, metadata=metadata
+                ).reconstruct_tensors()
+                load(named, False)
+                del flat, named
+        torch.cuda.synchronize()
+        conn.send(("ack", torch.cuda.mem_get_info()[0]))
+
+
+def _batches(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, Any]]]:
+    batches: list[list[tuple[str, Any]]] = [[]]
+    held = 0
+    for name, tensor in tensors.items():
+        if batches[-1] and held + tensor.nbytes > limit:
+            batches.append([])
+            held = 0
+        batches[-1].append((name, tensor))
+        held += tensor.nbytes
+    return batches
+
+
+def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any) -> dict[str, Any]:
+    """Time ``syncs`` syncs of ``method`` after WARMUP; its row."""
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor as _reduce
+
+    from hybridmem.integrations import sglang
+    from hybridmem.integrations.verl.transfer import BucketedWeightSender
+
+    def reduce_tensor(tensor: Any) -> Any:
+        return _reduce(tensor)  # type: ignore[no-untyped-call]
+
+    handle = HANDLE.format(method)
+    bucket_mb = max(512, -(-max(t.nbytes for t in tensors.values()) // MiB))  # verl's refuses less
+
+    def sync() -> float:
+        if method in ("verl", "drop-in", "drop-in-fd"):
+            conn.send(("verl" if method == "verl" else "drop-in", handle))
+            kind = verl.BucketedWeightSender if method == "verl" else BucketedWeightSender
+            sender = kind(handle, bucket_size_mb=bucket_mb)
+            asyncio.run(sender.async_send_weights(iter(tensors.items())))
+        elif method == "per-tensor":
+            handles = [(name, reduce_tensor(t)) for name, t in tensors.items()]
+            conn.send(("per-tensor", handles))
+        else:  # flattened: one payload per 512 MiB batch, out of the drop-in's buffer
+            payloads = []
+            for batch in _batches(tensors, 512 * MiB):
+                payload = sglang.flattened_payload(batch, flat_metadata)
+                payloads.append((reduce_tensor(payload["flattened_tensor"]), payload["metadata"]))
+                conn.send(("flattened", payloads))
+                answer = conn.recv()
+                payloads = []
+            return float(answer[1])
+        return float(conn.recv()[1])
+
+    flat_metadata = sys.modules["sglang_tensor_bucket"].FlattenedTensorMetadata
+    for _ in range(WARMUP):
+        sync()
+    free_before = sync()
+    seconds = []
+    for _ in range(syncs):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        free_after = sync()
+        seconds.append(time.perf_counter() - started)
+    return {
+        "method": method,
+        "bucket_mib": bucket_mb,
+        "seconds": statistics.median(seconds),
+        "engine_growth_mib_per_sync": (free_before - free_after) / MiB / syncs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, nargs="+", default=[1, 8, 15])
+    parser.add_argument("--syncs", type=int, nargs="+", default=[100, 8, 5], help="per size")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import torch
+    import torch.multiprocessing as tmp
+
+    from hybridmem.bench.engine import BoundedConn
+    from hybridmem.integrations.verl import link
+
+    verl = verl_module()
+    _from_wheel("HYBRIDMEM_SGLANG_WHEEL", BUCKET, "sglang_tensor_bucket")
+    ctx = tmp.get_context("spawn")
+    engines = {}
+    for deny in (False, True):
+        pipe, child = ctx.Pipe()
+        process = ctx.Process(target=_engine, args=(child, deny))
+        process.start()
+        child.close()
+        engines[deny] = (BoundedConn(pipe, process.pid, timeout=600.0), process)
+    rows: list[dict[str, Any]] = []
+    for index, gib in enumerate(args.gib):
+        syncs = args.syncs[min(index, len(args.syncs) - 1)]
+        tensors: dict[str, Any] = {}
+        torch.cuda.empty_cache()
+        tensors = _model(int(gib * GiB))
+        payload = sum(t.nbytes for t in tensors.values())
+        for conn, _ in engines.values():
+            conn.send(("model", int(gib * GiB)))
+            conn.recv()
+        ceiling = copy_rate(payload, repeats=5) / 2
+        print(
+            f"== {payload / GiB:.2f} GiB in {len(tensors)} tensors; "
+            f"two-copy ceiling {ceiling / 1e9:.0f} GB/s"
+        )
+        for method in ("verl", "drop-in", "drop-in-fd", "per-tensor", "flattened"):
+            deny = method == "drop-in-fd"
+            os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
+            link.close_links()  # each method's own link (the fd one: another bucket)
+            row = _run(method, tensors, engines[deny][0], syncs, verl)
+            row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)
+            rows.append(row)
+        base = {r["method"]: r["seconds"] for r in rows if r["gib"] == payload / GiB}
+        for row in rows[-5:]:
+            ref = (
+                base["verl"]
+                if row["method"].startswith(("verl", "drop-in"))
+                else base["per-tensor"]
+            )
+            row["speedup"] = ref / row["seconds"]
+            print(
+                f"{row['method']:<12} {row['seconds']:8.4f} s/sync  {row['speedup']:6.1f}x  "
+                f"{row['share']:6.1%} of ceiling  {row['engine_growth_mib_per_sync']:6.1f} MiB/sync"
+            )
+    link.close_links()
+    for conn, process in engines.values():
+        conn.send(("stop",))
+        process.join(timeout=60)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
