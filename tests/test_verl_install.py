@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import hybridmem as hm
+from hybridmem.integrations import sglang
 from hybridmem.integrations.verl import allocator, install, transfer
 from tests.conftest import FakeTorch
 
@@ -47,6 +48,13 @@ MODULES = {
             BucketedWeightSender,
         )
     """,
+    "verl/workers/rollout/sglang_rollout/__init__.py": "",
+    "verl/workers/rollout/sglang_rollout/sglang_rollout.py": """
+        async def sgl_update_weights(engine, params_batch, device_mesh_key, device_mesh):
+            ...
+        async def update_weights(self, weights):
+            ...
+    """,
 }
 
 
@@ -75,6 +83,20 @@ def test_modules_imported_after_install_are_patched_as_they_load(fake_verl: Path
     assert device.set_expandable_segments is allocator.set_expandable_segments
     assert workers.set_expandable_segments is allocator.set_expandable_segments
     assert workers.ActorRolloutRefWorker.update_weights.__hybridmem_restored__
+    sglang_rollout = importlib.import_module("verl.workers.rollout.sglang_rollout.sglang_rollout")
+    assert sglang_rollout.sgl_update_weights is sglang.update_weights
+    assert not hasattr(sglang_rollout.update_weights, "__hybridmem_restored__")
+
+
+def test_the_sglang_route_is_swapped_and_put_back(fake_verl: Path) -> None:
+    module = importlib.import_module("verl.workers.rollout.sglang_rollout.sglang_rollout")
+    theirs, own_method = module.sgl_update_weights, module.update_weights
+    replaced = install.install()
+    assert replaced == ["verl.workers.rollout.sglang_rollout.sglang_rollout.sgl_update_weights"]
+    assert module.sgl_update_weights is sglang.update_weights
+    assert module.update_weights is own_method  # only the name verl imported from SGLang
+    install.uninstall()
+    assert module.sgl_update_weights is theirs
 
 
 def test_modules_imported_before_are_patched_at_once_and_uninstall_restores(

@@ -1,4 +1,4 @@
-"""hybridmem as a drop-in for verl's colocated weight update (vLLM route), verl's code unchanged.
+"""hybridmem as a drop-in for verl's colocated weight update, verl's code unchanged.
 
 Its modules:
 
@@ -10,7 +10,8 @@ Its modules:
 - :mod:`~hybridmem.integrations.verl.allocator`: ``set_expandable_segments`` keeping
   the user's settings, and the colocated update restored on failure;
 - :mod:`~hybridmem.integrations.verl.install`: ``install()``, which puts them in
-  verl's place in this process (``HYBRIDMEM_VERL=1`` in processes vLLM starts).
+  verl's place in this process (``HYBRIDMEM_VERL=1`` in processes vLLM starts),
+  and :func:`hybridmem.integrations.sglang.update_weights` in its SGLang rollout's.
 
 This package's ``__init__`` imports nothing: importing it imports neither verl nor
 torch. SGLang's route is :mod:`hybridmem.integrations.sglang`. See docs/backends/verl.md.

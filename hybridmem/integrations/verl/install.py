@@ -10,7 +10,11 @@
   which imported it by name) by
   :func:`~hybridmem.integrations.verl.allocator.set_expandable_segments`;
 - ``ActorRolloutRefWorker.update_weights`` (``verl.workers.engine_workers``) by itself
-  wrapped in :func:`~hybridmem.integrations.verl.allocator.restored_on_failure`.
+  wrapped in :func:`~hybridmem.integrations.verl.allocator.restored_on_failure`;
+- SGLang's ``update_weights`` as verl's SGLang rollout imported it
+  (``sgl_update_weights`` in ``verl.workers.rollout.sglang_rollout.sglang_rollout``)
+  by :func:`hybridmem.integrations.sglang.update_weights`, which sends SGLang's own
+  ``flattened_bucket`` payload (SGLang's module itself is left alone).
 
 Modules verl has not imported yet are patched when it imports them (an import hook
 that runs after each of them loads), so the call may come before or after verl's
@@ -45,14 +49,20 @@ _TRANSFER = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
 _ROLLOUT = "verl.workers.rollout.vllm_rollout.vllm_rollout"
 _DEVICE = "verl.utils.device"
 _WORKERS = "verl.workers.engine_workers"
-_TARGETS = (_TRANSFER, _ROLLOUT, _DEVICE, _WORKERS)
+_SGLANG_ROLLOUT = "verl.workers.rollout.sglang_rollout.sglang_rollout"
+_TARGETS = (_TRANSFER, _ROLLOUT, _DEVICE, _WORKERS, _SGLANG_ROLLOUT)
 
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], Any] = {}  # (module, name) -> what verl had
 _hook: _PatchOnImport | None = None
 
 
-def _ours() -> dict[str, Any]:
+def _ours(module_name: str) -> dict[str, Any]:
+    """The names replaced in ``module_name`` (those it has), and by what."""
+    if module_name == _SGLANG_ROLLOUT:
+        from hybridmem.integrations import sglang
+
+        return {"sgl_update_weights": sglang.update_weights}
     from hybridmem.integrations.verl import allocator, transfer
 
     return {
@@ -65,7 +75,7 @@ def _ours() -> dict[str, Any]:
 def _patch(module: ModuleType) -> list[str]:
     """Replace verl's names in ``module`` by ours (those it has); what was replaced."""
     done: list[str] = []
-    for name, replacement in _ours().items():
+    for name, replacement in _ours(module.__name__).items():
         current = getattr(module, name, None)
         if current is None or current is replacement:
             continue
