@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _package_under_test() -> Path:
+    spec = importlib.util.find_spec("hybridmem")
+    if spec is None or spec.origin is None:
+        raise ImportError("hybridmem is not importable: install it (pip install -e .)")
+    return Path(spec.origin).resolve().parent
+
+
+#: The hybridmem these tests import: the checkout's, or the installed wheel's in CI
+#: (which runs the tests from a copy without ``hybridmem/``). Tests that read the
+#: package's source read this one, so they judge what ships.
+PACKAGE = _package_under_test()
 
 
 def clean_env(**env: str) -> dict[str, str]:

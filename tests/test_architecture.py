@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "hybridmem"
+from tests.helpers import PACKAGE
 
 #: The rooms, from the ground floor up. A module's room is the longest prefix here.
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -45,10 +45,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hybridmem.cli",),
 )
 
-#: Modules that may be longer than about 500 lines, each with its reason at its top.
+#: A module longer than this says at its top why it is long (modules are split by job,
+#: never to meet a line count, so there is no hard cap).
 LONG_OK = 560
-#: No module longer than this, reason or not (issue #27): split it by job.
-MAX_LINES = 600
 
 
 def _module_name(path: Path) -> str:
@@ -206,9 +205,7 @@ def test_long_modules_say_why_at_their_top() -> None:
     long = []
     for module, path in _modules().items():
         lines = path.read_text().splitlines()
-        if len(lines) > MAX_LINES:
-            long.append(f"{module}: {len(lines)} lines, over {MAX_LINES}: split it by job")
-        elif len(lines) > LONG_OK:
+        if len(lines) > LONG_OK:
             head = "\n".join(lines[:40])
             if "Why this module is long" not in head:
                 long.append(
@@ -240,3 +237,16 @@ def test_the_cards_wing_imports_no_extra() -> None:
             if not target.startswith(WING_STANDS_ON):
                 found.append(f"{module}:{line} imports {target}")
     assert not found, "\n".join(found)
+
+
+def test_every_folder_of_the_package_is_a_regular_package() -> None:
+    """A folder without ``__init__.py`` is a namespace package: tools may leave it out."""
+    missing = [
+        path.relative_to(PACKAGE.parent).as_posix()
+        for path in sorted(PACKAGE.rglob("*"))
+        if path.is_dir()
+        and path.name != "__pycache__"
+        and any(path.glob("*.py"))
+        and not (path / "__init__.py").exists()
+    ]
+    assert not missing, missing

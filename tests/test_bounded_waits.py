@@ -15,20 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import PACKAGE, REPO
 
 SOURCES = sorted(
     [
-        *(REPO / "hybridmem").rglob("*.py"),
+        *PACKAGE.rglob("*.py"),
         *(REPO / "examples").glob("*.py"),
         *(REPO / "benchmarks").glob("*.py"),
     ]
 )
 
 # Where a line protocol is read, with its deadline: the one place that may.
-READS_LINES = {REPO / "hybridmem" / "bench" / "peers.py"}
+READS_LINES = {PACKAGE / "bench" / "peers.py"}
 # Zero-argument joins of threads of this process (no other process waited for).
-THREAD_JOINS = {(REPO / "hybridmem" / "ipc" / "_probe.py", "warm")}
+THREAD_JOINS = {(PACKAGE / "ipc" / "_probe.py", "warm")}
 
 
 def _name(node: ast.expr) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hybridmem as hm
-from hybridmem import cli
+from hybridmem import _version, cli
 from hybridmem.cli import main
 from hybridmem.ipc import capabilities
 from hybridmem.observe import timeline
@@ -77,7 +77,12 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0
-    assert "hybridmem 0.1.0" in capsys.readouterr().out
+    assert f"hybridmem {_version.__version__}" in capsys.readouterr().out
+
+
+def test_the_version_is_one_and_the_distribution_says_it() -> None:
+    assert re.fullmatch(r"\d+\.\d+\.\d+", _version.__version__)
+    assert metadata.version("hybridmem") == _version.__version__  # pyproject reads it
 
 
 def test_installed_entry_point_runs_in_a_fresh_process() -> None:
@@ -522,7 +527,7 @@ def test_plot_errors_carry_one_prefix(
 
 _ABORTING_TORCH = """
 import sys
-from hybridmem import cli
+from hybridmem import _version, cli
 from hybridmem.allocator import import_check
 import_check.installed_torch = lambda: ((2, 14), True)  # a CUDA build of 2.14, as pip installs it
 code = cli.main(sys.argv[1:])

@@ -11,11 +11,10 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "hybridmem"
+from tests.helpers import PACKAGE
 
 # "decision 80", "issue #25", "(#22)": the project's own history. Upstream references
 # name their project ("verl #302", "vLLM RFC #15254", "pytorch #165685").

@@ -14,7 +14,8 @@ import re
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import PACKAGE, REPO
+
 ALWAYS = {"torch", "hybridmem", "tests", "benchmarks", "examples", "__future__"}
 #: A benchmark script may import a sibling script by its name (its folder is on the
 #: path when it runs): that is no dependency.
@@ -77,11 +78,11 @@ def test_the_package_needs_only_torch_and_declares_the_rest() -> None:
     extras = _extras()
     optional = set().union(*(v for k, v in extras.items() if k != "dev"))
     problems = []
-    for path in sorted((REPO / "hybridmem").rglob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         for module, at_top in _imports(path):
             if not _third_party(module):
                 continue
-            where = path.relative_to(REPO)
+            where = path.relative_to(PACKAGE.parent)
             if at_top and ENGINE_MODULES.get(str(where)) == module:
                 continue
             if at_top:
@@ -109,7 +110,7 @@ def test_only_the_engine_modules_import_their_engine_and_nothing_imports_them() 
     for name, engine in ENGINE_MODULES.items():
         assert engine in _extras(), f"{engine} has no extra"
         module = name.removesuffix(".py").replace("/", ".")
-        for path in sorted((REPO / "hybridmem").rglob("*.py")):
+        for path in sorted(PACKAGE.rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 names = (
                     [a.name for a in node.names]
@@ -123,7 +124,7 @@ def test_only_the_engine_modules_import_their_engine_and_nothing_imports_them() 
 
 
 def test_the_bench_model_imports_transformers_by_name_only() -> None:
-    text = (REPO / "hybridmem" / "bench" / "run.py").read_text()
+    text = (PACKAGE / "bench" / "run.py").read_text()
     assert 'importlib.import_module("transformers")' in text
     assert "bench" in _extras()
     assert "transformers" in _extras()["bench"]

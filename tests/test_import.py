@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -142,3 +143,17 @@ def test_a_guessed_name_points_at_what_the_user_wanted(guess: str, wanted: str) 
 
     with pytest.raises(AttributeError, match=re.escape(wanted)):
         getattr(hm, guess)
+
+
+@pytest.mark.skipif(
+    os.environ.get("HYBRIDMEM_TEST_INSTALLED") != "1",
+    reason="judges an installed wheel: set HYBRIDMEM_TEST_INSTALLED=1 where one is tested",
+)
+def test_the_tests_judge_the_installed_wheel_not_a_checkout() -> None:
+    import sysconfig
+
+    from tests.helpers import PACKAGE, REPO
+
+    assert not (REPO / "hybridmem").exists(), "the checkout's package would shadow the wheel"
+    assert PACKAGE.is_relative_to(Path(sysconfig.get_paths()["purelib"]).resolve())
+    assert not list(PACKAGE.parent.glob("__editable__*hybridmem*")), "an editable install"

@@ -22,7 +22,7 @@ import hybridmem as hm
 from hybridmem import _env
 from hybridmem.scopes import registry
 from tests.conftest import FakeDevice, FakeTorch, patch_seam
-from tests.helpers import REPO, run_python
+from tests.helpers import PACKAGE, run_python
 
 MiB = 1 << 20
 Trigger = Callable[[pytest.MonkeyPatch, Any], None]  # Any: a FakeTorch, or None
@@ -161,7 +161,7 @@ _AT_IMPORT = {("observe/timeline.py", "_start_from_env")}
 def _call_sites() -> set[tuple[str, str]]:
     """(file, innermost function[#n]) of every warn_once / warn_user call in the package."""
     sites: set[tuple[str, str]] = set()
-    package = REPO / "hybridmem"
+    package = PACKAGE
     for path in sorted(package.rglob("*.py")):
         if path.name == "_log.py":
             continue

@@ -1,6 +1,8 @@
-"""The hybrid engine: backend profiles with their engine adapters, phases, the switch.
+"""The hybrid engine's switch: :class:`hybridmem.HybridSwitch` and what it stands on.
 
-``backends``: the registry of profiles (which primitives each phase runs for vLLM,
-SGLang, or a plugin's engine) and the adapters; ``phases``: :func:`hybridmem.phase`;
-``switch``: :class:`hybridmem.HybridSwitch`.
+``switch`` (its stages as data in ``switch_stages``; offload, reload, settling, ranks
+and recovery each in a module of its own), ``switch_phase`` (how the switch runs a
+phase's recipe), ``ranks`` and ``reports``; ``memory_saver`` (what the doctor knows of
+torch_memory_saver). The phases, profiles and registry it uses are the card's
+(:mod:`hybridmem.scopes`).
 """
