@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hybridmem._format import fmt_bytes
+from hybridmem.memory.need_plan import NeedPlan
 from hybridmem.observe.memory import MemoryInfo
 
 __all__ = ["StageReport", "SwitchReport"]
@@ -60,11 +61,16 @@ class StageReport:
 
 @dataclass
 class SwitchReport:
-    """Every stage of one direction of a switch, with the rank that ran it."""
+    """Every stage of one direction of a switch, with the rank that ran it.
+
+    ``plan``: a switch to rollout's offload planned by need (``rollout_need``), what
+    moved and what stayed; None where everything was offloaded.
+    """
 
     direction: Literal["to_rollout", "to_trainer"]
     rank: int
     stages: list[StageReport] = field(default_factory=list)
+    plan: NeedPlan | None = None
 
     @property
     def seconds(self) -> float:
@@ -80,4 +86,5 @@ class SwitchReport:
 
     def __str__(self) -> str:
         head = f"rank {self.rank} {self.direction}: {self.seconds * 1e3:.1f} ms"
-        return "\n".join([head, *(f"  {s}" for s in self.stages)])
+        plan = [] if self.plan is None else [f"  planned: {self.plan}"]
+        return "\n".join([head, *plan, *(f"  {s}" for s in self.stages)])

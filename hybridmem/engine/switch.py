@@ -48,7 +48,7 @@ from hybridmem.engine.ranks import (
 )
 from hybridmem.engine.reports import StageReport, SwitchReport
 from hybridmem.engine.switch_calls import BLOCKING, Call, in_thread, then_run
-from hybridmem.engine.switch_offload import Offloading
+from hybridmem.engine.switch_offload import Offloading, RolloutNeed
 from hybridmem.engine.switch_phase import SwitchPhase
 from hybridmem.engine.switch_ranks import RankProtocol
 from hybridmem.engine.switch_recovery import Recovery
@@ -125,8 +125,15 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             :mod:`~hybridmem.engine.switch_offload`). False: after the
             offload, always.
         kv_under_offload: wake the KV cache under those copies too, where the device
-            has room for what its last wake took (after landed copies) plus 512 MiB
-           . False: after the copies land, always.
+            has room for what its last wake took (after landed copies) plus 512 MiB.
+            False: after the copies land, always.
+        rollout_need: what the rollout needs on the device, in bytes (its weights,
+            KV cache and activations), or a callable that returns it each cycle (None
+            from it: offload everything this cycle). The switch then offloads only the
+            deficit against device free memory once its cache is released, optimizer
+            state first and parameters last, and nothing when nothing is short
+            (``switch.plan``, the report's ``plan``, a ``switch:plan`` timeline span;
+            :mod:`~hybridmem.engine.switch_offload`). None (default): everything.
 
     Scope: one switch at a time per instance. Reports name their rank
     (``torch.distributed`` rank, else ``RANK``, else 0).
@@ -152,6 +159,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         reload_by: Literal["kernel", "copy_engine"] = "kernel",
         weights_under_offload: bool = True,
         kv_under_offload: bool = True,
+        rollout_need: RolloutNeed = None,
     ) -> None:
         self.profile = backend if isinstance(backend, BackendProfile) else get_backend(backend)
         # Built once, entered every cycle (a phase re-enters; the garbage policy of a
@@ -186,7 +194,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             )
         check_seconds("confirm_timeout_s", confirm_timeout_s, zero=True)
         self._init_reload(reload_early, reload_by)
-        self._init_offloading(weights_under_offload, kv_under_offload)
+        self._init_offloading(weights_under_offload, kv_under_offload, rollout_need)
         self.offloader = offloader
         self.sync_weights = sync_weights
         self.confirm_timeout_s = float(confirm_timeout_s)
@@ -381,6 +389,7 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
     def _finish(self, report: SwitchReport) -> SwitchReport:
         if report.direction == "to_rollout":  # every rank's KV wake has returned
             self._learn_kv_need(report)
+            report.plan = self.plan
         self.reports.append(report)
         logger.info("%s", report)
         return report

@@ -37,6 +37,14 @@ GPU has either its room or its trainer state gone. Measured on an H200
 (``kv_under_probe.py.txt``): to rollout 1.18-1.22x -> 1.09-1.13x the ceiling at 8 GiB,
 1.07x -> 1.04-1.05x at 32.
 
+Planned by need (``rollout_need``): the switch releases this process's cache, reads
+device free memory and offloads only the deficit, ``need + NEED_MARGIN_BYTES - free``,
+cheapest first (:mod:`hybridmem.memory.need_plan`); nothing when nothing is short. The
+reload then brings back only what moved. A rollout that would still lack memory with
+everything offloaded fails the switch before anything moves, naming the shortfall. Each
+rank plans for its own GPU (free memory is per GPU), and a rank that fails takes every
+rank through recovery, as any failure does.
+
 A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
 declared here for the type checker only.
 """
@@ -44,27 +52,72 @@ declared here for the type checker only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from hybridmem._checks import check_bool
+from hybridmem._checks import MAX_DEVICE_BYTES, check_bool, check_number
+from hybridmem._errors import HybridSwitchError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem.engine.reports import SwitchReport
 from hybridmem.engine.switch_calls import then_run
 from hybridmem.engine.switch_stages import SwitchState
+from hybridmem.memory.need_plan import NeedPlan, plan_by_need
 from hybridmem.memory.offload import Offloader, OffloadInFlight, OffloadReport
+from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo
+from hybridmem.scopes.release import release_cache
 
-__all__ = ["KV_MARGIN_BYTES", "WEIGHTS_MARGIN_BYTES", "Offloading", "kv_need", "weights_need"]
+__all__ = [
+    "KV_MARGIN_BYTES",
+    "NEED_MARGIN_BYTES",
+    "WEIGHTS_MARGIN_BYTES",
+    "Offloading",
+    "RolloutNeed",
+    "check_rollout_need",
+    "kv_need",
+    "weights_need",
+]
+
+#: What a switch can be told the rollout needs: bytes, or a callable that says (None:
+#: not known this cycle, offload everything).
+RolloutNeed = int | Callable[[], "int | None"] | None
 
 #: Room left beyond what the last cycle's weight stages took, for weights under copies.
 WEIGHTS_MARGIN_BYTES = 256 << 20
 #: Room left beyond what the KV cache's last wake took, for the KV cache under copies.
 KV_MARGIN_BYTES = 512 << 20
 
+#: Room kept free beyond the rollout's need by a planned offload (allocator rounding,
+#: the engine's small allocations).
+NEED_MARGIN_BYTES = 256 << 20
+
 #: The stages whose memory the weight stages take: their lowest free reading counts.
 WEIGHT_STAGES = ("wake_weights", "weight_sync")
+
+
+def check_rollout_need(need: object) -> RolloutNeed:
+    """``need`` if it is what ``HybridSwitch(rollout_need=...)`` takes.
+
+    Raises:
+        TypeError: not None, an int or a callable.
+        ValueError: an int below 0 or above 1 TiB.
+
+    Example:
+        >>> check_rollout_need(8 << 30)
+        8589934592
+    """
+    if need is None or callable(need):
+        return need
+    value = check_number(  # an int at run time (integer=True; bools refused)
+        "rollout_need",
+        need,
+        integer=True,
+        minimum=0,
+        maximum=MAX_DEVICE_BYTES,
+        expected="bytes (an int from 0 to 1 TiB), a callable returning them, or None",
+    )
+    return int(value)
 
 
 def weights_need(reports: list[SwitchReport]) -> int | None:
@@ -118,6 +171,8 @@ class Offloading:
     if TYPE_CHECKING:  # the switch's, used here
         offloader: Offloader | None
         reports: list[SwitchReport]
+        device: int | None
+        rank: int
         _state: SwitchState
         _shared_device: bool
         _async_mode: bool
@@ -136,7 +191,12 @@ class Offloading:
 
         def _release(self, point: str = "release") -> Awaitable[Any] | None: ...
 
-    def _init_offloading(self, weights_under_offload: bool, kv_under_offload: bool) -> None:
+    def _init_offloading(
+        self, weights_under_offload: bool, kv_under_offload: bool, rollout_need: object = None
+    ) -> None:
+        self.rollout_need = check_rollout_need(rollout_need)
+        #: the last switch to rollout's plan (None: not planned, everything offloaded)
+        self.plan: NeedPlan | None = None
         self.weights_under_offload = check_bool("weights_under_offload", weights_under_offload)
         self.kv_under_offload = check_bool("kv_under_offload", kv_under_offload)
         self._flight: OffloadInFlight | None = None  # an offload whose copies still run
@@ -196,15 +256,69 @@ class Offloading:
             self._kv_need = need
 
     def _offload(self) -> None:
-        """Stage ``offload``: queue the copies (weights under them), or offload in full."""
+        """Stage ``offload``: queue the copies (weights under them), or offload in full.
+
+        With ``rollout_need``: only the deficit, planned first (nothing when none).
+        """
+        self.plan = None
         if self.offloader is None:
             return
+        self.plan = plan = self._plan_by_need()
+        max_bytes = None if plan is None else plan.deficit
+        if max_bytes == 0:
+            self.offload_report = None
+            return  # nothing is short: nothing moves
         self._state.offloaded = True  # before: a failed offload may have moved some
         if self._room_for_weights():
-            self._flight = self.offloader.start_offload()  # offload_land frees
+            self._flight = self.offloader.start_offload(max_bytes=max_bytes)  # landing frees
             return
-        report = self.offloader.offload()  # released as its copies land
+        report = self.offloader.offload(max_bytes=max_bytes)  # released as its copies land
         self.offload_report = report if isinstance(report, OffloadReport) else None
+
+    def _need(self) -> int | None:
+        """The rollout's need this cycle, in bytes (None: not planned)."""
+        need = self.rollout_need
+        if callable(need):
+            need = check_rollout_need(need())
+            if callable(need):
+                raise TypeError("rollout_need() must return bytes (an int) or None")
+        return need
+
+    def _plan_by_need(self) -> NeedPlan | None:
+        """Release this process's cache, read what is free, plan the deficit (or None).
+
+        Raises:
+            HybridSwitchError: even offloading everything leaves less than the need
+                free; nothing was moved.
+        """
+        need = self._need()
+        if need is None or self.offloader is None:
+            return None
+        span = _timeline.begin("switch:plan", "plan", device=self.device, rank=self.rank)
+        # What is free once this process's cache is back: a release without a gc pass
+        # (the switch's own release after the offload collects, as before).
+        release_cache(self.device, collect_garbage=False, ipc_collect=False)
+        free = self._memory().free
+        if free is None:  # no device to measure: nothing can be planned
+            _timeline.end(span, planned=False)
+            info_once(
+                "switch-plan-no-device",
+                "HybridSwitch: no device memory reading; rollout_need ignored, "
+                "offloading everything",
+            )
+            return None
+        plan = plan_by_need(self.offloader.resident(), need, free, NEED_MARGIN_BYTES)
+        _timeline.end(span, **plan.as_dict())
+        logger.info("HybridSwitch: offload planned by need: %s", plan)
+        if plan.short:
+            raise HybridSwitchError(
+                f"the rollout needs {fmt_bytes(need)} (+{fmt_bytes(NEED_MARGIN_BYTES)} "
+                f"margin) and {fmt_bytes(free)} is free: offloading the whole trainer state "
+                f"({fmt_bytes(plan.nbytes)}) still leaves it {fmt_bytes(plan.short)} short. "
+                "Nothing was offloaded; lower the rollout's memory (its KV cache size) or "
+                "free memory elsewhere"
+            )
+        return plan
 
     def _release_offloaded(self) -> Awaitable[Any] | None:
         """Stage ``release``: return what the offload freed (after ``offload_land`` if copying).

@@ -39,6 +39,7 @@ from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem.memory.host_pool import HostPool
+from hybridmem.memory.need_plan import choose
 from hybridmem.memory.offload_free import (
     Landing,
     OffloadInFlight,
@@ -233,9 +234,29 @@ class Offloader:
     # ------------------------------------------------------------------ #
     # Offload / reload
     # ------------------------------------------------------------------ #
+    def resident(self, groups: str | Iterable[str] | None = None) -> list[tuple[str, int]]:
+        """Each device storage of ``groups`` still on the device, as ``(group, bytes)``.
+
+        In the targets' order, each storage once (what an offload would move): the
+        input of :func:`~hybridmem.memory.need_plan.plan_by_need`. Walks the targets;
+        moves nothing.
+
+        Example:
+            >>> off.resident()                         # doctest: +SKIP
+            [('parameters', 4194304), ('optimizer', 8388608), ...]
+        """
+        self._check_idle("resident")
+        wanted = select_groups(groups)
+        slots, _ = collect_slots(self._storages(), self._device)
+        return [(s.group, s.nbytes) for s in slots if s.group in wanted and s.nbytes]
+
     @_timeline.traced("offload", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def offload(
-        self, groups: str | Iterable[str] | None = None, *, release_cache: bool = True
+        self,
+        groups: str | Iterable[str] | None = None,
+        *,
+        release_cache: bool = True,
+        max_bytes: int | None = None,
     ) -> OffloadReport:
         """Copy the device state to the host pool and free its device storage.
 
@@ -250,6 +271,11 @@ class Offloader:
                 512 MiB of copies, as they land, while the later ones run (the
                 release overlaps the copies, :mod:`~hybridmem.memory.offload_free`).
                 False: free once every copy has landed; the caller releases.
+            max_bytes: offload only enough storages to cover this many bytes, the
+                cheapest to move first (:data:`~hybridmem.memory.need_plan.NEED_ORDER`:
+                optimizer state, gradients, bare tensors, buffers, parameters), whole
+                storages, so it may move up to one storage more; 0 moves nothing.
+                None (default): every storage of ``groups``.
 
         Returns:
             An :class:`OffloadReport` (also logged at INFO).
@@ -261,10 +287,14 @@ class Offloader:
             OffloadError: freeing failed midway; what was freed was put back.
             RuntimeError: an offload is in flight (:meth:`start_offload`).
         """
-        return self.start_offload(groups, release_cache=release_cache).finish()
+        return self.start_offload(groups, release_cache=release_cache, max_bytes=max_bytes).finish()
 
     def start_offload(
-        self, groups: str | Iterable[str] | None = None, *, release_cache: bool = True
+        self,
+        groups: str | Iterable[str] | None = None,
+        *,
+        release_cache: bool = True,
+        max_bytes: int | None = None,
     ) -> OffloadInFlight:
         """Queue an offload's copies and return before any storage is freed.
 
@@ -275,7 +305,7 @@ class Offloader:
         engine's weights there). ``offload()`` is ``start_offload().finish()``.
 
         Args:
-            groups, release_cache: as for :meth:`offload`.
+            groups, release_cache, max_bytes: as for :meth:`offload`.
 
         Returns:
             The :class:`OffloadInFlight`; every other call of this Offloader is
@@ -292,19 +322,26 @@ class Offloader:
         self._check_idle("start_offload")
         wanted = select_groups(groups)
         check_bool("release_cache", release_cache)
+        if max_bytes is not None:
+            check_number(
+                "max_bytes", max_bytes, integer=True, minimum=0, expected="an int >= 0 or None"
+            )
         start = time.perf_counter()
-        if disabled():
+        if disabled() or max_bytes == 0:
             return OffloadInFlight.done(self._report("offload", [], start))
         dropped = drop_grads(self._targets) if self.grads == "drop" and "gradients" in wanted else 0
         landing = Landing() if release_cache else None  # freed and released as they land
         clock = CopyClock()  # the copies' own time: other work may run beside them
-        streamed = self._stream_to_host(wanted, landing, clock)
+        # A partial offload chooses its storages first: the walk copies everything it finds.
+        streamed = None if max_bytes is not None else self._stream_to_host(wanted, landing, clock)
         if streamed is not None:
             todo, side = streamed
         else:
             if not self.offloaded_groups:
                 self._plan()
             todo = [s for s in self._slots if s.group in wanted and not s.offloaded]
+            if max_bytes is not None:
+                todo = choose(todo, [s.nbytes for s in todo], [s.group for s in todo], max_bytes)
             if not todo:
                 if not self._slots:
                     info_once(

@@ -1,0 +1,186 @@
+"""The offload planned by need: the plan (pure), and an Offloader that moves only it.
+
+The Offloader runs for real on CPU tensors standing in for device tensors (as in
+tests/test_offload.py): a partial offload frees exactly the planned storages, a reload
+puts every one back bit for bit, and an injected fault at any free or allocation loses
+nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hybridmem as hm
+from hybridmem.memory.need_plan import NEED_ORDER, NeedPlan, choose, plan_by_need
+from tests.conftest import fail_resizes
+from tests.test_offload import assert_bitwise_equal, make_model, snapshot
+
+GROUPS = st.sampled_from(["parameters", "buffers", "gradients", "optimizer", "tensors"])
+STORAGES = st.lists(st.tuples(GROUPS, st.integers(1, 1 << 20)), max_size=30)
+
+
+def test_the_optimizer_state_moves_first_and_the_parameters_last() -> None:
+    storages = [("parameters", 100), ("gradients", 50), ("optimizer", 60), ("optimizer", 40)]
+    plan = plan_by_need(storages, need=130, free=30)  # deficit 100: the optimizer state
+    assert plan.deficit == 100
+    assert plan.moved == {"optimizer": 100}
+    assert plan.stayed == {"parameters": 100, "gradients": 50}
+    plan = plan_by_need(storages, need=160, free=30)  # 130: the gradients too
+    assert plan.moved == {"optimizer": 100, "gradients": 50}
+    assert plan.stayed == {"parameters": 100}
+    assert plan.short == 0
+
+
+def test_nothing_short_moves_nothing_and_too_much_need_is_short() -> None:
+    storages = [("parameters", 100), ("optimizer", 60)]
+    assert plan_by_need(storages, need=10, free=500, margin=100).moved == {}
+    plan = plan_by_need(storages, need=1000, free=500, margin=100)
+    assert plan.moved == {"parameters": 100, "optimizer": 60}
+    assert plan.short == 600 - 160
+    assert "still" in str(plan)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"need": -1, "free": 0}, ValueError, "need must be a whole number of bytes"),
+        ({"need": 1.5, "free": 0}, TypeError, "need must be a whole number of bytes"),
+        ({"need": 1, "free": True}, TypeError, "free must be a whole number of bytes"),
+        ({"need": 1, "free": 0, "margin": -2}, ValueError, "margin must be"),
+    ],
+)
+def test_bad_sizes_are_refused_by_name(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        plan_by_need([], **kwargs)
+
+
+@given(STORAGES, st.integers(0, 1 << 22), st.integers(0, 1 << 22), st.integers(0, 1 << 16))
+def test_a_plan_covers_the_deficit_with_less_than_one_storage_over(
+    storages: list[tuple[str, int]], need: int, free: int, margin: int
+) -> None:
+    plan = plan_by_need(storages, need, free, margin)
+    total = sum(size for _, size in storages)
+    assert plan.nbytes + sum(plan.stayed.values()) == total
+    assert plan.deficit == max(0, need + margin - free)
+    if plan.short:
+        assert plan.nbytes == total  # everything moved, still short
+        assert plan.short == plan.deficit - total
+    else:
+        assert plan.nbytes >= plan.deficit
+        largest = max((size for _, size in storages), default=0)
+        assert plan.nbytes < plan.deficit + largest or plan.deficit == 0
+    if plan.deficit == 0:
+        assert plan.moved == {}
+    # cheapest first: no group moves while a cheaper one stays whole on the device
+    ranks = [NEED_ORDER.index(g) for g in plan.moved]
+    for group in plan.stayed:
+        if group in plan.moved:
+            continue
+        assert all(NEED_ORDER.index(group) > r for r in ranks if r != NEED_ORDER.index(group))
+
+
+def test_choose_keeps_the_targets_order_among_the_chosen() -> None:
+    items = ["w0", "m0", "w1", "m1"]
+    sizes = [4, 4, 4, 4]
+    groups = ["parameters", "optimizer", "parameters", "optimizer"]
+    assert choose(items, sizes, groups, 5) == ["m0", "m1"]
+    assert choose(items, sizes, groups, 9) == ["w0", "m0", "m1"]
+    assert choose(items, sizes, groups, 0) == []
+
+
+def test_the_plan_is_json_ready() -> None:
+    plan = plan_by_need([("optimizer", 8)], need=4, free=0)
+    assert plan.as_dict()["moved"] == {"optimizer": 8}
+    assert isinstance(plan, NeedPlan)
+
+
+# --------------------------------------------------------------------------- #
+# The Offloader, moving only the plan
+# --------------------------------------------------------------------------- #
+
+
+def optimizer_bytes(off: hm.Offloader) -> int:
+    return sum(size for group, size in off.resident() if group == "optimizer")
+
+
+def test_a_partial_offload_frees_only_the_optimizer_state_and_reloads_bit_for_bit(
+    cpu_as_device: list[int],
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    resident = off.resident()
+    assert {group for group, _ in resident} >= {"parameters", "optimizer", "gradients"}
+    state = optimizer_bytes(off)
+    report = off.offload(max_bytes=1)  # one byte short: the first optimizer storage
+    assert off.offloaded_groups == {"optimizer"}
+    assert 0 < report.nbytes < state
+    assert sum(size for _, size in off.resident()) == sum(s for _, s in resident) - report.nbytes
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    off.reload()
+    assert off.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    off.offload(max_bytes=state + 1)  # a byte more: gradients start
+    assert off.offloaded_groups == {"optimizer", "gradients"}
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_max_bytes_zero_moves_nothing_and_bad_values_are_refused(
+    cpu_as_device: list[int],
+) -> None:
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    assert off.offload(max_bytes=0).nbytes == 0
+    assert off.offloaded_groups == frozenset()
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 0 or None"):
+        off.offload(max_bytes=-1)
+    with pytest.raises(TypeError, match="max_bytes must be an int >= 0 or None"):
+        off.start_offload(max_bytes=2.5)  # type: ignore[arg-type]
+
+
+def test_a_partial_offload_in_flight_frees_only_its_storages(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    flight = off.start_offload(max_bytes=optimizer_bytes(off))
+    assert off.offloaded_groups == frozenset()  # nothing freed while the copies run
+    flight.finish()
+    assert off.offloaded_groups == {"optimizer"}
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    fraction=st.floats(0.0, 1.2),
+    frees=st.sets(st.integers(1, 12), max_size=2),
+    allocations=st.sets(st.integers(1, 12), max_size=2),
+)
+def test_a_partial_offload_under_injected_faults_loses_nothing(
+    cpu_as_device: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+    fraction: float,
+    frees: set[int],
+    allocations: set[int],
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    total = sum(size for _, size in off.resident())
+    with monkeypatch.context() as patched:
+        fail_resizes(patched, frees=tuple(frees), allocations=tuple(allocations))
+        with contextlib.suppress(hm.OffloadError, RuntimeError):
+            off.offload(max_bytes=int(total * fraction))
+        with contextlib.suppress(hm.OffloadError, RuntimeError):
+            off.reload()
+    off.reload()  # what a fault left offloaded comes back now, intact
+    assert off.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))

@@ -1,0 +1,182 @@
+"""HybridSwitch told what the rollout needs: only the deficit moves, cheapest first.
+
+A real Offloader on CPU tensors standing in for device tensors, over the fake seam's
+device (80 GiB, 2 GiB allocated, 1 GiB of others: 77 GiB free once the cache is
+released). The rollout's need is set relative to that, so the deficit is a known
+number of the model's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import hybridmem as hm
+from hybridmem.engine.switch_offload import NEED_MARGIN_BYTES
+from tests.conftest import FakeTorch, fail_resizes
+from tests.test_offload import assert_bitwise_equal, make_model, snapshot
+from tests.test_switch import FakeVLLM
+
+GiB = 1 << 30
+FREE = 77 * GiB  # the fake device's free memory once the trainer's cache is released
+
+
+def switch_for(
+    fake: FakeTorch, need: int | Callable[[], int | None] | None, **kw: Any
+) -> tuple[hm.HybridSwitch, hm.Offloader, torch.nn.Module, torch.optim.Optimizer, list[str]]:
+    model, optimizer = make_model()
+    offloader = hm.Offloader(model, optimizer)
+    log: list[str] = []
+    switch = hm.HybridSwitch(
+        hm.VLLMEngine(FakeVLLM(log, fake)),
+        "vllm",
+        offloader,
+        sync_weights=lambda adapter: None,
+        confirm_timeout_s=0.0,
+        rollout_need=need,
+        **kw,
+    )
+    return switch, offloader, model, optimizer, log
+
+
+def sizes(offloader: hm.Offloader, group: str) -> int:
+    return sum(size for g, size in offloader.resident() if g == group)
+
+
+def test_nothing_short_moves_nothing(fake_gpu: FakeTorch, cpu_as_device: list[int]) -> None:
+    switch, offloader, model, optimizer, _ = switch_for(fake_gpu, FREE - NEED_MARGIN_BYTES)
+    before = snapshot(model, optimizer)
+    with switch.rollout():
+        assert offloader.offloaded_groups == frozenset()
+        assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    plan = switch.reports[-2].plan
+    assert plan is not None
+    assert plan.deficit == 0
+    assert plan.moved == {}
+    assert switch.offload_report is None
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_a_deficit_moves_the_optimizer_state_first_and_comes_back_bit_for_bit(
+    fake_gpu: FakeTorch, cpu_as_device: list[int]
+) -> None:
+    model, optimizer = make_model()
+    state = sizes(hm.Offloader(model, optimizer), "optimizer")
+    switch, offloader, model, optimizer, _ = switch_for(fake_gpu, FREE - NEED_MARGIN_BYTES + state)
+    before = snapshot(model, optimizer)
+    for _ in range(3):
+        with switch.rollout():
+            assert offloader.offloaded_groups == {"optimizer"}
+            assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+        assert offloader.offloaded_groups == frozenset()
+        plan = switch.reports[-2].plan
+        assert plan is not None
+        assert plan.deficit == state
+        assert set(plan.moved) == {"optimizer"}
+        assert plan.moved["optimizer"] == state
+        assert "parameters" in plan.stayed
+        assert "planned: need" in str(switch.reports[-2])
+        assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_a_need_the_state_cannot_cover_fails_before_anything_moves(
+    fake_gpu: FakeTorch, cpu_as_device: list[int]
+) -> None:
+    switch, offloader, model, optimizer, log = switch_for(fake_gpu, FREE + GiB)
+    before = snapshot(model, optimizer)
+    with pytest.raises(hm.HybridSwitchError, match=r"still leaves it .* short"), switch.rollout():
+        log.append("generate")
+    assert "generate" not in log
+    assert offloader.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    switch.rollout_need = None  # usable again: everything moves
+    with switch.rollout():
+        assert offloader.offloaded_groups
+    assert switch.reports[-2].plan is None
+
+
+def test_a_callable_need_is_asked_every_cycle_and_none_offloads_everything(
+    fake_gpu: FakeTorch, cpu_as_device: list[int]
+) -> None:
+    asked: list[int | None] = [None, FREE - NEED_MARGIN_BYTES]
+    calls: list[int | None] = []
+
+    def need() -> int | None:
+        calls.append(asked[len(calls)])
+        return calls[-1]
+
+    switch, offloader, *_ = switch_for(fake_gpu, need)
+    with switch.rollout():
+        everything = set(offloader.offloaded_groups)
+    assert {"parameters", "optimizer"} <= everything
+    assert switch.reports[-2].plan is None
+    with switch.rollout():
+        assert offloader.offloaded_groups == frozenset()
+    assert len(calls) == 2
+
+
+def test_the_plan_is_on_the_timeline(fake_gpu: FakeTorch, cpu_as_device: list[int]) -> None:
+    switch, *_ = switch_for(fake_gpu, FREE - NEED_MARGIN_BYTES)
+    timeline = hm.get_timeline()
+    with hm.record():
+        timeline.clear()
+        with switch.rollout():
+            pass
+    plans = [e for e in timeline.events() if e.name == "switch:plan"]
+    assert len(plans) == 1
+    assert plans[0].args["deficit"] == 0
+    assert plans[0].args["need"] == FREE - NEED_MARGIN_BYTES
+
+
+@pytest.mark.parametrize(
+    ("need", "error", "match"),
+    [
+        (-1, ValueError, "rollout_need must be bytes"),
+        (1.5, TypeError, "rollout_need must be bytes"),
+        (True, TypeError, "rollout_need must be bytes"),
+        ("8GiB", TypeError, "rollout_need must be bytes"),
+        (2 << 40, ValueError, "rollout_need must be bytes"),
+    ],
+)
+def test_a_bad_need_is_refused_at_construction(
+    fake_gpu: FakeTorch, need: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        hm.HybridSwitch(hm.VLLMEngine(FakeVLLM([], fake_gpu)), "vllm", rollout_need=need)  # type: ignore[arg-type]
+
+
+def test_a_callable_that_answers_wrong_fails_the_switch_and_loses_nothing(
+    fake_gpu: FakeTorch, cpu_as_device: list[int]
+) -> None:
+    switch, offloader, model, optimizer, _ = switch_for(fake_gpu, lambda: "lots")  # type: ignore[arg-type, return-value]
+    before = snapshot(model, optimizer)
+    with pytest.raises(TypeError, match="rollout_need must be bytes"), switch.rollout():
+        pass
+    assert offloader.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+@pytest.mark.parametrize(("frees", "allocations"), [((1,), ()), ((2,), (1,)), ((), (1,))])
+def test_a_partial_plan_under_faults_loses_nothing(
+    fake_gpu: FakeTorch,
+    cpu_as_device: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+    frees: tuple[int, ...],
+    allocations: tuple[int, ...],
+) -> None:
+    model, optimizer = make_model()
+    state = sizes(hm.Offloader(model, optimizer), "optimizer")
+    switch, offloader, model, optimizer, _ = switch_for(fake_gpu, FREE - NEED_MARGIN_BYTES + state)
+    before = snapshot(model, optimizer)
+    fail_resizes(monkeypatch, frees=frees, allocations=allocations)
+    try:
+        with switch.rollout():
+            pass
+    except (hm.OffloadError, hm.HybridSwitchError):
+        pass
+    offloader.reload()  # whatever a double fault left offloaded is still there, intact
+    assert offloader.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
