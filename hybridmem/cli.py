@@ -390,6 +390,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "64), each strategy's switch seconds against the pinned-copy ceiling",
     )
     bench.add_argument(
+        "--rollout-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="let each rollout last this much longer (a real one generates for seconds; "
+        "the bench's own takes about 18 ms), untimed, before the switch back",
+    )
+    bench.add_argument(
         "--from-json",
         nargs="+",
         metavar="FILE",
@@ -426,6 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [size for size in args.scale if not size > 0]
         if bad:
             parser.error(f"--scale sizes are GiB of trainer state (> 0), got {bad[0]:g}")
+    if args.command == "bench" and not 0 <= args.rollout_s <= 600:
+        parser.error(f"--rollout-s must be seconds from 0 to 600, got {args.rollout_s:g}")
     if args.command == "bench" and args.cycles is not None and args.cycles < 2:
         parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
     problem = timeline_env_problem()
@@ -457,6 +467,7 @@ def _run(args: argparse.Namespace) -> int:
                 cycles=args.cycles,
                 model=args.model,
                 engine=args.engine,
+                rollout_s=args.rollout_s,
             )
         return run_bench(
             quick=args.quick,
@@ -468,6 +479,7 @@ def _run(args: argparse.Namespace) -> int:
             model=args.model,
             engine=args.engine,
             anatomy=args.anatomy,
+            rollout_s=args.rollout_s,
         )
     if args.command == "plot":
         return _plot(args.timeline, args.output, args.title, args.trace)

@@ -129,10 +129,12 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
     from hybridmem.bench import engine_memory
 
     ran: list[tuple[str, float]] = []
+    rollouts: list[float] = []
 
     def child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
         assert timeline is None
         ran.append((name, round(p.state_bytes / GiB)))
+        rollouts.append(p.rollout_s)
         return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
 
     monkeypatch.setattr(_torch, "cuda_available", lambda: True)
@@ -144,15 +146,20 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
     monkeypatch.setattr(engine_memory, "available", lambda: False)
     monkeypatch.setattr(bench_run, "child_run", child)
     out = tmp_path / "scale.json"
-    code = main(["bench", "--scale", "8", "32", "--json", str(out), "--cycles", "3"])
+    code = main(
+        ["bench", "--scale", "8", "32", "--json", str(out), "--cycles", "3", "--rollout-s", "1.5"]
+    )
     assert code == 0
+    assert set(rollouts) == {1.5}  # every plan's rollout lasts 1.5 s more
     assert ran == [(n, g) for g in (8, 32) for n in ("naive", "handrolled", "hybridmem")]
     saved = json.loads(out.read_text())
     assert [s["state_gib"] for s in saved["scale"]] == [8, 32]
     assert saved["scale"][0]["plan"]["cycles"] == 3
+    assert saved["scale"][1]["plan"]["rollout_s"] == 1.5
     assert any("8 GiB to rollout" in v for v in saved["verdicts"])
     printed = capsys.readouterr()
     assert "== 32 GiB of trainer state" in printed.out
+    assert "rollouts of 1.5 s more" in printed.out
     assert "strategy tms skipped" in printed.err
     # a size that cannot fit is refused before anything runs
     ran.clear()
@@ -167,6 +174,8 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
         (["--scale", "8", "--quick"], "--scale runs plans of its own: leave out --quick"),
         (["--scale", "--timeline", "t"], "leave out --timeline"),
         (["--scale", "-1"], "--scale sizes are GiB of trainer state (> 0), got -1"),
+        (["--rollout-s", "-1"], "--rollout-s must be seconds from 0 to 600, got -1"),
+        (["--scale", "--rollout-s", "601"], "--rollout-s must be seconds from 0 to 600, got 601"),
     ],
 )
 def test_scale_misuse_is_one_line(
@@ -490,3 +499,15 @@ def test_the_hand_back_is_read_after_the_switch_with_the_kv_wake_given_back(
     before = client.last_handback
     client.read_handback()  # read once per KV wake
     assert client.last_handback == before
+
+
+def test_a_rollout_length_is_checked_where_it_is_given() -> None:
+    from hybridmem.bench.plan import check_rollout_s
+
+    assert check_rollout_s(0) == 0.0
+    assert check_rollout_s(2) == 2.0
+    with pytest.raises(ValueError, match="rollout_s must be seconds from 0 to 600"):
+        check_rollout_s(-0.5)
+    with pytest.raises(TypeError, match="rollout_s must be seconds"):
+        check_rollout_s("1s")
+    assert scale_plan(H200, 8).rollout_s == 0.0  # the bench's own rollout by default

@@ -60,6 +60,10 @@ class BenchPlan:
     #: record where allocations were made, and at each KV wake what each process's
     #: cache is made of (``raw["anatomy"]``); slows the run (diagnostics).
     anatomy: bool = False
+    #: seconds the rollout lasts beyond the bench's own generation (about 18 ms): a
+    #: real rollout generates for seconds, and the switch back starts that much later
+    #: after the KV cache's wake and the offload's frees (``--rollout-s``).
+    rollout_s: float = 0.0
 
     @property
     def params(self) -> int:
@@ -74,6 +78,31 @@ class BenchPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "params": self.params, "state_bytes": self.state_bytes}
+
+
+#: The longest rollout ``--rollout-s`` takes, in seconds (a cycle waits that long).
+MAX_ROLLOUT_S = 600.0
+
+
+def check_rollout_s(seconds: object) -> float:
+    """``seconds`` if it is a rollout length the bench takes (0 to 600 s).
+
+    Raises:
+        TypeError, ValueError: not a number of seconds in that range.
+
+    Example:
+        >>> check_rollout_s(1)
+        1.0
+    """
+    return float(
+        check_number(
+            "rollout_s",
+            seconds,
+            minimum=0,
+            maximum=MAX_ROLLOUT_S,
+            expected=f"seconds from 0 to {MAX_ROLLOUT_S:g}",
+        )
+    )
 
 
 def plan(

@@ -25,7 +25,14 @@ from hybridmem.bench.outputs import (
     report,
 )
 from hybridmem.bench.peers import run_child
-from hybridmem.bench.plan import STRATEGIES, BenchPlan, Figures, choose_strategies, plan
+from hybridmem.bench.plan import (
+    STRATEGIES,
+    BenchPlan,
+    Figures,
+    check_rollout_s,
+    choose_strategies,
+    plan,
+)
 from hybridmem.bench.report import format_table, plot_results, verdicts
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.timeline import record
@@ -277,6 +284,8 @@ def _cycle(
         engine_before = engine.engine_seconds
         with _step("generate"):
             engine.call("generate", p.d_model)
+            if p.rollout_s:  # the rest of a real rollout's length, untimed
+                time.sleep(p.rollout_s)
         generate = engine.engine_seconds - engine_before
         engine.memory_seconds = 0.0
         started = time.perf_counter()
@@ -431,6 +440,7 @@ def bench(
     model: str = "auto",
     engine: str = "auto",
     anatomy: bool = False,
+    rollout_s: float = 0.0,
 ) -> int:
     """``hybridmem bench``: run the strategies, print the table and verdicts; exit code.
 
@@ -448,6 +458,7 @@ def bench(
         engine: the rollout engine's memory (``ENGINES``; ``auto``: torch_memory_saver
             where installed).
         anatomy: record what each process's cache is made of at every KV wake.
+        rollout_s: seconds each rollout lasts beyond the bench's generation.
     """
     setup = prepare(
         json_path=json_path,
@@ -460,13 +471,13 @@ def bench(
         return 2
     total, engine_kind, strategies = setup.total, setup.engine, setup.strategies
     p = plan(int(total), quick=quick, cycles=cycles, model=model, engine=engine_kind)
-    if anatomy:
-        p = dataclasses.replace(p, anatomy=True)
+    p = dataclasses.replace(p, anatomy=anatomy, rollout_s=check_rollout_s(rollout_s))
     print(
         f"bench plan: {p.params / 1e6:.0f} M parameters "
         f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
         f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps, "
         f"model {p.model}, engine {engine_kind}"
+        + (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
     )
     started = time.perf_counter()
     results = {name: child_run(name, p, timeline) for name in strategies}

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from hybridmem.bench.outputs import write_scale
-from hybridmem.bench.plan import SCALE_GIB, scale_plan
+from hybridmem.bench.plan import SCALE_GIB, check_rollout_s, scale_plan
 
 __all__ = ["bench_scale"]
 
@@ -33,6 +34,7 @@ def bench_scale(
     cycles: int | None = None,
     model: str = "auto",
     engine: str = "auto",
+    rollout_s: float = 0.0,
 ) -> int:
     """Run the strategies at each trainer-state size; print the table and verdicts; exit code.
 
@@ -40,8 +42,8 @@ def bench_scale(
         sizes: trainer states in GiB (None: ``SCALE_GIB``, 8, 32 and 64).
         json_path: write ``{"scale": [{"state_gib", "plan", "results"}...], "verdicts"}``.
         plot_path: seconds per switch against size, a line per strategy (matplotlib).
-        strategies, cycles, model, engine: as for :func:`hybridmem.bench.run.bench`
-            (cycles default to 4 per size).
+        strategies, cycles, model, engine, rollout_s: as for
+            :func:`hybridmem.bench.run.bench` (cycles default to 4 per size).
 
     Returns:
         0, or 2 for misuse (no GPU, a size the device cannot hold, a bad path),
@@ -64,8 +66,15 @@ def bench_scale(
         return 2
     engine_kind, chosen = setup.engine, setup.strategies
     try:
+        rollout = check_rollout_s(rollout_s)
         plans = [
-            (g, scale_plan(setup.total, g, cycles=cycles, model=model, engine=engine_kind))
+            (
+                g,
+                replace(
+                    scale_plan(setup.total, g, cycles=cycles, model=model, engine=engine_kind),
+                    rollout_s=rollout,
+                ),
+            )
             for g in (sizes or list(SCALE_GIB))
         ]
     except ValueError as exc:  # before a run of many minutes, not after
@@ -77,6 +86,7 @@ def bench_scale(
         print(
             f"bench --scale: {gib:g} GiB of trainer state ({p.params / 1e9:.2f} B parameters, "
             f"d_model {p.d_model} x {p.layers} layers), {p.cycles} cycles, engine {engine_kind}"
+            + (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
         )
         results = {name: child_run(name, p, None) for name in chosen}
         measured.append({"state_gib": gib, "plan": p.as_dict(), "results": results})
