@@ -25,6 +25,17 @@ def _package_under_test() -> Path:
 PACKAGE = _package_under_test()
 
 
+def shown(path: Path) -> str:
+    """``path`` as a test names it: from the repository, or from the package's parent.
+
+    The package under test may be an installed wheel outside the checkout.
+    """
+    for root in (REPO, PACKAGE.parent):
+        if path.is_relative_to(root):
+            return path.relative_to(root).as_posix()
+    return path.as_posix()
+
+
 def clean_env(**env: str) -> dict[str, str]:
     """This process's environment without allocator or hybridmem settings, plus ``env``.
 

@@ -244,6 +244,29 @@ def test_env_values_torch_misreads_are_read_its_way_with_one_warning(
     hm.allocator_state()
 
 
+def test_the_215_reserves_warn_refuse_and_restore_as_torch_reads_them(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake.version = (2, 15)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments_reserve:0")
+    with pytest.warns(hm.HybridMemWarning, match=r"expandable_segments_reserve:0 is ignored"):
+        hm.allocator_state()
+    with pytest.raises(hm.AllocatorSettingsError, match="is ignored by torch"):
+        hm.allocator_settings(expandable_segments_reserve=0)
+    with hm.allocator_settings(expandable_segments_reserve_by_class={"capture": 0.25}):
+        assert "expandable_segments_reserve_by_class:[capture:0.25]" in fake.applied[-1]
+    assert "expandable_segments_reserve_by_class:[]" in fake.applied[-1]  # the default back
+    # no settings string unsets a reserve (the env's 0 is ignored, so it never set one):
+    # a scope may not set one, and says so before anything is applied
+    with pytest.raises(hm.AllocatorSettingsError, match=r"cannot go back to its default: .*0\.5"):
+        hm.allocator_settings(expandable_segments_reserve=0.5).__enter__()
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    _reset_state()
+    with pytest.raises(hm.AllocatorSettingsError, match="cannot go back to its default"):
+        hm.allocator_settings(expandable_segments_reserve="40G").__enter__()
+    assert not [text for text in fake.applied if "reserve:0.5" in text or "reserve:40G" in text]
+
+
 def _reset_state() -> None:
     from hybridmem import _log
     from hybridmem.scopes.allocator import _reset_state_for_tests

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PACKAGE, REPO
+from tests.helpers import PACKAGE, REPO, shown
 
 SOURCES = sorted(
     [
@@ -62,7 +62,7 @@ def _unbounded(path: Path) -> list[str]:
         func = call.func
         if not isinstance(func, ast.Attribute) or id(call) in bounded:
             continue
-        where = f"{path.relative_to(REPO)}:{call.lineno}"
+        where = f"{shown(path)}:{call.lineno}"
         bare = not call.args and not call.keywords
         owner = _name(func.value)
         if func.attr == "join" and bare and (path, owner) not in THREAD_JOINS:
@@ -93,7 +93,7 @@ def _unbounded(path: Path) -> list[str]:
             ):
                 continue
             mine, theirs = (_name(e) for e in stmt.targets[0].elts)
-            where = f"{path.relative_to(REPO)}:{stmt.lineno}"
+            where = f"{shown(path)}:{stmt.lineno}"
             calls = _calls(function)
             for call in calls:
                 func = call.func
@@ -118,7 +118,7 @@ def _unbounded(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", SOURCES, ids=shown)
 def test_no_wait_on_another_process_is_unbounded(path: Path) -> None:
     assert _unbounded(path) == []
 

@@ -18,6 +18,8 @@ import math
 import os
 import re
 import secrets
+import sys
+import tempfile
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -30,6 +32,7 @@ from hypothesis import strategies as st
 
 from hybridmem import _torch
 from hybridmem.allocator.cparse import C_SPACE, FLOAT_PREFIX
+from hybridmem.allocator.parsers import IGNORED_RESERVE
 from hybridmem.allocator.rules import (
     ALLOC_CONF,
     CUDA_ALLOC_CONF,
@@ -353,6 +356,135 @@ def _near_the_subnormal_edge(seed: int, count: int) -> list[str]:
     return [f"garbage_collection_threshold:{number}" for number in numbers]
 
 
+def _listen(setter: Any, text: str) -> tuple[bool, bool]:
+    """Give ``text`` to torch's setter: (taken, a reserve value ignored with a warning).
+
+    torch 2.15 takes a bad reserve and warns on stderr (its C++ log, not Python's
+    warnings), keeping its default: the warning is read from file descriptor 2.
+    """
+    with tempfile.TemporaryFile() as caught:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            try:
+                setter(text)
+                took = True
+            except (ValueError, RuntimeError, IndexError):
+                took = False
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        return took, TORCH_IGNORES in caught.read()
+
+
+TORCH_IGNORES = b"Ignoring invalid expandable-segment reserve value"
+
+
+def _ignored_reserve(notes: Iterable[str]) -> bool:
+    return any(IGNORED_RESERVE in note for note in notes)
+
+
+# What torch 2.15.0+cu132's own setter answered (taken, warned that it ignores a reserve
+# value), from a default state: the reserve keys' reader (parseExpandableSegmentsReserve
+# and ...ByClass) reads over a missing ":" or "[", runs a list to its "]" and warns on a
+# value that is not a positive finite number (a trailing G: GiB).
+RESERVE_VERDICTS = [
+    ("expandable_segments_reserve:0.5", True, False),
+    ("expandable_segments_reserve:40G", True, False),
+    ("expandable_segments_reserve:40g", True, False),
+    ("expandable_segments_reserve:2", True, False),
+    ("expandable_segments_reserve:.5", True, False),
+    ("expandable_segments_reserve:5.", True, False),
+    ("expandable_segments_reserve:1.e5", True, False),
+    ("expandable_segments_reserve:1e-320", True, False),
+    ("expandable_segments_reserve:1e-400", True, True),
+    ("expandable_segments_reserve:1e400", True, True),
+    ("expandable_segments_reserve:-1", True, True),
+    ("expandable_segments_reserve:0", True, True),
+    ("expandable_segments_reserve:0x10", True, True),
+    ("expandable_segments_reserve:inf", True, True),
+    ("expandable_segments_reserve:nan", True, True),
+    ("expandable_segments_reserve:G", True, True),
+    ("expandable_segments_reserve:0.5gG", True, True),
+    ("expandable_segments_reserve:abc", True, True),
+    ("expandable_segments_reserve:[]", True, True),
+    ("expandable_segments_reserve:[64:4]", False, True),
+    ("expandable_segments_reserve:", False, False),
+    ("expandable_segments_reserve:0.5,expandable_segments:True", True, False),
+    ("expandable_segments_reserve:0.5x,max_split_size_mb:64", True, True),
+    ("expandable_segments_reserve_by_class:[a:0.5,b:8G]", True, False),
+    ("expandable_segments_reserve_by_class:[]", True, False),
+    ("expandable_segments_reserve_by_class:[a:0.5,]", True, False),
+    ("expandable_segments_reserve_by_class:[a:bad]", True, True),
+    ("expandable_segments_reserve_by_class:[a]", False, False),
+    ("expandable_segments_reserve_by_class:[a:0.5", False, False),
+    ("expandable_segments_reserve_by_class:[:]", False, False),
+    ("expandable_segments_reserve_by_class:[,]", False, False),
+    ("expandable_segments_reserve_by_class:[a:0.5b:1]", False, True),
+    ("expandable_segments_reserve_by_class:64", False, False),
+    ("expandable_segments_reserve_by_class:64,[a:1]", False, False),
+    ("expandable_segments_reserve_by_class:[a:0.5,,b:1]", False, True),
+    ("expandable_segments_reserve_by_class:[a:0.5],expandable_segments:True", True, False),
+    ("expandable_segments_reserve_by_class:", False, False),
+    ("expandable_segments_reserve_by_class[a:1]", False, False),
+]
+
+
+@pytest.mark.parametrize(("text", "takes", "ignored"), RESERVE_VERDICTS)
+def test_the_model_reads_the_reserve_keys_as_torch_215_did(
+    text: str, takes: bool, ignored: bool
+) -> None:
+    outcome = TorchRules((2, 15), device=True).run(text)
+    assert (outcome.accepted, _ignored_reserve(outcome.notes)) == (takes, ignored), outcome
+
+
+def _reserve_strings(seed: int, count: int) -> list[str]:
+    """Settings strings around the 2.15 reserve keys: values, lists and broken lists."""
+    import random
+
+    rnd = random.Random(seed)
+    values = ["0.5", "40G", "8g", "2", ".5", "1e-320", "1e-400", "-1", "0", "inf", "0x10"]
+    values += ["abc", "G", "", "[", "]", ":", ","]
+    names = ["a", "serving", "64", ">", ""]
+    out = []
+    for _ in range(count):
+        if rnd.random() < 0.5:
+            text = f"expandable_segments_reserve:{rnd.choice(values)}"
+        else:
+            items = [
+                rnd.choice(names) + rnd.choice([":", ":", ""]) + rnd.choice(values)
+                for _ in range(rnd.randrange(4))
+            ]
+            body = rnd.choice([",", ",", ",,", ""]).join(items)
+            text = "expandable_segments_reserve_by_class:" + rnd.choice(["[", "[", ""]) + body
+            text += rnd.choice(["]", "]", "", ",]"])
+        text += rnd.choice(["", "", ",expandable_segments:False", ",max_split_size_mb:64"])
+        out.append(text)
+    return out
+
+
+def test_a_live_oracle_judges_the_reserve_keys() -> None:
+    """The installed torch's reserve keys against the model: taken, and ignored with a warning."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    rules = TorchRules(_torch.torch_version(), device=_torch.cuda_built())
+    if setter is None or "expandable_segments_reserve" not in rules.keys:
+        pytest.skip("needs a CUDA build of torch 2.15 or newer (its reserve keys)")
+    seed = int(os.environ.get("HYBRIDMEM_ORACLE_SEED") or secrets.randbits(32))
+    wrong = []
+    try:
+        for text in _reserve_strings(seed, 600):
+            setter("expandable_segments:False")
+            outcome = rules.run(text)
+            seen = _listen(setter, text)
+            if seen != (outcome.accepted, _ignored_reserve(outcome.notes)):
+                wrong.append(f"{text!r}: torch (taken, ignored)={seen}; model {outcome}")
+    finally:
+        setter("expandable_segments:False")
+    assert not wrong, f"HYBRIDMEM_ORACLE_SEED={seed}:\n" + "\n".join(wrong[:20])
+
+
 def test_a_live_oracle_judges_numbers_at_the_subnormal_edge() -> None:
     """Tiny and inexact is refused, exactly representable is taken, as this torch's stod."""
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
@@ -432,10 +564,8 @@ def test_a_live_oracle_judges_the_typed_path() -> None:
         if written is None:
             continue  # refused before any string: a typed value torch has no words for
         try:
-            setter(f"{key}:{written}")
-            took = True
-        except (ValueError, RuntimeError, IndexError):
-            took = False
+            took, ignored = _listen(setter, f"{key}:{written}")
+            took = took and not ignored  # a reserve torch ignores (with a warning) is not set
         finally:
             setter(reset)
         checked += 1
@@ -491,3 +621,84 @@ def test_a_negative_size_names_the_real_bound() -> None:
 
     with pytest.raises(ValueError, match=r"which must be >= 20 .*got -5"):
         normalize_value("max_split_size_mb", -5, TorchRules((2, 13)))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "text"),
+    [
+        ("expandable_segments_reserve", 0.5, "0.5"),
+        ("expandable_segments_reserve", 2, "2"),
+        ("expandable_segments_reserve", " 40G\t", "40G"),
+        (
+            "expandable_segments_reserve_by_class",
+            {"capture": 0.25, "ws": "8G"},
+            "[capture:0.25,ws:8G]",
+        ),
+        ("expandable_segments_reserve_by_class", {}, "[]"),
+        ("expandable_segments_reserve_by_class", "[a:0.5]", "[a:0.5]"),
+    ],
+)
+def test_the_typed_path_writes_a_reserve_torch_215_reads(
+    key: str, value: object, text: str
+) -> None:
+    from hybridmem.allocator.grammar import normalize_value
+
+    assert normalize_value(key, value, TorchRules((2, 15), device=True)) == text
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "match"),
+    [
+        # torch would take these and ignore them with a warning: a typed call refuses
+        ("expandable_segments_reserve", "abc", ValueError, r"ignored by torch.*e\.g\."),
+        ("expandable_segments_reserve", -1.0, ValueError, "positive fraction"),
+        ("expandable_segments_reserve", math.nan, ValueError, "ignored by torch"),
+        ("expandable_segments_reserve", "[a:1]", ValueError, "does not know the setting ':'"),
+        ("expandable_segments_reserve", True, TypeError, "fraction of the device"),
+        ("expandable_segments_reserve_by_class", {"a": "x"}, ValueError, r"\[a\]:x is ignored"),
+        ("expandable_segments_reserve_by_class", {"a:b": 1}, ValueError, "class names without"),
+        ("expandable_segments_reserve_by_class", {7: 1}, ValueError, "class names without"),
+        ("expandable_segments_reserve_by_class", {"a": [1]}, TypeError, "fraction of the device"),
+        ("expandable_segments_reserve_by_class", " 64", ValueError, "ran out of tokens"),
+        ("expandable_segments_reserve_by_class", 0.5, TypeError, "mapping of class name"),
+    ],
+)
+def test_the_typed_path_refuses_a_reserve_torch_would_ignore_or_refuse(
+    key: str, value: object, error: type[Exception], match: str
+) -> None:
+    from hybridmem.allocator.grammar import normalize_value
+
+    with pytest.raises(error, match=match):
+        normalize_value(key, value, TorchRules((2, 15), device=True))
+
+
+def test_a_reserve_key_on_a_torch_before_215_names_the_version() -> None:
+    from hybridmem.allocator.grammar import normalize_value
+
+    with pytest.raises(ValueError, match=r"torch 2\.15 added it"):
+        normalize_value("expandable_segments_reserve", 0.5, TorchRules((2, 14), device=True))
+
+
+@pytest.mark.parametrize(
+    ("token", "spec"),
+    [
+        ("0.5", (True, 0.5)),
+        ("40G", (False, 40.0)),
+        ("8g", (False, 8.0)),
+        ("+.5", (True, 0.5)),
+        ("1.e2", (True, 100.0)),
+        ("1e-320", (True, 1e-320)),  # a subnormal: libstdc++'s num_get keeps it
+        ("1e-400", None),  # underflows to 0, not > 0
+        ("1e400", None),  # overflows
+        ("0x10", None),  # num_get reads no hex
+        ("inf", None),
+        ("-1", None),
+        ("G", None),
+        ("0.5gG", None),
+        ("", None),
+    ],
+)
+def test_a_reserve_value_as_torch_215_reads_it(token: str, spec: tuple[bool, float] | None) -> None:
+    from hybridmem.allocator.cparse import reserve_spec
+
+    assert reserve_spec(token) == spec

@@ -31,6 +31,7 @@ __all__ = [
     "SPACES",
     "Refused",
     "pow2",
+    "reserve_spec",
     "stod",
     "stoi",
     "stoull",
@@ -162,14 +163,36 @@ def stod(token: str) -> float:
     return -value if match.group(1) == "-" else value
 
 
+# What ``std::istringstream >> double`` reads whole in the classic locale: a decimal
+# number (no hex, inf or nan, which libstdc++'s num_get does not take).
+_STREAM_DOUBLE = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def reserve_spec(token: str) -> tuple[bool, float] | None:
+    """torch 2.15's reading of an expandable-segment reserve: (is_fraction, value) or None.
+
+    A trailing ``G``/``g`` makes the number GiB, else it is a fraction of the
+    device; the number is read by ``std::istringstream`` in the classic locale and
+    must be the whole token, finite and above zero. None is a value torch warns
+    about and ignores, keeping its default.
+    """
+    gib = token.endswith(("G", "g"))
+    number = token[:-1] if gib else token
+    if not _STREAM_DOUBLE.fullmatch(number):
+        return None
+    value = float(number)  # an overflow is inf, an underflow 0: both ignored, as libstdc++
+    if not math.isfinite(value) or value <= 0.0:
+        return None
+    return (not gib, value)
+
+
 def pow2(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
-# The expandable-segment reserves of 2.15 (a fraction of the device, or "40G"; per
-# class: a list). torch never refuses their values: it warns and keeps its default.
-# The reserve itself is not modelled (no reading of it here); a per-class list is
-# read to its "]" as other lists are, which is what a well-formed one does.
+# The expandable-segment reserves of 2.15: "expandable_segments_reserve:0.5" (a fraction
+# of the device) or ":40G" (GiB), and "expandable_segments_reserve_by_class:[name:0.25,
+# other:8G]". torch never refuses a bad value: it warns and keeps its default.
 RESERVE_KEYS = ("expandable_segments_reserve", "expandable_segments_reserve_by_class")
 # The host allocator's limits (2.13+): MB read with stoull, clamped as sizes are, kept
 # from call to call; unlimited (SIZE_MAX bytes, None here) until a string sets them.

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridmem._errors import AllocatorSettingsError
-from hybridmem.allocator.cparse import C_SPACE, FLOAT_PREFIX
+from hybridmem.allocator.cparse import C_SPACE, DELIMITERS, FLOAT_PREFIX
+from hybridmem.allocator.parsers import IGNORED_RESERVE
 from hybridmem.allocator.rules import TorchRules
 
 __all__ = [
@@ -37,7 +38,8 @@ class KeySpec:
     Attributes:
         name: the key as torch spells it.
         kind: the Python type :func:`normalize_value` takes (``"bool"``,
-            ``"int"``, ``"float"``, ``"roundup"``, ``"str"``).
+            ``"int"``, ``"float"``, ``"roundup"``, ``"reserve"``, ``"reserve_by_class"``,
+            ``"str"``).
         default: torch's default as settings text (None: it has no text, e.g.
             an unlimited ``max_split_size_mb``).
         shown_default: the default as shown to people.
@@ -100,9 +102,9 @@ KEYS: dict[str, KeySpec] = {
         _spec("per_process_memory_fraction", "float", "1.0", "1.0", device_key=True, since=(2, 10)),
         _spec("pinned_free_catch_all", "bool", "False", "False", device_key=True, since=(2, 12)),
         _spec("throw_on_cudamalloc_oom", "bool", "False", "False", device_key=True, since=(2, 12)),
-        # 2.15: a per-segment virtual-address reserve, "0.5" (of the device) or "40G"
-        _spec("expandable_segments_reserve", "str", None, "9/8 of the device", **_C215),
-        _spec("expandable_segments_reserve_by_class", "str", None, "none", **_C215),
+        # 2.15: a per-segment virtual-address reserve, 0.5 (of the device) or "40G" (GiB)
+        _spec("expandable_segments_reserve", "reserve", None, "9/8 of the device", **_C215),
+        _spec("expandable_segments_reserve_by_class", "reserve_by_class", None, "none", **_C215),
     )
 }
 
@@ -175,7 +177,7 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
             raise TypeError(f"{key} takes True or False, got {value!r} ({type(value).__name__})")
         text = str(value)
     elif isinstance(value, bool):
-        raise TypeError(f"{key} takes a {spec.kind}, got the bool {value!r}")
+        raise TypeError(f"{key} takes {_kind_words(spec.kind)}, got the bool {value!r}")
     elif spec.kind == "int" and isinstance(value, int):
         text = str(value)
     elif spec.kind == "float" and isinstance(value, (int, float)):
@@ -184,9 +186,13 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
         text = str(value)
     elif spec.kind == "roundup" and isinstance(value, Mapping):
         text = "[" + ",".join(f"{k}:{v}" for k, v in value.items()) + "]"
+    elif spec.kind == "reserve" and isinstance(value, (int, float)):
+        text = _reserve_text(key, value)
+    elif spec.kind == "reserve_by_class" and isinstance(value, Mapping):
+        text = "[" + ",".join(_reserve_item(key, k, v) for k, v in value.items()) + "]"
     else:
         raise TypeError(
-            f"{key} takes a {spec.kind} (or a string in torch's syntax), "
+            f"{key} takes {_kind_words(spec.kind)} (or a string in torch's syntax), "
             f"got {value!r} ({type(value).__name__})"
         )
     # Keyword arguments are typed: torch reads "25.5" as 25 and "-5" as 2**64 - 5,
@@ -204,7 +210,49 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
     outcome = rules.run(f"{key}:{text}")  # judged alone here; with the rest on entry
     if not outcome.accepted:
         raise AllocatorSettingsError(f"invalid value for {key}: {outcome.error} (got {value!r})")
+    ignored = [note for note in outcome.notes if IGNORED_RESERVE in note]
+    if ignored:  # torch takes a bad reserve and ignores it with a warning: a typed call refuses
+        raise AllocatorSettingsError(
+            f"invalid value for {key}: {ignored[0]} (got {value!r}); "
+            f"e.g. {key}={_RESERVE_EXAMPLE[spec.kind]}"
+        )
     return text
+
+
+def _kind_words(kind: str) -> str:
+    """What a kind of value is, for an error message."""
+    return {
+        "reserve": 'a fraction of the device (0.5) or GiB as a string ("40G")',
+        "reserve_by_class": 'a mapping of class name to reserve ({"capture": 0.25})',
+    }.get(kind, f"a {kind}")
+
+
+_RESERVE_EXAMPLE = {"reserve": '0.5 or "40G"', "reserve_by_class": '{"capture": 0.25, "ws": "8G"}'}
+
+
+def _reserve_text(key: str, value: object) -> str:
+    """One reserve as text: a fraction of the device (int or float) or a GiB string."""
+    if isinstance(value, str):
+        return "".join(ch for ch in value if ch not in C_SPACE)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f'{key} takes a fraction of the device (0.5) or GiB as a string ("40G"), '
+            f"got {value!r} ({type(value).__name__})"
+        )
+    return str(value) if isinstance(value, int) else repr(value)
+
+
+def _reserve_item(key: str, name: object, value: object) -> str:
+    """``name:reserve`` of a per-class list; a name torch would split is refused."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or any(ch in DELIMITERS or ch in C_SPACE for ch in name)
+    ):
+        raise ValueError(
+            f"{key} takes class names without ',', ':', '[', ']' or whitespace, got {name!r}"
+        )
+    return f"{name}:{_reserve_text(key, value)}"
 
 
 def _whole_number(key: str, rules: TorchRules) -> str:

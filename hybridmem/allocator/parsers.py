@@ -23,12 +23,16 @@ from hybridmem.allocator.cparse import (
     SPACES,
     Refused,
     pow2,
+    reserve_spec,
     stod,
     stoi,
     stoull,
 )
 
-__all__ = ["RulesView", "StrictParse", "TokenParse", "split"]
+__all__ = ["IGNORED_RESERVE", "RulesView", "StrictParse", "TokenParse", "split"]
+
+#: The words of a note on a reserve value torch takes, warns about and ignores.
+IGNORED_RESERVE = "is ignored by torch"
 
 
 class RulesView(Protocol):
@@ -209,7 +213,7 @@ class TokenParse:
             key = ALIASES.get(raw, raw)
             start = i
             if key in mine and key in RESERVE_KEYS:
-                i = self._skip_key(i)
+                i = self._reserve(i, key) if not generic else self._skip_key(i)
             elif key in mine and key != "large_segment_size_mb":
                 i = self._skip(i + 1, ":", raw) + 1
                 if key == "roundup_power2_divisions":
@@ -236,6 +240,42 @@ class TokenParse:
                     )
                 i += 1
             i += 1
+
+    def _reserve(self, i: int, key: str) -> int:
+        """The device parser's reserve keys (2.15): one value, or a ``[name:value,...]`` list.
+
+        ``checkToken`` only asks that a token exists, so a missing ``:`` or ``[`` is
+        read over; a list runs to its ``]`` (none: out of tokens, refused), and a bad
+        value is ignored by torch with a warning (a note here).
+        """
+        raw = self.tokens[i]
+        i = self._skip(i + 1, ":", raw) + 1
+        if key == "expandable_segments_reserve":
+            spec = self._reserve_value(key, self._at(i))
+            if spec is not None:  # a bad value keeps what was there
+                self.state[key] = spec
+            return i
+        self._skip(i, "[", f"{raw}:")
+        parsed: dict[str, tuple[bool, float]] = {}
+        while self._at(i + 1) != "]":
+            name = self._at(i + 1)
+            i = self._skip(i + 2, ":", name) + 1
+            spec = self._reserve_value(f"{key}[{name}]", self._at(i))
+            if spec is not None:  # a bad entry is skipped, the others apply
+                parsed[name] = spec
+            if self._at(i + 1) == ",":
+                i += 1
+        self.state[key] = tuple(sorted(parsed.items()))  # the whole list, once read to "]"
+        return i + 1
+
+    def _reserve_value(self, where: str, token: str) -> tuple[bool, float] | None:
+        spec = reserve_spec(token)
+        if spec is None:
+            self.notes.append(
+                f"{where}:{token} {IGNORED_RESERVE} (it warns and keeps its default): "
+                "a positive fraction of the device like 0.5, or GiB like 40G, is needed"
+            )
+        return spec
 
     def _roundup(self, i: int) -> int:
         r, t = self.rules, self.tokens

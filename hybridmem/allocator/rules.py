@@ -104,8 +104,10 @@ _DEFAULTS: dict[str, Any] = {
     "throw_on_cudamalloc_oom": False,
     "pinned_max_round_threshold_mb": None,
     "pinned_max_cached_size_mb": None,
-    "expandable_segments_reserve": None,  # not modelled: torch's reading is not kept
-    "expandable_segments_reserve_by_class": None,
+    # (is_fraction, value) once a valid reserve is read: unset (9/8 of the device) until
+    # then, and no text unsets it; per class, every string replaces the whole list
+    "expandable_segments_reserve": None,
+    "expandable_segments_reserve_by_class": (),
 }
 
 
@@ -276,14 +278,17 @@ class TorchRules:
         torch refuses ``pinned_reserve_segment_size_mb:0`` (its own default) and,
         before 2.10, ``max_non_split_rounding_mb:20`` (it must be > 20); the host
         allocator's limits of 2.13+ are unlimited until set and no text gives that
-        back: such a key cannot be put back once changed, so a scope may not change
-        it unless the env (or a process default) already has.
+        back, nor does any unset 2.15's ``expandable_segments_reserve``: such a key
+        cannot be put back once changed, so a scope may not change it unless the env
+        (or a process default) already has.
         """
         default = _DEFAULTS.get(key)
         if key == "expandable_segments":
             return "False"
         if key == "pinned_reserve_segment_size_mb":
             return None
+        if key == "expandable_segments_reserve_by_class":
+            return "[]"
         if key == "max_non_split_rounding_mb" and not self.tokenizer:
             return None
         if isinstance(default, bool):

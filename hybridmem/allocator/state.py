@@ -371,6 +371,16 @@ class SettingsEngine:
         outcome = rules.run(text, now)  # never give torch a string it would refuse
         if not outcome.accepted:  # pragma: no cover - the view's own check runs first
             raise AllocatorSettingsError(f"{outcome.error}; nothing was applied")
+        wanted = target.state(rules)
+        for key in sorted(wanted):
+            # a value torch takes and ignores (a bad 2.15 reserve) keeps what was there
+            if outcome.state.get(key) != wanted[key]:
+                goal = "its default" if wanted[key] == fresh.get(key) else repr(wanted[key])
+                raise AllocatorSettingsError(
+                    f"{key} cannot go back to {goal}: {text!r} leaves torch at "
+                    f"{outcome.state.get(key)!r}. Set {key} in {CUDA_ALLOC_CONF} (to a value "
+                    "torch reads) or with hm.set_allocator_defaults() instead of in a scope"
+                )
         target.memo = (current, text)  # a toggle entered again reuses the checked string
         return text
 

@@ -159,7 +159,10 @@ def allocator_settings(*bare: object, **settings: object) -> AllocatorSettings:
     Values: bool for switches (``expandable_segments``, ``release_lock_on_cudamalloc``
     ...), int MB for sizes (``max_split_size_mb`` >= 20), float in (0, 1) for
     ``garbage_collection_threshold``, an int or ``{size_mb | ">": divisions}`` for
-    ``roundup_power2_divisions``; a string in torch's syntax where it has that type.
+    ``roundup_power2_divisions``, on torch 2.15 a fraction or ``"40G"`` for
+    ``expandable_segments_reserve`` and ``{class: reserve}`` for
+    ``expandable_segments_reserve_by_class``; a string in torch's syntax where it
+    has that type.
     Each value is judged by the running torch's rules here, and all of them together
     (with the env's) on entry, before anything is applied; a key whose default torch
     refuses to take back (``pinned_reserve_segment_size_mb``) may only be scoped where
