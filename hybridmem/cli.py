@@ -356,8 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--strategies",
         nargs="+",
         default=None,
-        choices=["naive", "handrolled", "tms", "hybridmem"],
-        help="which strategies to run (default: all; tms where torch_memory_saver is installed)",
+        choices=["naive", "handrolled", "tms", "hybridmem", "planned", "fraction"],
+        help="which strategies to run (default: all; tms where torch_memory_saver is "
+        "installed; with --need: hybridmem, planned and fraction)",
     )
     bench.add_argument(
         "--cycles", type=int, help="cycles per strategy (default: 6 with --quick, else 100)"
@@ -388,6 +389,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="GIB",
         help="the switch at model scale: trainer states of these sizes in GiB (default 8 32 "
         "64), each strategy's switch seconds against the pinned-copy ceiling",
+    )
+    bench.add_argument(
+        "--need",
+        nargs="+",
+        type=float,
+        metavar="SHARE",
+        help="with --scale: size the rollout's KV cache so that, with the whole trainer "
+        "state on the device, it lacks this share (0 to 1) of the optimizer state; each "
+        "share runs offload-all (hybridmem), planned by need (planned) and a fixed half "
+        "(fraction)",
     )
     bench.add_argument(
         "--rollout-s",
@@ -434,6 +445,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [size for size in args.scale if not size > 0]
         if bad:
             parser.error(f"--scale sizes are GiB of trainer state (> 0), got {bad[0]:g}")
+    if args.command == "bench" and args.need is not None:
+        if args.scale is None:
+            parser.error("--need sizes the rollout at model scale: pass --scale too")
+        bad_share = [share for share in args.need if not 0 <= share <= 1]
+        if bad_share:
+            parser.error(f"--need shares are from 0 to 1, got {bad_share[0]:g}")
+        plain = [s for s in args.strategies or [] if s in ("naive", "handrolled", "tms")]
+        if plain:
+            parser.error(
+                f"--need compares hybridmem, planned and fraction: leave out {', '.join(plain)}"
+            )
+    elif args.command == "bench" and {"planned", "fraction"} & set(args.strategies or []):
+        parser.error("strategies planned and fraction run with --scale SIZES --need SHARES")
     if args.command == "bench" and not 0 <= args.rollout_s <= 600:
         parser.error(f"--rollout-s must be seconds from 0 to 600, got {args.rollout_s:g}")
     if args.command == "bench" and args.cycles is not None and args.cycles < 2:
@@ -468,6 +492,7 @@ def _run(args: argparse.Namespace) -> int:
                 model=args.model,
                 engine=args.engine,
                 rollout_s=args.rollout_s,
+                needs=args.need,
             )
         return run_bench(
             quick=args.quick,

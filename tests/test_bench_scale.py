@@ -332,7 +332,7 @@ def test_hybridmems_offload_rate_is_its_copies_own_time(
     from hybridmem.memory.offload_report import OffloadReport
 
     report = OffloadReport("offload", ("optimizer",), GiB, 3, 0.2, GiB, "cuda:0", 0, copy_seconds)
-    switch = SimpleNamespace(to_rollout=lambda: None, offload_report=report)
+    switch = SimpleNamespace(to_rollout=lambda: None, offload_report=report, plan=None)
     strategy = SimpleNamespace(
         switch=switch, offloader=SimpleNamespace(host_bytes=GiB), _sync_s=0.01
     )
@@ -340,6 +340,26 @@ def test_hybridmems_offload_rate_is_its_copies_own_time(
     assert moved.copy_s == expected
     assert moved.copy_bytes == GiB
     assert moved.sync_s == 0.01
+
+
+def test_a_planned_switch_with_nothing_short_copies_nothing_either_way() -> None:
+    from hybridmem.bench.strategies import Hybridmem
+    from hybridmem.memory.need_plan import NeedPlan
+
+    stage = SimpleNamespace(seconds=0.001)
+    report = SimpleNamespace(stage=lambda name: stage)
+    switch = SimpleNamespace(
+        to_rollout=lambda: report,
+        to_trainer=lambda: report,
+        offload_report=None,
+        plan=NeedPlan(need=GiB, free=8 * GiB, margin=0, deficit=0),
+    )
+    strategy = SimpleNamespace(
+        switch=switch, offloader=SimpleNamespace(host_bytes=GiB), _sync_s=0.01, _moved=GiB
+    )
+    out = Hybridmem.to_rollout(strategy)  # type: ignore[arg-type]
+    back = Hybridmem.to_trainer(strategy)  # type: ignore[arg-type]
+    assert (out.copy_s, out.copy_bytes, back.copy_bytes) == (0.0, 0, 0)
 
 
 def _cycle_fakes(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:

@@ -170,6 +170,8 @@ class _Engine:
             memory.sleep()
         elif command == "stats":
             return ("ok", *memory.held())
+        elif command == "kv_target":  # before the first KV wake (--need sizes it then)
+            memory.kv_target = int(args[0])
         elif command == "pack_weights":  # the weights made from now on (a hybridmem user's)
             memory.pack = True
         elif command == "pack_report":
@@ -221,6 +223,9 @@ class EngineClient:
         #: seconds in the engine's own memory calls (``wake``, ``sleep``) since reset
         self.memory_seconds = 0.0
         self.last_kv = 0
+        #: ``--need`` runs: what the rollout needs on the device (its weights and KV
+        #: cache), which the ``planned`` strategy's switch is told; None otherwise.
+        self.rollout_need: int | None = None
         self.last_handback = 0.0
         self.last_missing: dict[str, int] = {}
         #: what the last KV wake took of device free memory, and the engine's

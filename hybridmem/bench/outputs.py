@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridmem._files import FileProblem, check_writable, describe
+from hybridmem.bench.need_report import format_need_table, is_need_run, need_verdicts, plot_need
 from hybridmem.bench.plan import STRATEGIES, resummarise
 from hybridmem.bench.report import (
     format_scale_table,
@@ -76,6 +77,13 @@ def _checked_scale(path: str, saved: Any) -> list[dict[str, Any]]:
         )
     for size in sizes:
         _checked_results(f"{path} ({size['state_gib']:g} GiB)", size)
+        need = size.get("need")
+        if need is not None and not (
+            isinstance(need, float | int) and not isinstance(need, bool) and 0 <= need <= 1
+        ):
+            raise FileProblem(f"{path}: a saved --need share must be from 0 to 1, got {need!r}")
+    if len({size.get("need") is None for size in sizes}) > 1:
+        raise FileProblem(f"{path} mixes --need runs with plain --scale runs")
     return list(sizes)
 
 
@@ -188,40 +196,47 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
 def merge_scale(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Sizes from several scale runs as one list, by size; each summary computed again.
 
-    A strategy at a size in a later run replaces the earlier one's (so one strategy
-    run again, at one size, replaces only itself). Each summary is computed again
-    from its raw figures (:func:`~hybridmem.bench.plan.resummarise`), so results
-    saved by an older bench are judged by today's ceiling.
+    A strategy at a size (and ``--need`` share) in a later run replaces the earlier
+    one's (so one strategy run again, at one size, replaces only itself). Each summary
+    is computed again from its raw figures (:func:`~hybridmem.bench.plan.resummarise`),
+    so results saved by an older bench are judged by today's ceiling.
 
     Example:
         >>> merge_scale([[{"state_gib": 8, "plan": {}, "results": {}}]])
         [{'state_gib': 8, 'plan': {}, 'results': {}}]
     """
-    merged: dict[float, dict[str, Any]] = {}
+    merged: dict[tuple[float, float], dict[str, Any]] = {}
     for sizes in runs:
         for size in sizes:
-            into = merged.setdefault(
-                float(size["state_gib"]),
-                {"state_gib": size["state_gib"], "plan": size.get("plan"), "results": {}},
-            )
+            need = size.get("need")  # --need runs: one entry per size and shortfall
+            start: dict[str, Any] = {
+                "state_gib": size["state_gib"],
+                "plan": size.get("plan"),
+                "results": {},
+            }
+            if need is not None:
+                start["need"] = need
+            key = (float(size["state_gib"]), -1.0 if need is None else float(need))
+            into = merged.setdefault(key, start)
             for name, result in size["results"].items():
                 into["results"][name] = resummarise(result, size.get("plan"))
-    return [merged[gib] for gib in sorted(merged)]
+    return [merged[key] for key in sorted(merged)]
 
 
 def write_scale(
     sizes: list[dict[str, Any]], *, json_path: str | None, plot_path: str | None
 ) -> None:
     """Print the scale table and verdicts; save them (``--json``) and draw them (``--plot``)."""
-    judged = scale_verdicts(sizes)
-    print("\n" + "\n".join(format_scale_table(sizes)))
+    need = is_need_run(sizes)
+    judged = need_verdicts(sizes) if need else scale_verdicts(sizes)
+    print("\n" + "\n".join(format_need_table(sizes) if need else format_scale_table(sizes)))
     print("\n" + "\n".join(judged))
     if json_path:
         Path(json_path).write_text(
             json.dumps({"scale": sizes, "verdicts": judged}, indent=2, default=str)
         )
     if plot_path:
-        plot_scale(sizes, plot_path)
+        (plot_need if need else plot_scale)(sizes, plot_path)
         print(f"wrote {plot_path}")
 
 

@@ -10,13 +10,17 @@ from hybridmem.observe.leakwatch import slope
 
 __all__ = [
     "ENGINES",
+    "FIXED_FRACTION",
     "MODELS",
+    "NEED_STRATEGIES",
     "STRATEGIES",
     "BenchPlan",
     "Figures",
+    "check_need",
     "choose_strategies",
     "handback_ratio",
     "moved_bytes_of",
+    "need_kv_target",
     "plan",
     "resummarise",
     "scale_plan",
@@ -27,6 +31,12 @@ SCALE_GIB = (8, 32, 64)
 
 #: The ways of switching that the bench compares (``tms`` needs torch_memory_saver).
 STRATEGIES = ("naive", "handrolled", "tms", "hybridmem")
+#: What ``--need`` compares at each shortfall: hybridmem offloading everything (today's
+#: default), planned by the rollout's need, and a fixed share of the optimizer state
+#: (NeMo-RL's fractional optimizer offload).
+NEED_STRATEGIES = ("hybridmem", "planned", "fraction")
+#: The share of the optimizer state the ``fraction`` strategy offloads, whatever is short.
+FIXED_FRACTION = 0.5
 #: Which trainer model to build (see :class:`BenchPlan`).
 MODELS = ("auto", "torch", "transformers")
 #: Where the rollout engine keeps its memory (``hybridmem.bench.engine_memory``).
@@ -64,6 +74,11 @@ class BenchPlan:
     #: real rollout generates for seconds, and the switch back starts that much later
     #: after the KV cache's wake and the offload's frees (``--rollout-s``).
     rollout_s: float = 0.0
+    #: ``--need``: what the rollout lacks with the whole trainer state on the device,
+    #: as a share of the optimizer state (0 to 1): the KV cache is sized to it at
+    #: start (:func:`need_kv_target`). None: the KV cache is ``kv_fraction`` of the
+    #: device, whatever it takes.
+    need: float | None = None
 
     @property
     def params(self) -> int:
@@ -247,15 +262,58 @@ def choose_strategies(requested: list[str] | None, *, tms: bool) -> tuple[list[s
             )
         )
         return chosen, skipped
-    unknown = [s for s in requested if s not in STRATEGIES]
+    known = list(dict.fromkeys(STRATEGIES + NEED_STRATEGIES))
+    unknown = [s for s in requested if s not in known]
     if unknown:
-        raise ValueError(f"unknown strategy {unknown[0]!r}; strategies are {', '.join(STRATEGIES)}")
+        raise ValueError(f"unknown strategy {unknown[0]!r}; strategies are {', '.join(known)}")
     if "tms" in requested and not tms:
         raise ValueError(
             "strategy tms needs torch_memory_saver and its preload library: pip install "
             "torch-memory-saver (or leave tms out of --strategies)"
         )
     return list(dict.fromkeys(requested)), ""
+
+
+def check_need(need: object) -> float:
+    """``need`` if it is a shortfall ``--need`` takes: a share of the optimizer state, 0 to 1.
+
+    Raises:
+        TypeError, ValueError: not a number from 0 to 1.
+
+    Example:
+        >>> check_need(0.25)
+        0.25
+    """
+    return float(check_number("need", need, minimum=0, maximum=1, expected="a share from 0 to 1"))
+
+
+def need_kv_target(
+    free: int, weights: int, optimizer: int, need: float, margin: int
+) -> tuple[int, int]:
+    """The KV cache that leaves a rollout ``need`` x ``optimizer`` bytes short: (KV, deficit).
+
+    With the trainer's state on the device, ``free`` bytes are free; the rollout wakes
+    ``weights`` and then its KV cache, and a planned switch keeps ``margin`` beyond
+    them. The KV cache is cut to whole GiB (as the bench's engine allocates it), so the
+    deficit is what that cache really lacks: ``weights + KV + margin - free``, at least 0.
+
+    Raises:
+        ValueError: the device cannot hold that cache even with the whole optimizer
+            state offloaded (a smaller ``--need`` or ``--scale`` size is needed).
+
+    Example:
+        >>> [n // GiB for n in need_kv_target(100 * GiB, 10 * GiB, 40 * GiB, 0.5, 0)]
+        [110, 20]
+    """
+    check_need(need)
+    kv = (free - weights - margin + int(need * optimizer)) // GiB * GiB
+    if kv <= 0 or weights + kv + margin > free + optimizer:
+        raise ValueError(
+            f"no KV cache fits a need of {need:.0%} of the optimizer state: "
+            f"{free / GiB:.1f} GiB free, {weights / GiB:.1f} GiB of weights, "
+            f"{optimizer / GiB:.1f} GiB of optimizer state"
+        )
+    return kv, max(0, weights + kv + margin - free)
 
 
 def handback_ratio(free: int, total: int, live: int, context: int) -> float:
@@ -321,6 +379,13 @@ class Figures:
     #: (the ``hybridmem`` strategy: a ``SegmentReport`` of :func:`hybridmem.one_segment`
     #: as text); empty where nothing was packed, and in results saved before.
     engine_packed: str = ""
+    #: ``--need`` runs: the need asked for (:attr:`BenchPlan.need`), what the rollout
+    #: was short with the whole state on the device (:func:`need_kv_target`), and per
+    #: cycle the bytes each switch to rollout copied to the host (0 where nothing was
+    #: short), which are then the ceiling's bytes. None, 0 and empty otherwise.
+    need: float | None = None
+    deficit_bytes: int = 0
+    copied_bytes: list[int] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
@@ -330,12 +395,12 @@ class Figures:
             return ordered[len(ordered) // 2] if ordered else None
 
         ratios = [r / a for r, a in zip(self.peak_reserved, self.peak_allocated, strict=True) if a]
-        # One direction's bytes at the pinned copy rate measured in the same process.
-        ceiling = (
-            self.moved_bytes / (self.pinned_gbps * 1e9)
-            if self.moved_bytes and self.pinned_gbps
-            else None
-        )
+        # One direction's bytes at the pinned copy rate measured in the same process:
+        # with --need, the bytes this strategy copied (each moves its own share).
+        moved = self.moved_bytes
+        if self.need is not None:
+            moved = int(median([float(b) for b in self.copied_bytes]) or 0)
+        ceiling = moved / (self.pinned_gbps * 1e9) if moved and self.pinned_gbps else None
         ratio = median(ratios)
         steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
         return {
@@ -395,6 +460,10 @@ class Figures:
                 key: (median([float(m[key]) for m in self.missing]) or 0.0) / 2**20
                 for key in (self.missing[0] if self.missing else {})
             },
+            "deficit_gib": self.deficit_bytes / GiB,
+            "copied_gib": (median([float(b) for b in self.copied_bytes]) or 0.0) / GiB
+            if self.copied_bytes
+            else None,
             "errors": self.errors,
         }
 

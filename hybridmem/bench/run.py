@@ -31,6 +31,7 @@ from hybridmem.bench.plan import (
     Figures,
     check_rollout_s,
     choose_strategies,
+    need_kv_target,
     plan,
 )
 from hybridmem.bench.report import format_table, plot_results, verdicts
@@ -206,18 +207,31 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     train(strategy_classes()[name].state_scope())
     # The warm-up's cached activations would count in the first cycle's peak reserved.
     torch.cuda.empty_cache()
-    strategy = make_strategy(name, p, model, optimizer, engine)
-    figures = Figures(
-        name, p.cycles, int(total * p.kv_fraction), [], [], [], [], [], 0.0, [], [], [], [], []
-    )
-    figures.model = model_name
-    figures.engine = engine_name
     optimizer_bytes = sum(
         t.nbytes
         for s in optimizer.state.values()
         for t in s.values()
         if isinstance(t, torch.Tensor)
     )
+    strategy = make_strategy(name, p, model, optimizer, engine)
+    kv_target, deficit = int(total * p.kv_fraction), 0
+    if p.need is not None:  # a KV cache the rollout lacks p.need of the optimizer state for
+        from hybridmem.engine.switch_offload import NEED_MARGIN_BYTES
+
+        # Measured once the strategy made its own allocations (its weight bucket),
+        # with the whole trainer state on the device and the engine asleep.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        weights = sum(t.nbytes for t in model.state_dict().values())
+        kv_target, deficit = need_kv_target(
+            torch.cuda.mem_get_info()[0], weights, optimizer_bytes, p.need, NEED_MARGIN_BYTES
+        )
+        engine.call("kv_target", kv_target)
+        engine.rollout_need = weights + kv_target  # what the planned strategy is told
+    figures = Figures(name, p.cycles, kv_target, [], [], [], [], [], 0.0, [], [], [], [], [])
+    figures.need, figures.deficit_bytes = p.need, deficit
+    figures.model = model_name
+    figures.engine = engine_name
     figures.state_bytes = optimizer_bytes + sum(t.nbytes for t in model.parameters())
     figures.moved_bytes = optimizer_bytes  # what every strategy offloads and reloads
     figures.pinned_gbps = _pinned_ceiling(optimizer_bytes)
@@ -296,7 +310,8 @@ def _cycle(
         figures.to_trainer_s.append(to_trainer)
         figures.engine_wake_s.append(wake)
         figures.engine_sleep_s.append(engine.memory_seconds)
-        if out.copy_s > 0:
+        figures.copied_bytes.append(out.copy_bytes)
+        if out.copy_s > 0 and out.copy_bytes:
             figures.offload_gbps.append(out.copy_bytes / out.copy_s / 1e9)
         work = out.copy_s + back.copy_s + out.sync_s + engine.engine_seconds - generate
         figures.overhead_s.append(max(0.0, to_rollout + to_trainer - work))

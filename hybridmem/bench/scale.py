@@ -7,6 +7,11 @@ switch copies over the host link, the optimizer state, at the pinned copy rate),
 hand-back and the drift. ``hybridmem bench --from-json`` merges the
 files of several scale runs (sizes run apart, a strategy run again).
 
+With ``--need``, each size runs once per shortfall: the rollout's KV cache is sized so
+that it lacks that share of the optimizer state with the whole trainer state on the
+device, and offload-all, planned-by-need and a fixed half are compared by the bytes each
+copies and its seconds against its own bytes at the pinned rate.
+
 Scope: starts processes on the current device, one at a time; needs a GPU.
 """
 
@@ -18,7 +23,13 @@ from dataclasses import replace
 from typing import Any
 
 from hybridmem.bench.outputs import write_scale
-from hybridmem.bench.plan import SCALE_GIB, check_rollout_s, scale_plan
+from hybridmem.bench.plan import (
+    NEED_STRATEGIES,
+    SCALE_GIB,
+    check_need,
+    check_rollout_s,
+    scale_plan,
+)
 
 __all__ = ["bench_scale"]
 
@@ -35,6 +46,7 @@ def bench_scale(
     model: str = "auto",
     engine: str = "auto",
     rollout_s: float = 0.0,
+    needs: list[float] | None = None,
 ) -> int:
     """Run the strategies at each trainer-state size; print the table and verdicts; exit code.
 
@@ -44,6 +56,9 @@ def bench_scale(
         plot_path: seconds per switch against size, a line per strategy (matplotlib).
         strategies, cycles, model, engine, rollout_s: as for
             :func:`hybridmem.bench.run.bench` (cycles default to 4 per size).
+        needs: ``--need``: at each size, each of these shortfalls (shares of the
+            optimizer state, :attr:`~hybridmem.bench.plan.BenchPlan.need`) with the
+            ``NEED_STRATEGIES`` (or ``strategies``); None: one run per size.
 
     Returns:
         0, or 2 for misuse (no GPU, a size the device cannot hold, a bad path),
@@ -55,6 +70,8 @@ def bench_scale(
     """
     from hybridmem.bench.run import child_run, prepare
 
+    if needs is not None and strategies is None:
+        strategies = list(NEED_STRATEGIES)
     setup = prepare(
         json_path=json_path,
         plot_path=plot_path,
@@ -67,15 +84,18 @@ def bench_scale(
     engine_kind, chosen = setup.engine, setup.strategies
     try:
         rollout = check_rollout_s(rollout_s)
+        shares: list[float | None] = [check_need(n) for n in needs] if needs else [None]
         plans = [
             (
                 g,
                 replace(
                     scale_plan(setup.total, g, cycles=cycles, model=model, engine=engine_kind),
                     rollout_s=rollout,
+                    need=share,
                 ),
             )
             for g in (sizes or list(SCALE_GIB))
+            for share in shares
         ]
     except ValueError as exc:  # before a run of many minutes, not after
         print(f"hybridmem bench: {exc}", file=sys.stderr)
@@ -87,9 +107,13 @@ def bench_scale(
             f"bench --scale: {gib:g} GiB of trainer state ({p.params / 1e9:.2f} B parameters, "
             f"d_model {p.d_model} x {p.layers} layers), {p.cycles} cycles, engine {engine_kind}"
             + (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
+            + (f", the rollout {p.need:.0%} of the optimizer state short" if p.need else "")
         )
         results = {name: child_run(name, p, None) for name in chosen}
-        measured.append({"state_gib": gib, "plan": p.as_dict(), "results": results})
+        entry: dict[str, Any] = {"state_gib": gib, "plan": p.as_dict(), "results": results}
+        if p.need is not None:
+            entry["need"] = p.need
+        measured.append(entry)
     print(f"\nbench --scale took {time.perf_counter() - started:.0f} s")
     write_scale(measured, json_path=json_path, plot_path=plot_path)
     return 0

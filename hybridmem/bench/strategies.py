@@ -15,6 +15,10 @@
   ``phase("train", backend="sglang")``, an
   :class:`~hybridmem.Offloader`, a :class:`~hybridmem.WeightBucket` and a
   :class:`~hybridmem.HybridSwitch` with the ``sglang`` backend.
+- ``planned`` (``--need`` runs): ``hybridmem`` with the switch told what the rollout
+  needs (``rollout_need``): it offloads only what is short.
+- ``fraction`` (``--need`` runs): ``hybridmem`` offloading a fixed half of the
+  optimizer state whatever is short, as NeMo-RL's fractional optimizer offload does.
 
 Every strategy drives the engine through :class:`hybridmem.SGLangEngine`: the bench's
 engine speaks SGLang's memory API and keeps its memory as SGLang does (see
@@ -35,8 +39,9 @@ import torch
 from hybridmem import _torch
 from hybridmem.bench.engine import EngineClient
 from hybridmem.bench.engine_memory import memory_saver
-from hybridmem.bench.plan import BenchPlan
+from hybridmem.bench.plan import FIXED_FRACTION, BenchPlan
 from hybridmem.engine.switch import HybridSwitch
+from hybridmem.engine.switch_offload import RolloutNeed
 from hybridmem.ipc._plan import plan_batches
 from hybridmem.ipc.bucket import WeightBucket
 from hybridmem.memory.compact import compact
@@ -44,7 +49,7 @@ from hybridmem.memory.offload import Offloader
 from hybridmem.scopes.engines import EngineAdapter, SGLangEngine
 from hybridmem.scopes.phases import phase
 
-__all__ = ["TMS_TAG", "Moved", "Strategy", "make_strategy", "strategy_classes"]
+__all__ = ["TMS_TAG", "Moved", "Strategy", "fixed_share", "make_strategy", "strategy_classes"]
 
 
 @dataclass
@@ -246,7 +251,7 @@ class Hybridmem(Strategy):
         # The engine's weights likewise, when it makes them (hm.one_segment): in a
         # torch_memory_saver region no later move could take their rounding back.
         self.engine.call("pack_weights")
-        self.offloader = Offloader(self.optimizer)
+        self.offloader = self._offloader()
         self.bucket = WeightBucket(self.plan.bucket_bytes, fallback="raise")
         self.engine.call("bucket", self.bucket.handle)
         self.switch = HybridSwitch(
@@ -256,8 +261,18 @@ class Hybridmem(Strategy):
             sync_weights=self._sync,
             barrier=None,
             reload_early=True,  # the engine's KV cache leaves room: reload while it sleeps
+            rollout_need=self._rollout_need(),
         )
         self._sync_s = 0.0
+        self._moved = 0  # the bytes the last switch to rollout offloaded
+
+    def _offloader(self) -> Offloader:
+        """What the switch offloads: the whole optimizer state."""
+        return Offloader(self.optimizer)
+
+    def _rollout_need(self) -> RolloutNeed:
+        """What the switch is told the rollout needs: nothing (it offloads everything)."""
+        return None
 
     def _sync(self, engine: EngineAdapter) -> None:
         started = time.perf_counter()
@@ -275,22 +290,85 @@ class Hybridmem(Strategy):
         report = self.switch.to_rollout()
         # The copies' own time: the stage only queued them, the weights and the KV
         # cache woke under them, and their report's wall time runs to their late landing.
-        offloaded = self.switch.offload_report
+        offloaded, planned = self.switch.offload_report, self.switch.plan
         if offloaded is not None:
-            copy_s = offloaded.copy_or_wall_seconds
+            copy_s, nbytes = offloaded.copy_or_wall_seconds, offloaded.nbytes
+        elif planned is not None and planned.deficit == 0:
+            copy_s, nbytes = 0.0, 0  # nothing was short: nothing moved
         else:
-            copy_s = report.stage("offload").seconds
-        nbytes = self.offloader.host_bytes
+            copy_s, nbytes = report.stage("offload").seconds, self.offloader.host_bytes
+        self._moved = nbytes
         return Moved(copy_s=copy_s, copy_bytes=nbytes, sync_s=self._sync_s)
 
     def to_trainer(self) -> Moved:
         report = self.switch.to_trainer()
-        return Moved(copy_s=report.stage("reload").seconds, copy_bytes=self.offloader.host_bytes)
+        return Moved(copy_s=report.stage("reload").seconds, copy_bytes=self._moved)
+
+
+class Planned(Hybridmem):
+    """hybridmem planned by need: the switch is told what the rollout needs (``--need``)."""
+
+    name = "planned"
+
+    def _rollout_need(self) -> RolloutNeed:
+        # Read at each switch: the run sizes the KV cache once this strategy has made
+        # its own allocations (the bucket), before the first switch.
+        return self._need_now
+
+    def _need_now(self) -> int:
+        need = self.engine.rollout_need
+        if need is None:
+            raise ValueError(
+                "strategy planned needs a rollout need: run it with hybridmem bench --scale "
+                "SIZES --need SHARES"
+            )
+        return int(need)
+
+
+class FixedFraction(Hybridmem):
+    """NeMo-RL's fractional optimizer offload: a fixed share of the state, whatever is short."""
+
+    name = "fraction"
+
+    def _offloader(self) -> Offloader:
+        return Offloader(fixed_share(self.optimizer, FIXED_FRACTION))
+
+
+def fixed_share(optimizer: torch.optim.Optimizer, fraction: float) -> list[dict[str, Any]]:
+    """The optimizer's per-parameter states, in order, up to ``fraction`` of its bytes.
+
+    What a fixed fractional offload moves (NeMo-RL's ``optimizer_offload_fraction``):
+    whole parameters' states, the first ones, until the share is reached.
+
+    Example:
+        >>> len(fixed_share(optimizer, 0.5))  # doctest: +SKIP
+        12
+    """
+    states = [state for state in optimizer.state.values() if isinstance(state, dict)]
+
+    def size(state: dict[str, Any]) -> int:
+        return sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor))
+
+    budget = fraction * sum(size(state) for state in states)
+    chosen, taken = [], 0
+    for state in states:
+        if taken >= budget:
+            break
+        chosen.append(state)
+        taken += size(state)
+    return chosen
 
 
 def strategy_classes() -> dict[str, type[Strategy]]:
-    """Each strategy's class by name, in ``STRATEGIES`` order."""
-    return {"naive": Naive, "handrolled": Handrolled, "tms": TmsOffload, "hybridmem": Hybridmem}
+    """Each strategy's class by name, in ``STRATEGIES`` and then ``NEED_STRATEGIES`` order."""
+    return {
+        "naive": Naive,
+        "handrolled": Handrolled,
+        "tms": TmsOffload,
+        "hybridmem": Hybridmem,
+        "planned": Planned,
+        "fraction": FixedFraction,
+    }
 
 
 def make_strategy(

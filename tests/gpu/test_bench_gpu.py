@@ -67,3 +67,45 @@ def test_quick_bench_runs_every_strategy(tmp_path: Path) -> None:
     assert rows["hybridmem"]["handback"] >= 0.998
     for name in rows:
         assert rows["hybridmem"]["handback"] >= rows[name]["handback"] - 0.0005, name
+
+
+def test_a_bench_planned_by_need_copies_what_is_short(tmp_path: Path) -> None:
+    """``--scale 4 --need 0 0.5``: planned copies nothing, then about half the optimizer state.
+
+    Each point runs offload-all, planned and a fixed half against the same KV cache;
+    the planned switch gets the KV cache it was sized for, and copies nothing where
+    nothing is short.
+    """
+    out = tmp_path / "need.json"
+    done = run_alone(
+        "-m",
+        "hybridmem.cli",
+        "bench",
+        "--scale",
+        "4",
+        "--need",
+        "0",
+        "0.5",
+        "--cycles",
+        "2",
+        "--json",
+        str(out),
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    print("\n" + done.stdout)
+    points = json.loads(out.read_text())["scale"]
+    assert [p["need"] for p in points] == [0.0, 0.5]
+    for point in points:
+        rows = {name: r["summary"] for name, r in point["results"].items()}
+        assert sorted(rows) == ["fraction", "hybridmem", "planned"]
+        for name, row in rows.items():
+            assert row["errors"] == [], (point["need"], name)
+        planned, everything = rows["planned"], rows["hybridmem"]
+        assert planned["kv_obtained_gib"] >= planned["kv_target_gib"], point["need"]
+        assert planned["handback"] > 0.99
+        if point["need"] == 0.0:
+            assert planned["copied_gib"] == 0
+        else:
+            assert 0 < planned["copied_gib"] < everything["copied_gib"]
+            assert planned["copied_gib"] >= planned["deficit_gib"]

@@ -1,0 +1,250 @@
+"""``hybridmem bench --scale --need``: the KV cache sized to a shortfall, the strategies
+compared at it, the table, the verdicts, the plot and the CLI.
+
+The runs themselves need a GPU; here every child is faked and everything else is real.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from hybridmem import _torch
+from hybridmem.bench import run as bench_run
+from hybridmem.bench.need_report import (
+    format_need_table,
+    is_need_run,
+    need_verdicts,
+    plot_need,
+)
+from hybridmem.bench.outputs import merge_scale
+from hybridmem.bench.plan import (
+    FIXED_FRACTION,
+    NEED_STRATEGIES,
+    BenchPlan,
+    check_need,
+    choose_strategies,
+    need_kv_target,
+)
+from hybridmem.bench.strategies import fixed_share, strategy_classes
+from hybridmem.cli import main
+from tests.test_bench import figures
+
+GiB = 2**30
+MiB = 2**20
+H200 = 141 * GiB
+MARGIN = 256 * MiB
+
+
+@pytest.mark.parametrize("need", [0.0, 0.25, 0.5, 1.0])
+def test_the_kv_cache_leaves_the_rollout_that_share_short(need: float) -> None:
+    free, weights, optimizer = 90 * GiB, 16 * GiB, 32 * GiB
+    kv, deficit = need_kv_target(free, weights, optimizer, need, MARGIN)
+    assert kv % GiB == 0  # whole GiB, as the bench's engine allocates its cache
+    assert deficit == max(0, weights + kv + MARGIN - free)
+    # what is short is the share asked for, less the cut to whole GiB (< 1 GiB)
+    assert need * optimizer - GiB < deficit <= max(0.0, need * optimizer)
+    # with the whole optimizer state offloaded, the rollout fits
+    assert weights + kv + MARGIN <= free + optimizer
+
+
+def test_a_need_with_nothing_short_copies_nothing_and_bad_needs_are_refused() -> None:
+    assert need_kv_target(90 * GiB, 16 * GiB, 32 * GiB, 0.0, MARGIN)[1] == 0
+    with pytest.raises(ValueError, match="no KV cache fits"):
+        need_kv_target(10 * GiB, 16 * GiB, 4 * GiB, 0.0, MARGIN)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="need"):
+            check_need(bad)
+    with pytest.raises(TypeError, match="need"):
+        check_need("half")
+
+
+def test_the_need_strategies_are_known_to_the_bench() -> None:
+    assert NEED_STRATEGIES == ("hybridmem", "planned", "fraction")
+    classes = strategy_classes()
+    assert {name: classes[name].name for name in NEED_STRATEGIES} == {n: n for n in NEED_STRATEGIES}
+    assert choose_strategies(["planned", "fraction"], tms=False) == (["planned", "fraction"], "")
+    # the default run is unchanged: the need strategies run with --need
+    assert "planned" not in choose_strategies(None, tms=True)[0]
+
+
+def test_a_fixed_fraction_takes_whole_parameter_states_up_to_its_share() -> None:
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    states = list(optimizer.state.values())
+
+    def size(chosen: list[dict[str, Any]]) -> int:
+        return sum(t.nbytes for s in chosen for t in s.values() if t.numel() > 1)
+
+    half = fixed_share(optimizer, FIXED_FRACTION)
+    assert half == states[: len(half)]  # the first ones, in order, each whole
+    assert size(half) >= FIXED_FRACTION * size(states)
+    assert size(half[:-1]) < FIXED_FRACTION * size(states)  # no more than the share needs
+    assert fixed_share(optimizer, 0.0) == []
+    assert fixed_share(optimizer, 1.0) == states
+
+
+def test_with_need_the_ceiling_is_each_strategys_own_copied_bytes() -> None:
+    planned = figures(
+        "planned",
+        need=0.5,
+        deficit_bytes=16 * GiB,
+        copied_bytes=[16 * GiB] * 4,
+        moved_bytes=32 * GiB,  # the whole optimizer state: not what planned copies
+        pinned_gbps=54.0,
+        to_rollout_s=[16 * GiB / 54e9] * 4,
+    ).summary()
+    assert planned["ceiling_s"] == pytest.approx(16 * GiB / 54e9)
+    assert planned["to_rollout_over_ceiling"] == pytest.approx(1.0)
+    assert (planned["copied_gib"], planned["deficit_gib"]) == (16.0, 16.0)
+    nothing = figures("planned", need=0.0, copied_bytes=[0] * 4).summary()
+    assert nothing["ceiling_s"] is None  # nothing copied: no ratio, the verdict says so
+    plain = figures("hybridmem", moved_bytes=32 * GiB, copied_bytes=[GiB] * 4).summary()
+    assert plain["ceiling_s"] == pytest.approx(32 * GiB / 54e9)  # without --need: as before
+
+
+def _point(gib: float, need: float, planned_copied: float, slow: float = 1.05) -> dict[str, Any]:
+    """Saved results at one size and share: offload-all, planned and a fixed half."""
+    optimizer = gib * GiB / 2
+    deficit = int(need * optimizer)
+    results = {}
+    for name, copied in (
+        ("hybridmem", optimizer),
+        ("planned", planned_copied * GiB),
+        ("fraction", optimizer / 2),
+    ):
+        seconds = copied / 54e9 * slow
+        results[name] = {
+            "summary": figures(
+                name,
+                need=need,
+                deficit_bytes=deficit,
+                copied_bytes=[int(copied)] * 4,
+                to_rollout_s=[seconds + 0.02] * 4,
+                to_trainer_s=[seconds + 0.03] * 4,
+                engine_wake_s=[0.02] * 4,
+                engine_sleep_s=[0.03] * 4,
+                kv_target=40 * GiB,
+                kv_obtained=[40 * GiB] * 4,
+                handback=[0.9999] * 4,
+            ).summary()
+        }
+    return {"state_gib": gib, "need": need, "plan": {}, "results": results}
+
+
+def test_the_need_table_and_verdicts_follow_the_deficit() -> None:
+    points = [_point(32, 0.0, 0.0), _point(32, 0.5, 8.0), _point(64, 1.0, 32.0, slow=1.3)]
+    assert is_need_run(points)
+    assert not is_need_run([{"state_gib": 8, "results": {}}])
+    table = "\n".join(format_need_table(points))
+    assert "== 32 GiB of trainer state, the rollout 50% of the optimizer state short" in table
+    assert "(8.00 GiB with everything on the device)" in table
+    assert "40.0/40.0" in table  # KV obtained / asked
+    judged = need_verdicts(points)
+    assert judged[0] == "32 GiB, need 0%: nothing short, 0.00 GiB copied: met"
+    assert judged[1].startswith("32 GiB, need 0%: KV cache 40.0 of 40.0 GiB, hand-back 0.9999")
+    assert judged[2].startswith("32 GiB, need 50% to rollout: 1.05x its 8.00 GiB at the pinned")
+    assert judged[2].endswith(": met")
+    assert "1.30x its 32.00 GiB" in judged[5]
+    assert judged[5].endswith("NOT met")
+    # a planned switch that copied where nothing was short fails its verdict
+    wrong = _point(8, 0.0, 2.0)
+    assert need_verdicts([wrong])[0].endswith("2.00 GiB copied: NOT met")
+
+
+def test_the_need_plot_is_a_non_trivial_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "need.png"
+    points = [_point(g, n, n * g / 2) for g in (8, 32) for n in (0.0, 0.5, 1.0)]
+    plot_need(points, str(out))
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG")
+    assert len(data) > 20_000
+
+
+def test_merged_need_runs_keep_one_entry_per_size_and_share() -> None:
+    first = [_point(8, 0.0, 0.0), _point(8, 0.5, 2.0)]
+    again = [_point(8, 0.5, 1.5)]
+    merged = merge_scale([first, again])
+    assert [(m["state_gib"], m["need"]) for m in merged] == [(8, 0.0), (8, 0.5)]
+    assert merged[1]["results"]["planned"]["summary"]["copied_gib"] == 1.5  # the later run
+
+
+def test_bench_scale_need_runs_each_share_with_the_need_strategies(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from hybridmem.bench import engine_memory
+
+    ran: list[tuple[str, int, float | None]] = []
+
+    def child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
+        ran.append((name, round(p.state_bytes / GiB), p.need))
+        assert p.need is not None
+        copied = int(p.need * p.state_bytes / 2) if name == "planned" else p.state_bytes // 2
+        return {
+            "summary": figures(
+                name, need=p.need, deficit_bytes=copied, copied_bytes=[copied] * 4
+            ).summary()
+        }
+
+    monkeypatch.setattr(_torch, "cuda_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=H200)
+    )
+    monkeypatch.setattr("hybridmem._devices.device_index", lambda device: 0)
+    monkeypatch.setattr(engine_memory, "resolve", lambda engine: "handmade")
+    monkeypatch.setattr(engine_memory, "available", lambda: False)
+    monkeypatch.setattr(bench_run, "child_run", child)
+    out = tmp_path / "need.json"
+    code = main(["bench", "--scale", "8", "32", "--need", "0", "0.5", "--json", str(out)])
+    assert code == 0
+    assert ran == [(name, g, n) for g in (8, 32) for n in (0.0, 0.5) for name in NEED_STRATEGIES]
+    saved = json.loads(out.read_text())
+    assert [(s["state_gib"], s["need"]) for s in saved["scale"]] == [
+        (8, 0.0),
+        (8, 0.5),
+        (32, 0.0),
+        (32, 0.5),
+    ]
+    assert saved["verdicts"][0].startswith("8 GiB, need 0%: nothing short")
+    printed = capsys.readouterr().out
+    assert "the rollout 50% of the optimizer state short" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--need", "0.5"], "--need sizes the rollout at model scale: pass --scale too"),
+        (["--scale", "8", "--need", "1.5"], "--need shares are from 0 to 1, got 1.5"),
+        (
+            ["--scale", "8", "--need", "0.5", "--strategies", "naive", "planned"],
+            "--need compares hybridmem, planned and fraction: leave out naive",
+        ),
+        (["--strategies", "planned"], "strategies planned and fraction run with --scale"),
+    ],
+)
+def test_need_misuse_is_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_saved_need_that_is_not_a_share_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    point = _point(8, 0.5, 2.0)
+    point["need"] = 7
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"scale": [point]}))
+    assert main(["bench", "--from-json", str(path)]) == 2
+    assert "a saved --need share must be from 0 to 1, got 7" in capsys.readouterr().err
