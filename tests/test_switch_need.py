@@ -138,6 +138,7 @@ def test_the_plan_is_on_the_timeline(fake_gpu: FakeTorch, cpu_as_device: list[in
         (1.5, TypeError, "rollout_need must be bytes"),
         (True, TypeError, "rollout_need must be bytes"),
         ("8GiB", TypeError, "rollout_need must be bytes"),
+        ("Engine", TypeError, "or 'engine'"),
         (2 << 40, ValueError, "rollout_need must be bytes"),
     ],
 )
@@ -180,3 +181,66 @@ def test_a_partial_plan_under_faults_loses_nothing(
     offloader.reload()  # whatever a double fault left offloaded is still there, intact
     assert offloader.offloaded_groups == frozenset()
     assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+class _Config:
+    """What a vllm.LLM keeps of its engine config, as far as awake_bytes reads it."""
+
+    def __init__(self, utilization: object) -> None:
+        cache = type("CacheConfig", (), {"gpu_memory_utilization": utilization})()
+        config = type("VllmConfig", (), {"cache_config": cache})()
+        self.vllm_config = config
+
+
+def engine_switch(
+    fake: FakeTorch, utilization: object
+) -> tuple[hm.HybridSwitch, hm.Offloader, torch.nn.Module, torch.optim.Optimizer, list[str]]:
+    switch, offloader, model, optimizer, log = switch_for(fake, "engine")  # type: ignore[arg-type]
+    switch.engine.engine.llm_engine = _Config(utilization)  # type: ignore[attr-defined]
+    return switch, offloader, model, optimizer, log
+
+
+def test_the_engines_own_setting_plans_the_hand_back(
+    fake_gpu: FakeTorch, cpu_as_device: list[int]
+) -> None:
+    # the fake device has 80 GiB: vLLM at 0.5 takes 40 GiB awake, and 77 GiB are free
+    switch, offloader, *_ = engine_switch(fake_gpu, 0.5)
+    with switch.rollout():
+        assert offloader.offloaded_groups == frozenset()
+    plan = switch.reports[-2].plan
+    assert plan is not None
+    assert (plan.need, plan.deficit) == (40 * GiB, 0)
+    # at 0.99 it takes 79.2 GiB: more than the whole trainer state frees, refused first
+    switch, offloader, model, optimizer, _ = engine_switch(fake_gpu, 0.99)
+    before = snapshot(model, optimizer)
+    with pytest.raises(hm.HybridSwitchError, match="short"), switch.rollout():
+        pass
+    assert offloader.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+@pytest.mark.parametrize("utilization", [None, 0, 1.5, True, "0.5"])
+def test_an_engine_that_says_nothing_fails_the_switch_before_anything_moves(
+    fake_gpu: FakeTorch, cpu_as_device: list[int], utilization: object
+) -> None:
+    switch, offloader, model, optimizer, log = engine_switch(fake_gpu, utilization)
+    before = snapshot(model, optimizer)
+    nothing = pytest.raises(hm.HybridSwitchError, match="says nothing of what it takes awake")
+    with nothing, switch.rollout():
+        log.append("generate")
+    assert "generate" not in log
+    assert offloader.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_sglang_says_its_static_share() -> None:
+    class Engine:
+        server_args = type("ServerArgs", (), {"mem_fraction_static": 0.75})()
+
+        def release_memory_occupation(self) -> None: ...
+
+        def resume_memory_occupation(self, tags: list[str] | None = None) -> None: ...
+
+    assert hm.SGLangEngine(Engine()).awake_bytes(80 * GiB) == 60 * GiB
+    Engine.server_args = None
+    assert hm.SGLangEngine(Engine()).awake_bytes(80 * GiB) is None

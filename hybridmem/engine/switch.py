@@ -128,8 +128,11 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
             has room for what its last wake took (after landed copies) plus 512 MiB.
             False: after the copies land, always.
         rollout_need: what the rollout needs on the device, in bytes (its weights,
-            KV cache and activations), or a callable that returns it each cycle (None
-            from it: offload everything this cycle). The switch then offloads only the
+            KV cache and activations), a callable that returns it each cycle (None
+            from it: offload everything this cycle), or ``"engine"``: what the engine's
+            own memory setting says it takes awake (vLLM's ``gpu_memory_utilization``,
+            SGLang's ``mem_fraction_static``, times the device's memory;
+            :meth:`EngineAdapter.awake_bytes`). The switch then offloads only the
             deficit against device free memory once its cache is released, optimizer
             state first and parameters last, and nothing when nothing is short
             (``switch.plan``, the report's ``plan``, a ``switch:plan`` timeline span;

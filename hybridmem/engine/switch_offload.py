@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from hybridmem._checks import MAX_DEVICE_BYTES, check_bool, check_number
 from hybridmem._errors import HybridSwitchError
@@ -66,6 +66,7 @@ from hybridmem.memory.need_plan import NeedPlan, plan_by_need
 from hybridmem.memory.offload import Offloader, OffloadInFlight, OffloadReport
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo
+from hybridmem.scopes.engines import EngineAdapter
 from hybridmem.scopes.release import release_cache
 
 __all__ = [
@@ -79,9 +80,10 @@ __all__ = [
     "weights_need",
 ]
 
-#: What a switch can be told the rollout needs: bytes, or a callable that says (None:
-#: not known this cycle, offload everything).
-RolloutNeed = int | Callable[[], "int | None"] | None
+#: What a switch can be told the rollout needs: bytes, a callable that says (None: not
+#: known this cycle, offload everything), or "engine": what the engine adapter reads
+#: from the engine's own memory setting (:meth:`EngineAdapter.awake_bytes`).
+RolloutNeed = int | Callable[[], "int | None"] | Literal["engine"] | None
 
 #: Room left beyond what the last cycle's weight stages took, for weights under copies.
 WEIGHTS_MARGIN_BYTES = 256 << 20
@@ -100,15 +102,20 @@ def check_rollout_need(need: object) -> RolloutNeed:
     """``need`` if it is what ``HybridSwitch(rollout_need=...)`` takes.
 
     Raises:
-        TypeError: not None, an int or a callable.
+        TypeError: not None, an int, a callable or ``"engine"``.
         ValueError: an int below 0 or above 1 TiB.
 
     Example:
         >>> check_rollout_need(8 << 30)
         8589934592
     """
-    if need is None or callable(need):
+    if need is None or callable(need) or need == "engine":
         return need
+    if isinstance(need, str):
+        raise TypeError(
+            f"rollout_need must be bytes (an int), a callable returning them, None or "
+            f"'engine' (what the engine's own memory setting says), got {need!r}"
+        )
     value = check_number(  # an int at run time (integer=True; bools refused)
         "rollout_need",
         need,
@@ -169,6 +176,7 @@ class Offloading:
     """The switch to rollout's ``offload``, ``release`` and landing stages."""
 
     if TYPE_CHECKING:  # the switch's, used here
+        engine: EngineAdapter
         offloader: Offloader | None
         reports: list[SwitchReport]
         device: int | None
@@ -276,11 +284,25 @@ class Offloading:
         self.offload_report = report if isinstance(report, OffloadReport) else None
 
     def _need(self) -> int | None:
-        """The rollout's need this cycle, in bytes (None: not planned)."""
+        """The rollout's need this cycle, in bytes (None: not planned).
+
+        Raises:
+            HybridSwitchError: ``"engine"`` where the engine says nothing of its size.
+        """
         need = self.rollout_need
+        if need == "engine":
+            total = self._memory().total
+            said = None if total is None else self.engine.awake_bytes(total)
+            if said is None:
+                raise HybridSwitchError(
+                    f"rollout_need='engine': {self.engine!r} says nothing of what it takes "
+                    "awake (no gpu_memory_utilization or mem_fraction_static read, or no "
+                    "device memory reading); nothing was offloaded. Pass rollout_need=bytes"
+                )
+            return int(said)
         if callable(need):
             need = check_rollout_need(need())
-            if callable(need):
+            if callable(need) or isinstance(need, str):
                 raise TypeError("rollout_need() must return bytes (an int) or None")
         return need
 

@@ -89,8 +89,34 @@ class EngineAdapter:
         """
         raise NotImplementedError
 
+    def awake_bytes(self, total_bytes: int) -> int | None:
+        """What the engine takes on a device of ``total_bytes`` when awake, as it says.
+
+        Read from the engine's own memory setting where it has one (vLLM's
+        ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``); None where it
+        does not say. ``HybridSwitch(rollout_need="engine")`` plans the hand-back by it.
+
+        Example:
+            >>> hm.VLLMEngine(llm).awake_bytes(141 << 30)   # doctest: +SKIP
+            136279140761
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.engine).__name__})"
+
+
+def _share_of(engine: object, paths: Sequence[str], total_bytes: int) -> int | None:
+    """``total_bytes`` times the first fraction found at one of ``paths`` (dotted), or None."""
+    for path in paths:
+        value: object = engine
+        for name in path.split("."):
+            value = getattr(value, name, None)
+            if value is None:
+                break
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1:
+            return int(value * total_bytes)
+    return None
 
 
 class _StagedWake(EngineAdapter):
@@ -120,6 +146,14 @@ class _StagedWake(EngineAdapter):
             return None
         self._awake = True
         return resume()  # type: ignore[no-any-return]
+
+
+# Where a vllm.LLM (llm_engine) or an AsyncLLM keeps its engine config.
+_VLLM_UTILIZATION = (
+    "llm_engine.vllm_config.cache_config.gpu_memory_utilization",
+    "vllm_config.cache_config.gpu_memory_utilization",
+    "llm_engine.cache_config.gpu_memory_utilization",
+)
 
 
 class VLLMEngine(_StagedWake):
@@ -158,6 +192,14 @@ class VLLMEngine(_StagedWake):
         self._slept()
         return self.engine.sleep(level=self.level)  # type: ignore[attr-defined, no-any-return]
 
+    def awake_bytes(self, total_bytes: int) -> int | None:
+        """``gpu_memory_utilization`` x ``total_bytes``: all vLLM sizes itself to when awake.
+
+        Its weights, activations and KV cache together; an upper bound of what a wake
+        takes, since what it keeps asleep (its CUDA context) counts in it too.
+        """
+        return _share_of(self.engine, _VLLM_UTILIZATION, total_bytes)
+
     def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | bool | None:
         if self.level == 0 and self._tags:
             # Level 0 moved no memory: the memory stages have nothing to wake, and the
@@ -189,3 +231,11 @@ class SGLangEngine(_StagedWake):
     def sleep(self) -> Awaitable[Any] | None:
         self._slept()
         return self.engine.release_memory_occupation()  # type: ignore[attr-defined, no-any-return]
+
+    def awake_bytes(self, total_bytes: int) -> int | None:
+        """``mem_fraction_static`` x ``total_bytes``: SGLang's weights and KV pool.
+
+        Its activations and CUDA graphs use memory beyond that share: where the
+        trainer's resident state would leave them too little, pass the need in bytes.
+        """
+        return _share_of(self.engine, ("server_args.mem_fraction_static",), total_bytes)

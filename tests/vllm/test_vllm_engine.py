@@ -386,3 +386,10 @@ def test_a_hybrid_switch_cycle_syncs_through_the_backend_and_serves_the_new_weig
     first = [(("weights",), True), "sync", (("kv_cache",), True), "sleep"]
     later = [(("weights",), False), "sync", (("kv_cache",), True), "sleep"]
     assert calls == first + later
+
+
+def test_the_adapter_reads_what_the_real_engine_takes_awake(llm: Any) -> None:
+    """vLLM's own gpu_memory_utilization, where VLLMEngine.awake_bytes looks for it."""
+    utilization = llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization
+    assert 0 < utilization <= 1
+    assert hm.VLLMEngine(llm).awake_bytes(80 << 30) == int(utilization * (80 << 30))
