@@ -8,6 +8,7 @@ number of the model's bytes.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,21 +19,24 @@ import hybridmem as hm
 from hybridmem.engine.switch_offload import NEED_MARGIN_BYTES
 from tests.conftest import FakeTorch, fail_resizes
 from tests.test_offload import assert_bitwise_equal, make_model, snapshot
-from tests.test_switch import FakeVLLM
+from tests.test_switch import FakeVLLM, ThreadRanks
 
 GiB = 1 << 30
 FREE = 77 * GiB  # the fake device's free memory once the trainer's cache is released
 
 
 def switch_for(
-    fake: FakeTorch, need: int | Callable[[], int | None] | None, **kw: Any
+    fake: FakeTorch,
+    need: int | Callable[[], int | None] | None,
+    backend: str | hm.BackendProfile = "vllm",
+    **kw: Any,
 ) -> tuple[hm.HybridSwitch, hm.Offloader, torch.nn.Module, torch.optim.Optimizer, list[str]]:
     model, optimizer = make_model()
     offloader = hm.Offloader(model, optimizer)
     log: list[str] = []
     switch = hm.HybridSwitch(
         hm.VLLMEngine(FakeVLLM(log, fake)),
-        "vllm",
+        backend,
         offloader,
         sync_weights=lambda adapter: None,
         confirm_timeout_s=0.0,
@@ -244,3 +248,74 @@ def test_sglang_says_its_static_share() -> None:
     assert hm.SGLangEngine(Engine()).awake_bytes(80 * GiB) == 60 * GiB
     Engine.server_args = None
     assert hm.SGLangEngine(Engine()).awake_bytes(80 * GiB) is None
+
+
+def _two_ranks(
+    fake: FakeTorch, needs: dict[int, int], cycles: int = 1
+) -> tuple[dict[int, list[str]], dict[int, Any], ThreadRanks]:
+    """Two ranks (threads), each with its own model and need; what each switch did."""
+    ranks = ThreadRanks(2)
+    outcomes: dict[int, list[str]] = {0: [], 1: []}
+    seen: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        # no allocator steps: the allocator's scopes are process-wide, one per rank here
+        plain = hm.BackendProfile("plain", "no allocator steps", {})
+        switch, offloader, model, optimizer, _ = switch_for(fake, needs[r], plain, barrier=ranks)
+        switch.rank = r
+        before = snapshot(model, optimizer)
+        seen[r] = {"plans": [], "groups": [], "optimizer": sizes(offloader, "optimizer")}
+        for _ in range(cycles):
+            try:
+                with switch.rollout():
+                    seen[r]["groups"].append(set(offloader.offloaded_groups))
+                outcomes[r].append("ok")
+            except hm.HybridSwitchError as exc:
+                outcomes[r].append(f"HybridSwitchError: {exc}")
+            seen[r]["plans"].append(switch.plan)
+            seen[r]["left"] = set(offloader.offloaded_groups)
+            assert_bitwise_equal(before, snapshot(model, optimizer))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    return outcomes, seen, ranks
+
+
+def test_every_rank_moves_the_largest_deficit_of_the_ranks(
+    fake_gpu: FakeTorch, cpu_as_device: list[int]
+) -> None:
+    model, optimizer = make_model()
+    state = sizes(hm.Offloader(model, optimizer), "optimizer")
+    # rank 0 lacks nothing, rank 1 lacks its optimizer state: both move it
+    outcomes, seen, ranks = _two_ranks(
+        fake_gpu, {0: FREE - NEED_MARGIN_BYTES, 1: FREE - NEED_MARGIN_BYTES + state}, cycles=2
+    )
+    assert outcomes == {0: ["ok", "ok"], 1: ["ok", "ok"]}
+    for r in (0, 1):
+        assert seen[r]["groups"] == [{"optimizer"}] * 2
+        plan = seen[r]["plans"][-1]
+        assert plan.deficit == state
+        assert plan.moved == {"optimizer": state}
+        assert seen[r]["left"] == set()
+    assert seen[0]["plans"][-1].need == FREE - NEED_MARGIN_BYTES  # its own need kept
+    assert seen[0]["plans"][-1].short == 0
+    by_rank = {r: [p for rr, p in ranks.points if rr == r] for r in (0, 1)}
+    assert by_rank[0] == by_rank[1]
+    assert by_rank[0][0] == "barrier_plan"  # met before anything moved
+
+
+def test_one_ranks_unmeetable_need_fails_every_rank_before_anything_moves(
+    fake_gpu: FakeTorch, cpu_as_device: list[int]
+) -> None:
+    outcomes, seen, _ = _two_ranks(fake_gpu, {0: FREE - NEED_MARGIN_BYTES, 1: FREE + GiB})
+    assert outcomes[1][0].startswith("HybridSwitchError")
+    assert "short" in outcomes[1][0]
+    assert outcomes[0][0].startswith("HybridSwitchError: rank 0: the switch rank 1 failed at ")
+    assert "stage 'plan'" in outcomes[0][0]
+    for r in (0, 1):
+        assert seen[r]["groups"] == []  # no rollout ran
+        assert seen[r]["left"] == set()  # nothing was offloaded, nothing left behind

@@ -32,14 +32,17 @@ class RankStatus:
     Attributes:
         rank: the rank that says it.
         cycle: its switch's cycle number (one per ``to_rollout``).
-        point: the sync point (``"barrier"``, ``"barrier_kv"``, ``"barrier_reload"``,
-            ``"to_rollout:end"``, ``"to_trainer:end"``, ``"recover"``).
+        point: the sync point (``"barrier_plan"``, ``"barrier"``, ``"barrier_kv"``,
+            ``"barrier_reload"``, ``"to_rollout:end"``, ``"to_trainer:end"``,
+            ``"recover"``).
         ok: False once this rank's switch failed in this direction.
         stage: where it failed.
         error: what failed, as text.
         asleep: whether its engine is asleep (nothing of it awake).
         device: the UUID of the GPU its switch works on (None: unknown), so that
             ranks sharing one learn it.
+        deficit: at ``barrier_plan`` (a switch planned by need), the bytes this
+            rank's plan must move; every rank then moves the largest.
     """
 
     rank: int
@@ -50,6 +53,8 @@ class RankStatus:
     error: str | None = None
     asleep: bool = True
     device: str | None = None
+    #: at ``barrier_plan``: the bytes this rank's offload planned by need must move
+    deficit: int | None = None
 
 
 @runtime_checkable

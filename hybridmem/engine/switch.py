@@ -54,7 +54,14 @@ from hybridmem.engine.switch_ranks import RankProtocol
 from hybridmem.engine.switch_recovery import Recovery
 from hybridmem.engine.switch_reload import Reloading
 from hybridmem.engine.switch_settle import EngineReturn
-from hybridmem.engine.switch_stages import STAGE_PHASES, STAGES, Failure, Stage, SwitchState
+from hybridmem.engine.switch_stages import (
+    PLAN_STAGES,
+    STAGE_PHASES,
+    STAGES,
+    Failure,
+    Stage,
+    SwitchState,
+)
 from hybridmem.memory.offload import Offloader
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo, memory_info
@@ -338,6 +345,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
                 if operation is None:  # a sync point
                     statuses = yield Call(partial(self._exchange, name, failure), True, name)
                     failure = failure or self._remote(cast("list[RankStatus]", statuses))
+                    if name == "barrier_plan" and failure is None:
+                        self._agree_plan(cast("list[RankStatus]", statuses))
                 else:
                     yield Call(operation, name in BLOCKING, name)
             except BaseException as exc:
@@ -362,7 +371,14 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
         self, direction: Literal["to_rollout", "to_trainer"]
     ) -> list[tuple[str, Callable[[], object] | None]]:
         self.garbage.begin(direction)  # "once": a pass per direction; "adaptive": like with like
-        return [(name, None if op is None else getattr(self, op)) for name, op in STAGES[direction]]
+        planned = self.rollout_need is not None and self.offloader is not None
+        if direction == "to_rollout":
+            self.plan = None  # the plan stage makes this cycle's (planned by need only)
+        return [
+            (name, None if op is None else getattr(self, op))
+            for name, op in STAGES[direction]
+            if planned or name not in PLAN_STAGES
+        ]
 
     def _start_stage(self, name: str, before: MemoryInfo | None = None) -> Stage:
         # The last stage's closing reading, taken just now: nothing ran since.

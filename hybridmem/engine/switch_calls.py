@@ -21,7 +21,7 @@ from hybridmem.engine.ranks import SYNC_POINTS
 __all__ = ["BLOCKING", "Call", "in_thread", "then_run"]
 
 # Stages that block the host for long (copies, collectives): run off the event loop.
-BLOCKING = frozenset({"offload", "reload"}) | SYNC_POINTS
+BLOCKING = frozenset({"offload", "reload", "barrier_plan"}) | SYNC_POINTS
 
 
 @dataclass(frozen=True)

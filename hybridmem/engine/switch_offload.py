@@ -37,13 +37,15 @@ GPU has either its room or its trainer state gone. Measured on an H200
 (``kv_under_probe.py.txt``): to rollout 1.18-1.22x -> 1.09-1.13x the ceiling at 8 GiB,
 1.07x -> 1.04-1.05x at 32.
 
-Planned by need (``rollout_need``): the switch releases this process's cache, reads
-device free memory and offloads only the deficit, ``need + NEED_MARGIN_BYTES - free``,
+Planned by need (``rollout_need``): the ``plan`` stage releases this process's cache,
+reads device free memory and plans only the deficit, ``need + NEED_MARGIN_BYTES - free``,
 cheapest first (:mod:`hybridmem.memory.need_plan`); nothing when nothing is short. The
 reload then brings back only what moved. A rollout that would still lack memory with
 everything offloaded fails the switch before anything moves, naming the shortfall. Each
-rank plans for its own GPU (free memory is per GPU), and a rank that fails takes every
-rank through recovery, as any failure does.
+rank plans for its own GPU (free memory is per GPU); at ``barrier_plan`` the ranks
+exchange their deficits and each moves the largest (or all it has), so every rank moves
+the same bytes of its state, and one rank's failed plan fails every rank before any
+moves anything.
 
 A mixin of :class:`~hybridmem.engine.switch.HybridSwitch`: the switch's state is
 declared here for the type checker only.
@@ -59,6 +61,7 @@ from hybridmem._checks import MAX_DEVICE_BYTES, check_bool, check_number
 from hybridmem._errors import HybridSwitchError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
+from hybridmem.engine.ranks import RankStatus
 from hybridmem.engine.reports import SwitchReport
 from hybridmem.engine.switch_calls import then_run
 from hybridmem.engine.switch_stages import SwitchState
@@ -268,10 +271,9 @@ class Offloading:
 
         With ``rollout_need``: only the deficit, planned first (nothing when none).
         """
-        self.plan = None
         if self.offloader is None:
             return
-        self.plan = plan = self._plan_by_need()
+        plan = self.plan  # set by the plan stage (and agreed by every rank); None: everything
         max_bytes = None if plan is None else plan.deficit
         if max_bytes == 0:
             self.offload_report = None
@@ -282,6 +284,33 @@ class Offloading:
             return
         report = self.offloader.offload(max_bytes=max_bytes)  # released as its copies land
         self.offload_report = report if isinstance(report, OffloadReport) else None
+
+    def _plan(self) -> None:
+        """Stage ``plan`` (planned by need only): what must move, before anything does.
+
+        Raises:
+            HybridSwitchError: even offloading everything leaves the rollout short.
+        """
+        self.plan = self._plan_by_need()
+
+    def _agree_plan(self, statuses: list[RankStatus]) -> None:
+        """After ``barrier_plan``: move what the rank with the largest deficit must.
+
+        Every rank then offloads the same bytes of its (like-sized) state and no rank's
+        engine wakes into a GPU its trainer left shorter than another's.
+        """
+        plan = self.plan
+        deficits = [s.deficit for s in statuses if s.deficit is not None]
+        if plan is None or not deficits or max(deficits) <= plan.deficit:
+            return
+        agreed = max(deficits)
+        self.plan = plan.moving(self.offloader.resident() if self.offloader else [], agreed)
+        logger.info(
+            "HybridSwitch: rank %d moves %s, the largest deficit of the ranks (its own: %s)",
+            self.rank,
+            fmt_bytes(agreed),
+            fmt_bytes(plan.deficit),
+        )
 
     def _need(self) -> int | None:
         """The rollout's need this cycle, in bytes (None: not planned).

@@ -13,6 +13,7 @@ from hybridmem import _torch
 from hybridmem._errors import HybridSwitchError
 from hybridmem.engine.ranks import RankStatus, RankSync
 from hybridmem.engine.switch_stages import Failure, SwitchState
+from hybridmem.memory.need_plan import NeedPlan
 
 __all__ = ["RankProtocol"]
 
@@ -28,6 +29,7 @@ class RankProtocol:
         _ranks: RankSync | None
         _out_of_step: bool
         _shared_device: bool
+        plan: NeedPlan | None
 
     def _device_uuid(self) -> str | None:
         """The UUID of the GPU this switch works on (None without CUDA)."""
@@ -47,6 +49,7 @@ class RankProtocol:
             error=None if failure is None else failure.describe(),
             asleep=not (self._state.weights or self._state.kv),
             device=self._device_uuid() if self._ranks is not None else None,
+            deficit=self.plan.deficit if point == "barrier_plan" and self.plan else None,
         )
 
     def _exchange(self, point: str, failure: Failure | None) -> list[RankStatus]:

@@ -15,13 +15,15 @@ from typing import Any
 from hybridmem.engine.switch_phase import SwitchPhase
 from hybridmem.observe.memory import MemoryInfo
 
-__all__ = ["STAGES", "STAGE_PHASES", "Failure", "Stage", "SwitchState"]
+__all__ = ["PLAN_STAGES", "STAGES", "STAGE_PHASES", "Failure", "Stage", "SwitchState"]
 
 #: The stages of each direction, in order, as data: (stage, the method that runs it).
 #: None marks a sync point, which the drivers run as an exchange of every rank's
 #: status (the order: see the module's docstring).
 STAGES: dict[str, tuple[tuple[str, str | None], ...]] = {
     "to_rollout": (
+        ("plan", "_plan"),  # planned by need only (rollout_need): else left out
+        ("barrier_plan", None),  # the same: every rank moves the largest deficit
         ("offload", "_offload"),
         ("release", "_release_offloaded"),
         ("barrier", None),
@@ -43,6 +45,10 @@ STAGES: dict[str, tuple[tuple[str, str | None], ...]] = {
         ("reload", "_reload"),
     ),
 }
+
+
+#: The stages a switch runs only when planned by need (``rollout_need``).
+PLAN_STAGES = frozenset({"plan", "barrier_plan"})
 
 
 @dataclass

@@ -16,7 +16,7 @@ deficit as ``max_bytes`` and picks the same storages with :func:`choose`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from hybridmem._checks import check_number
@@ -70,7 +70,8 @@ class NeedPlan:
         need: the bytes the rollout needs on the device.
         free: device free bytes when planned (after this process's cache was released).
         margin: bytes kept free beyond the need.
-        deficit: ``max(0, need + margin - free)``: what must move.
+        deficit: ``max(0, need + margin - free)``: what must move (with many
+            ranks, the largest of theirs: :meth:`moving`).
         moved: bytes to offload, by group (only groups that move).
         stayed: bytes that stay on the device, by group.
         short: bytes still lacking with everything offloaded (0: the need is met).
@@ -88,6 +89,21 @@ class NeedPlan:
     def nbytes(self) -> int:
         """Bytes the plan offloads."""
         return sum(self.moved.values())
+
+    def moving(self, storages: Sequence[tuple[str, int]], deficit: int) -> NeedPlan:
+        """This plan made to move ``deficit`` bytes (at least its own) of ``storages``.
+
+        What another rank's larger deficit asks of this one: the need, free memory and
+        margin stay this rank's, ``short`` too (this rank lacks nothing more); what it
+        moves covers ``deficit``, or is everything where its state is smaller.
+
+        Example:
+            >>> plan = plan_by_need([("parameters", 8), ("optimizer", 16)], need=0, free=10)
+            >>> plan.moving([("parameters", 8), ("optimizer", 16)], 20).moved
+            {'parameters': 8, 'optimizer': 16}
+        """
+        wider = plan_by_need(storages, need=max(deficit, self.deficit), free=0)
+        return replace(wider, need=self.need, free=self.free, margin=self.margin, short=self.short)
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready fields (for the timeline and saved results)."""
