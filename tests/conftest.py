@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
 
 from hybridmem import _log, _torch
 from hybridmem.allocator.grammar import parse_settings
@@ -21,6 +22,12 @@ from hybridmem.ipc import shareable as ipc
 from hybridmem.observe import timeline
 from hybridmem.scopes import registry as backends
 from hybridmem.scopes.allocator import _reset_state_for_tests
+
+# How long one example takes on a loaded machine is no verdict (a first example that
+# imports or warms up once ran 725 ms against hypothesis's 200 ms default): no deadline
+# for any property test, whether its @settings names one or not.
+settings.register_profile("hybridmem", deadline=None)
+settings.load_profile("hybridmem")
 
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "HYBRIDMEM_DISABLE")
 

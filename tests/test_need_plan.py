@@ -184,3 +184,61 @@ def test_a_partial_offload_under_injected_faults_loses_nothing(
     off.reload()  # what a fault left offloaded comes back now, intact
     assert off.offloaded_groups == frozenset()
     assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def _aligned(nbytes: int) -> int:
+    from hybridmem.memory.offload import _ALIGN
+
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def test_the_host_pool_is_as_long_as_what_a_partial_offload_moves(
+    cpu_as_device: list[int],
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    resident = off.resident()
+    state = optimizer_bytes(off)
+    optimizer_sizes = [size for group, size in resident if group == "optimizer"]
+    off.offload(max_bytes=state)  # the optimizer state: a prefix of the pool
+    assert off.offloaded_groups == {"optimizer"}
+    assert off.host_bytes == sum(_aligned(size) for size in optimizer_sizes)
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    off.offload()  # everything: the pool grows to the whole state
+    assert off.host_bytes == sum(_aligned(size) for _, size in resident)
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_a_second_partial_offload_grows_the_pool_keeping_the_first(
+    cpu_as_device: list[int],
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload(max_bytes=1)  # one optimizer storage
+    first = off.host_bytes
+    off.offload(max_bytes=optimizer_bytes(off) + 1)  # the rest of it, and a gradient
+    assert off.offloaded_groups == {"optimizer", "gradients"}
+    assert off.host_bytes > first
+    off.reload()
+    assert off.offloaded_groups == frozenset()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_max_host_bytes_allows_a_partial_offload_that_fits_it(cpu_as_device: list[int]) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    probe = hm.Offloader(model, optimizer)
+    state = optimizer_bytes(probe)
+    limit = sum(_aligned(size) for group, size in probe.resident() if group == "optimizer")
+    off = hm.Offloader(model, optimizer, max_host_bytes=limit)
+    off.offload(max_bytes=state)
+    assert off.offloaded_groups == {"optimizer"}
+    with pytest.raises(ValueError, match="max_host_bytes"):
+        off.offload()  # the rest would need more host memory: refused before pinning
+    assert off.offloaded_groups == {"optimizer"}  # what was offloaded stays retrievable
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))

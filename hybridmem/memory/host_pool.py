@@ -58,6 +58,32 @@ class HostPool:
         """Its size (0 before the first :meth:`ensure` and after :meth:`close`)."""
         return 0 if self.tensor is None else self.tensor.numel()
 
+    def grow(self, nbytes: int, max_host_bytes: int | None) -> None:
+        """Make the pool hold at least ``nbytes``, keeping what it holds.
+
+        A larger pool is allocated, the old one's bytes copied into it, and only then
+        is the old one freed: for a pool that holds offloaded state (the host holds
+        both for that moment).
+
+        Raises:
+            ValueError: ``nbytes`` over ``max_host_bytes`` (nothing changed).
+        """
+        if self.tensor is not None and self.tensor.numel() >= nbytes:
+            return
+        old, old_finalizer = self.tensor, self._finalizer
+        self.tensor, self._finalizer = None, None
+        try:
+            self.ensure(nbytes, max_host_bytes, release=lambda: None)
+        except BaseException:
+            self.tensor, self._finalizer = old, old_finalizer
+            raise
+        if old is not None:
+            assert self.tensor is not None
+            self.tensor[: old.numel()].copy_(old)
+            if old_finalizer is not None:
+                old_finalizer()  # unpinned before it is freed
+            del old
+
     def ensure(
         self, nbytes: int, max_host_bytes: int | None, *, release: Callable[[], None]
     ) -> None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from hybridmem._checks import check_number
 from hybridmem._format import fmt_bytes
 
-__all__ = ["NEED_ORDER", "NeedPlan", "choose", "plan_by_need"]
+__all__ = ["NEED_ORDER", "NeedPlan", "choose", "need_rank", "plan_by_need"]
 
 #: The order in which groups are offloaded to cover a deficit: cheapest to move first.
 NEED_ORDER = ("optimizer", "gradients", "tensors", "buffers", "parameters")
@@ -30,7 +30,13 @@ NEED_ORDER = ("optimizer", "gradients", "tensors", "buffers", "parameters")
 _S = TypeVar("_S")
 
 
-def _rank(group: str) -> int:
+def need_rank(group: str) -> int:
+    """Where ``group`` comes in :data:`NEED_ORDER` (unknown groups last).
+
+    Example:
+        >>> need_rank("optimizer"), need_rank("parameters")
+        (0, 4)
+    """
     return NEED_ORDER.index(group) if group in NEED_ORDER else len(NEED_ORDER)
 
 
@@ -51,7 +57,7 @@ def choose(
         >>> choose(["p", "m", "v"], [8, 4, 4], ["parameters", "optimizer", "optimizer"], 5)
         ['m', 'v']
     """
-    order = sorted(range(len(items)), key=lambda i: _rank(groups[i]))  # stable: targets' order
+    order = sorted(range(len(items)), key=lambda i: need_rank(groups[i]))  # stable: targets' order
     taken: set[int] = set()
     covered = 0
     for index in order:

@@ -39,7 +39,7 @@ from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
 from hybridmem.memory.host_pool import HostPool
-from hybridmem.memory.need_plan import choose
+from hybridmem.memory.need_plan import choose, need_rank
 from hybridmem.memory.offload_free import (
     Landing,
     OffloadInFlight,
@@ -205,24 +205,42 @@ class Offloader:
         slots, self._device = collect_slots(self._storages(), self._device)
         return slots
 
-    def _plan(self) -> None:
-        """Collect the storages and give each a place in the pool (nothing offloaded)."""
+    def _plan(self, *, whole: bool = True) -> None:
+        """Collect the storages and give each a place in the pool (nothing offloaded).
+
+        Places go in :data:`~hybridmem.memory.need_plan.NEED_ORDER`, cheapest to move
+        first, so an offload planned by need fills a prefix of the pool and the pool
+        need only be that long (``whole=False``: sized by the caller,
+        :meth:`_size_pool`); ``whole``: as long as every storage needs.
+        """
         slots = self._collect()
         layout = [(s.key, s.nbytes, s.group) for s in slots]
-        if self._host.tensor is not None and layout == [
-            (s.key, s.nbytes, s.group) for s in self._slots
-        ]:
-            return  # same storages, same sizes: the pool and offsets still fit
-        offset = 0
-        for slot in slots:
-            slot.offset = offset
-            offset += -(-slot.nbytes // _ALIGN) * _ALIGN
-        self._host.ensure(
-            offset, self.max_host_bytes, release=self.close
-        )  # may refuse (max_host_bytes): keep the old plan then
-        if self._slots:
-            logger.info("Offloader: targets changed since the last offload; re-planned the pool")
-        self._slots = slots
+        if layout != [(s.key, s.nbytes, s.group) for s in self._slots]:
+            offset = 0
+            for slot in sorted(slots, key=lambda s: need_rank(s.group)):  # stable
+                slot.offset = offset
+                offset += -(-slot.nbytes // _ALIGN) * _ALIGN
+            if whole:  # may refuse (max_host_bytes): keep the old plan then
+                self._host.ensure(offset, self.max_host_bytes, release=self.close)
+            if self._slots:
+                logger.info(
+                    "Offloader: targets changed since the last offload; re-planned the pool"
+                )
+            self._slots = slots
+        elif whole:  # same storages, same sizes: the offsets fit; the pool may be short
+            self._size_pool(self._slots)
+
+    def _pool_end(self) -> int:
+        """Where the last storage's place in the pool ends (the pool a whole offload needs)."""
+        return max((s.offset + -(-s.nbytes // _ALIGN) * _ALIGN for s in self._slots), default=0)
+
+    def _size_pool(self, slots: list[Slot]) -> None:
+        """Make the pool reach the end of ``slots``' places (kept: what it holds)."""
+        end = max((s.offset + -(-s.nbytes // _ALIGN) * _ALIGN for s in slots), default=0)
+        if self.offloaded_groups:
+            self._host.grow(end, self.max_host_bytes)
+        else:
+            self._host.ensure(end, self.max_host_bytes, release=self.close)
 
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None or self._stream_device != device:
@@ -338,10 +356,12 @@ class Offloader:
             todo, side = streamed
         else:
             if not self.offloaded_groups:
-                self._plan()
+                self._plan(whole=max_bytes is None)
             todo = [s for s in self._slots if s.group in wanted and not s.offloaded]
             if max_bytes is not None:
                 todo = choose(todo, [s.nbytes for s in todo], [s.group for s in todo], max_bytes)
+            # The pool as long as what is offloaded reaches (a part: a prefix of it).
+            self._size_pool([s for s in self._slots if s.offloaded] + todo)
             if not todo:
                 if not self._slots:
                     info_once(
@@ -427,7 +447,7 @@ class Offloader:
                 engines run at half after another process's large free.
             copy_engine_first: with ``"kernel"``, storages in the first this many
                 bytes go by copy engine (kernels hold up another process's unmapping).
-            max_bytes: reload only the first storages (in pool order) within this many
+            max_bytes: reload only the first storages (in the targets' order) within this many
                 bytes, at least one; the rest stay offloaded for a later ``reload()``.
 
         Returns:
@@ -541,6 +561,7 @@ class Offloader:
             or not self._slots
             or self.offloaded_groups
             or self._device is None
+            or self._host.nbytes < self._pool_end()  # sized for a part: planned again
         ):
             return None
         side = self._side_stream(self._device)
