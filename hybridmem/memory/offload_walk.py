@@ -43,7 +43,7 @@ def stream_to_host(
     caller plans again and copies everything.
 
     Args:
-        planned: the Offloader's slots, in pool order (nothing offloaded).
+        planned: the Offloader's slots, in the targets' order (nothing offloaded).
         storages: the walk of the targets (``Offloader._storages()``).
         host: the pool; device: the targets' device; side: the copy stream.
         wanted: the groups to offload.

@@ -53,7 +53,7 @@ class ReloadFeed:
     """A reload by copy engine, fed a chunk at a time from a thread until stopped.
 
     Args:
-        slots: the offloaded storages to reload, in pool order.
+        slots: the offloaded storages to reload, in the targets' order.
         stream: the feed's own stream (None off CUDA): a rest copied by kernel on
             the Offloader's side stream does not wait for the chunks still in flight.
         device: the Offloader's device.
