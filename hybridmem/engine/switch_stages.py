@@ -4,7 +4,8 @@
 method that runs it (None: a sync point, where every rank's status is exchanged).
 The order follows vLLM RFC #15254 and verl #302: offload the trainer, release, wake
 the engine's weights, sync them, free the staging, wake the KV cache; back: sleep,
-confirm the memory came back, release, reload.
+confirm the memory came back, release, reload. A switch planned by need first plans
+what to offload and has the ranks agree on it (:data:`PLAN_STAGES`).
 """
 
 from __future__ import annotations
