@@ -309,16 +309,37 @@ def test_a_named_transport_is_the_buckets(monkeypatch: pytest.MonkeyPatch, value
     assert link.transport() == (value.strip() or "auto")
 
 
-def test_a_hundred_syncs_leave_no_fd_shm_or_thread_behind() -> None:
+def _shm_mapped() -> int:
+    """This process's mappings of shared memory (/dev/shm itself is machine-wide)."""
+    with open("/proc/self/maps") as maps:
+        return sum("/dev/shm/" in line for line in maps)
+
+
+def test_a_hundred_syncs_leave_no_fd_shm_or_thread_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multiprocessing import shared_memory
+
     weights = [(f"w{i}", torch.full((50_000,), float(i))) for i in range(6)]
     ours(weights, 1)  # the link made once
     fds = len(os.listdir("/proc/self/fd"))
-    shm = set(os.listdir("/dev/shm"))
+    mapped = _shm_mapped()
     threads = threading.active_count()
+    # The names this process makes from now on; other tests' processes (xdist's other
+    # workers) make and remove names in /dev/shm at the same time.
+    created: list[str] = []
+    real = shared_memory.SharedMemory
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        made = real(*args, **kwargs)
+        if kwargs.get("create"):
+            created.append(made.name)
+        return made
+
+    monkeypatch.setattr(shared_memory, "SharedMemory", recorded)
     for _ in range(100):
         ours(weights, 1)
     assert len(os.listdir("/proc/self/fd")) == fds
-    assert set(os.listdir("/dev/shm")) <= shm
+    assert _shm_mapped() == mapped
+    assert [n for n in created if os.path.exists(f"/dev/shm/{n.lstrip('/')}")] == []
     assert threading.active_count() <= threads + 1  # asyncio's default executor, at most
 
 
