@@ -1,5 +1,5 @@
 """``hybridmem bench --scale --need``: the KV cache sized to a shortfall, the strategies
-compared at it, the table, the verdicts, the plot and the CLI.
+compared at it, the table, the verdicts, the plot and the CLI (its misuse: test_bench_scale.py).
 
 The runs themselves need a GPU; here every child is faked and everything else is real.
 """
@@ -216,27 +216,6 @@ def test_bench_scale_need_runs_each_share_with_the_need_strategies(
     assert saved["verdicts"][0].startswith("8 GiB, need 0%: nothing short")
     printed = capsys.readouterr().out
     assert "the rollout 50% of the optimizer state short" in printed
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--need", "0.5"], "--need sizes the rollout at model scale: pass --scale too"),
-        (["--scale", "8", "--need", "1.5"], "--need shares are from 0 to 1, got 1.5"),
-        (
-            ["--scale", "8", "--need", "0.5", "--strategies", "naive", "planned"],
-            "--need compares hybridmem, planned and fraction: leave out naive",
-        ),
-        (["--strategies", "planned"], "strategies planned and fraction run with --scale"),
-    ],
-)
-def test_need_misuse_is_one_line(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["bench", *argv])
-    assert exited.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_a_saved_need_that_is_not_a_share_is_refused(

@@ -176,6 +176,13 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
         (["--scale", "-1"], "--scale sizes are GiB of trainer state (> 0), got -1"),
         (["--rollout-s", "-1"], "--rollout-s must be seconds from 0 to 600, got -1"),
         (["--scale", "--rollout-s", "601"], "--rollout-s must be seconds from 0 to 600, got 601"),
+        (["--need", "0.5"], "--need sizes the rollout at model scale: pass --scale too"),
+        (["--scale", "8", "--need", "1.5"], "--need shares are from 0 to 1, got 1.5"),
+        (
+            ["--scale", "8", "--need", "0.5", "--strategies", "naive", "planned"],
+            "--need compares hybridmem, planned and fraction: leave out naive",
+        ),
+        (["--strategies", "planned"], "strategies planned and fraction run with --scale"),
     ],
 )
 def test_scale_misuse_is_one_line(

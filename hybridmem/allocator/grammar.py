@@ -169,9 +169,7 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
             f"{spec.since[0]}.{spec.since[1]} added it); leave it out on this torch"
         )
     if isinstance(value, str):
-        # torch drops C's whitespace anywhere in a value and nothing else: Python's
-        # str.split() would also drop \x1c-\x1f and \xa0, which torch refuses.
-        text = "".join(ch for ch in value if ch not in C_SPACE)
+        text = _without_c_space(value)
     elif spec.kind == "bool":
         if not isinstance(value, bool):
             raise TypeError(f"{key} takes True or False, got {value!r} ({type(value).__name__})")
@@ -219,6 +217,15 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
     return text
 
 
+def _without_c_space(text: str) -> str:
+    """``text`` as torch's tokenizer keeps it: without C's whitespace, anywhere.
+
+    Nothing else goes: Python's ``str.split()`` would also drop ``\x1c``-``\x1f`` and
+    ``\xa0``, which torch keeps (and then refuses).
+    """
+    return "".join(ch for ch in text if ch not in C_SPACE)
+
+
 def _kind_words(kind: str) -> str:
     """What a kind of value is, for an error message."""
     return {
@@ -233,7 +240,7 @@ _RESERVE_EXAMPLE = {"reserve": '0.5 or "40G"', "reserve_by_class": '{"capture": 
 def _reserve_text(key: str, value: object) -> str:
     """One reserve as text: a fraction of the device (int or float) or a GiB string."""
     if isinstance(value, str):
-        return "".join(ch for ch in value if ch not in C_SPACE)
+        return _without_c_space(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
             f'{key} takes a fraction of the device (0.5) or GiB as a string ("40G"), '

@@ -397,9 +397,8 @@ class Figures:
         ratios = [r / a for r, a in zip(self.peak_reserved, self.peak_allocated, strict=True) if a]
         # One direction's bytes at the pinned copy rate measured in the same process:
         # with --need, the bytes this strategy copied (each moves its own share).
-        moved = self.moved_bytes
-        if self.need is not None:
-            moved = int(median([float(b) for b in self.copied_bytes]) or 0)
+        copied = median([float(b) for b in self.copied_bytes])  # per switch to rollout
+        moved = self.moved_bytes if self.need is None else int(copied or 0)
         ceiling = moved / (self.pinned_gbps * 1e9) if moved and self.pinned_gbps else None
         ratio = median(ratios)
         steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
@@ -461,9 +460,7 @@ class Figures:
                 for key in (self.missing[0] if self.missing else {})
             },
             "deficit_gib": self.deficit_bytes / GiB,
-            "copied_gib": (median([float(b) for b in self.copied_bytes]) or 0.0) / GiB
-            if self.copied_bytes
-            else None,
+            "copied_gib": None if copied is None else copied / GiB,
             "errors": self.errors,
         }
 

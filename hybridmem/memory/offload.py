@@ -82,6 +82,16 @@ __all__ = ["GROUPS", "RELOAD_WAYS", "OffloadInFlight", "OffloadReport", "Offload
 _ALIGN = 512  # bytes; each storage starts on this boundary in the pinned pool
 
 
+def _place_bytes(nbytes: int) -> int:
+    """The pool bytes a storage of ``nbytes`` takes (its place, to the next boundary)."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _places_end(slots: list[Slot]) -> int:
+    """Where the last of ``slots``' places in the pool ends (0: none)."""
+    return max((slot.offset + _place_bytes(slot.nbytes) for slot in slots), default=0)
+
+
 class Offloader:
     """Offload trainer state to a persistent pinned host pool and reload it in place.
 
@@ -219,7 +229,7 @@ class Offloader:
             offset = 0
             for slot in sorted(slots, key=lambda s: need_rank(s.group)):  # stable
                 slot.offset = offset
-                offset += -(-slot.nbytes // _ALIGN) * _ALIGN
+                offset += _place_bytes(slot.nbytes)
             if whole:  # may refuse (max_host_bytes): keep the old plan then
                 self._host.ensure(offset, self.max_host_bytes, release=self.close)
             if self._slots:
@@ -230,13 +240,9 @@ class Offloader:
         elif whole:  # same storages, same sizes: the offsets fit; the pool may be short
             self._size_pool(self._slots)
 
-    def _pool_end(self) -> int:
-        """Where the last storage's place in the pool ends (the pool a whole offload needs)."""
-        return max((s.offset + -(-s.nbytes // _ALIGN) * _ALIGN for s in self._slots), default=0)
-
     def _size_pool(self, slots: list[Slot]) -> None:
         """Make the pool reach the end of ``slots``' places (kept: what it holds)."""
-        end = max((s.offset + -(-s.nbytes // _ALIGN) * _ALIGN for s in slots), default=0)
+        end = _places_end(slots)
         if self.offloaded_groups:
             self._host.grow(end, self.max_host_bytes)
         else:
@@ -561,7 +567,7 @@ class Offloader:
             or not self._slots
             or self.offloaded_groups
             or self._device is None
-            or self._host.nbytes < self._pool_end()  # sized for a part: planned again
+            or self._host.nbytes < _places_end(self._slots)  # sized for a part: plan again
         ):
             return None
         side = self._side_stream(self._device)
