@@ -185,3 +185,42 @@ def test_an_abort_after_every_rank_is_done_needs_a_reason() -> None:
     start_ranks("tests.gloo_abort", ["after"])  # TEARDOWN says why it is not a failure
     with pytest.raises(pytest.fail.Exception, match="rank 1 exited -6 after every rank was done"):
         start_ranks("tests.gloo_abort", ["after"], teardown_abort=None)
+
+
+def _planned(tmp_path: Path, case: str, world: int) -> list[dict[str, Any]]:
+    start_ranks("tests.gloo_planned", [str(tmp_path), case], world)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_planned_ranks_agree_over_the_group_on_the_largest_deficit(
+    tmp_path: Path, world: int
+) -> None:
+    """Rank 0 lacks nothing, the others their optimizer state: every rank moves it."""
+    for rank, result in enumerate(_planned(tmp_path, "agree", world)):
+        state = result["optimizer_bytes"]
+        for cycle in result["cycles"]:
+            assert cycle["outcome"] == "ok", (rank, cycle)
+            assert cycle["plan"] == {"deficit": state, "moved": {"optimizer": state}}, rank
+            assert cycle["groups"] == ["optimizer"], rank
+        assert result["left"] == [], rank
+        assert result["bitwise"] is True, rank
+
+
+def test_one_planned_ranks_unmeetable_need_fails_every_rank_before_anything_moves(
+    tmp_path: Path,
+) -> None:
+    world = 2
+    for rank, result in enumerate(_planned(tmp_path, "unmeetable", world)):
+        for cycle in result["cycles"]:
+            assert cycle["groups"] is None, rank  # no rollout ran
+            if rank == world - 1:
+                assert cycle["outcome"].startswith("HybridSwitchError"), cycle
+                assert "short" in cycle["outcome"], cycle
+            else:
+                assert cycle["outcome"].startswith(
+                    f"HybridSwitchError: rank {rank}: the switch rank {world - 1} failed at "
+                ), cycle
+                assert "stage 'plan'" in cycle["outcome"], cycle
+        assert result["left"] == [], rank  # nothing was offloaded, nothing left behind
+        assert result["bitwise"] is True, rank
