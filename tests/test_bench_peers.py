@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from hybridmem.bench import run as bench_run
 from hybridmem.bench.peers import ChildOutput, LinePeer, PeerError, run_child
-from hybridmem.bench.plan import plan
+from hybridmem.bench.plan import ALL_STRATEGIES, BenchPlan, plan
 
 ECHO = (
     "import sys\n"
@@ -173,3 +174,41 @@ def test_the_bench_reads_a_strategys_figures_from_its_last_stdout_line(
     assert result == {"summary": {"x": 1}}
     empty = _child_run_with(monkeypatch, ChildOutput(0, ""))
     assert empty["summary"]["errors"] == ["exited 0 but printed no figures"]
+
+
+@pytest.mark.parametrize("name", ALL_STRATEGIES)
+def test_every_strategy_reaches_its_run_through_the_child_process(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """What ``child_run`` starts, the child's entry accepts: every strategy, the plan intact.
+
+    The command is run in this process (``child_main`` on its arguments) with the run
+    itself faked; a name the parent runs but the child refused would fail here.
+    """
+    ran: list[tuple[str, BenchPlan, str | None]] = []
+
+    def fake_run_strategy(n: str, p: BenchPlan, timeline: str | None = None) -> dict[str, Any]:
+        ran.append((n, p, timeline))
+        return {"summary": {"strategy": n, "errors": []}}
+
+    def run_child_here(command: list[str], **kw: Any) -> ChildOutput:
+        assert command[1:3] == ["-m", "hybridmem.bench.run"]
+        try:
+            printed = bench_run.child_main(command[3:])
+        except SystemExit:  # what the real child exits with: the parent reports it
+            return ChildOutput(1, "")
+        return ChildOutput(0, printed + "\n")
+
+    monkeypatch.setattr(bench_run, "run_strategy", fake_run_strategy)
+    monkeypatch.setattr(bench_run, "run_child", run_child_here)
+    # tms's child runs preloaded with torch_memory_saver's library, not installed here
+    monkeypatch.setattr("hybridmem.bench.engine_memory.preloaded", lambda env: dict(env))
+    p = replace(plan(80 << 30, quick=True), need=0.5)
+    result = bench_run.child_run(name, p, "tl")
+    assert result == {"summary": {"strategy": name, "errors": []}}
+    assert ran == [(name, p, f"tl.{name}")]
+
+
+def test_the_child_refuses_an_unknown_strategy_before_anything_runs() -> None:
+    with pytest.raises(SystemExit, match="unknown strategy 'nope'; strategies are naive, "):
+        bench_run.child_main(["nope", "{}"])

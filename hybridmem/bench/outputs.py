@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridmem._files import FileProblem, check_writable, describe
 from hybridmem.bench.need_report import format_need_table, is_need_run, need_verdicts, plot_need
-from hybridmem.bench.plan import STRATEGIES, resummarise
+from hybridmem.bench.plan import ALL_STRATEGIES, resummarise
 from hybridmem.bench.report import (
     format_scale_table,
     format_table,
@@ -170,7 +170,7 @@ def report(paths: list[str], *, json_path: str | None, plot_path: str | None) ->
         for name, result in saved["results"].items():
             results[name] = result
             plans[name] = saved.get("plan")
-    rows = {name: results[name]["summary"] for name in STRATEGIES if name in results}
+    rows = {name: results[name]["summary"] for name in ALL_STRATEGIES if name in results}
     for name, row in rows.items():
         p = plans.get(name) or {}
         model = f", {row['model']}" if row.get("model") else ""

@@ -9,6 +9,7 @@ from hybridmem._checks import check_number
 from hybridmem.observe.leakwatch import slope
 
 __all__ = [
+    "ALL_STRATEGIES",
     "ENGINES",
     "FIXED_FRACTION",
     "MODELS",
@@ -35,6 +36,8 @@ STRATEGIES = ("naive", "handrolled", "tms", "hybridmem")
 #: default), planned by the rollout's need, and a fixed share of the optimizer state
 #: (NeMo-RL's fractional optimizer offload).
 NEED_STRATEGIES = ("hybridmem", "planned", "fraction")
+#: Every strategy a bench process runs (the child process checks its name against this).
+ALL_STRATEGIES = tuple(dict.fromkeys(STRATEGIES + NEED_STRATEGIES))
 #: The share of the optimizer state the ``fraction`` strategy offloads, whatever is short.
 FIXED_FRACTION = 0.5
 #: Which trainer model to build (see :class:`BenchPlan`).
@@ -262,10 +265,11 @@ def choose_strategies(requested: list[str] | None, *, tms: bool) -> tuple[list[s
             )
         )
         return chosen, skipped
-    known = list(dict.fromkeys(STRATEGIES + NEED_STRATEGIES))
-    unknown = [s for s in requested if s not in known]
+    unknown = [s for s in requested if s not in ALL_STRATEGIES]
     if unknown:
-        raise ValueError(f"unknown strategy {unknown[0]!r}; strategies are {', '.join(known)}")
+        raise ValueError(
+            f"unknown strategy {unknown[0]!r}; strategies are {', '.join(ALL_STRATEGIES)}"
+        )
     if "tms" in requested and not tms:
         raise ValueError(
             "strategy tms needs torch_memory_saver and its preload library: pip install "

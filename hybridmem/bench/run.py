@@ -26,7 +26,7 @@ from hybridmem.bench.outputs import (
 )
 from hybridmem.bench.peers import run_child
 from hybridmem.bench.plan import (
-    STRATEGIES,
+    ALL_STRATEGIES,
     BenchPlan,
     Figures,
     check_rollout_s,
@@ -510,12 +510,26 @@ def bench(
     return 0
 
 
+def child_main(argv: list[str]) -> str:
+    """The child process :func:`child_run` starts: run one strategy, return its figures.
+
+    Args:
+        argv: ``[strategy, plan as JSON, timeline prefix (optional)]``, as
+            :func:`child_run` passes them; the strategy is one of ``ALL_STRATEGIES``.
+
+    Returns:
+        The figures as one line of JSON (the parent reads the child's last line).
+
+    Raises:
+        SystemExit: an unknown strategy (before anything runs).
+    """
+    name = argv[0]
+    if name not in ALL_STRATEGIES:
+        raise SystemExit(f"unknown strategy {name!r}; strategies are {', '.join(ALL_STRATEGIES)}")
+    fields = {k: v for k, v in json.loads(argv[1]).items() if k not in ("params", "state_bytes")}
+    timeline_path = argv[2] if len(argv) > 2 else None
+    return json.dumps(run_strategy(name, BenchPlan(**fields), timeline_path), default=str)
+
+
 if __name__ == "__main__":
-    strategy_name = sys.argv[1]
-    if strategy_name not in STRATEGIES:
-        raise SystemExit(f"unknown strategy {strategy_name!r}")
-    fields = {
-        k: v for k, v in json.loads(sys.argv[2]).items() if k not in ("params", "state_bytes")
-    }
-    timeline_path = sys.argv[3] if len(sys.argv) > 3 else None
-    print(json.dumps(run_strategy(strategy_name, BenchPlan(**fields), timeline_path), default=str))
+    print(child_main(sys.argv[1:]))

@@ -378,7 +378,7 @@ def make_strategy(
     optimizer: torch.optim.Optimizer,
     engine: EngineClient,
 ) -> Strategy:
-    """The strategy called ``name`` (one of ``STRATEGIES``)."""
+    """The strategy called ``name`` (one of ``ALL_STRATEGIES``)."""
     kinds = strategy_classes()
     if name not in kinds:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(kinds)}")
