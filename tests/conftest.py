@@ -60,6 +60,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
+def as_on_a_cpu_machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked ``gpu`` sees no GPU, wherever it runs (CI has none; a GPU host does).
+
+    Such a test judges the CPU path (a fake seam, CPU tensors, "no GPU" messages); on a
+    GPU host the real device would take it elsewhere ("'w' is on cpu but this bucket is
+    for cuda:0"). This process's ``torch.cuda.is_available()`` and ``device_count()``
+    say none, and the processes the test starts get ``CUDA_VISIBLE_DEVICES=""``. This
+    process's own driver read its devices at collection (``pytest_collection_modifyitems``),
+    so the ``gpu`` tests after it still find theirs.
+    """
+    if any(request.node.get_closest_marker(mark) for mark in ("gpu", "multi_gpu")):
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture(autouse=True)
 def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test starts with no allocator env, no kill switch, no hybridmem state."""
     for name in _ENV:
