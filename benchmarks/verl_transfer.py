@@ -62,6 +62,7 @@ def _from_wheel(env: str, member: str, name: str) -> types.ModuleType:
     with zipfile.ZipFile(path) as wheel:
         source = wheel.read(member).decode()
     module = types.ModuleType(name)
+    module.__file__ = f"{path}/{member}"  # verl names its logger from it
     sys.modules[name] = module
     exec(compile(source, member, "exec"), module.__dict__)
     return module
