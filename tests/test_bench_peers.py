@@ -51,8 +51,12 @@ def test_a_peer_that_exits_is_an_error_at_once_not_at_the_timeout() -> None:
 
 
 def test_a_peer_that_does_not_answer_is_an_error_after_its_timeout() -> None:
-    peer = LinePeer(ECHO, what="echo", timeout_s=0.3)
-    with pytest.raises(PeerError, match=r"printed no answer for 0.3 s: it is stuck"):
+    peer = LinePeer(ECHO, what="echo")  # started with room to start, however loaded the host
+    peer.timeout_s = 0.3  # then this answer, which never comes, is waited for 0.3 s
+    with pytest.raises(
+        PeerError,
+        match=r"printed no answer for 0.3 s: it is stuck \(or needs more than timeout_s=0.3\)",
+    ):
         peer.ask("mute")
     assert peer.close() == 0
 
@@ -87,7 +91,8 @@ def test_a_peer_that_never_says_ready_is_killed_not_left_behind(
 
 def test_a_peer_that_ignores_its_closed_input_is_killed_and_said_so() -> None:
     code = "import time\nprint('ready', flush=True)\ntime.sleep(600)\n"
-    peer = LinePeer(code, what="sleeper", timeout_s=0.3)
+    peer = LinePeer(code, what="sleeper")  # room to start, however loaded the host
+    peer.timeout_s = 0.3
     with pytest.raises(PeerError, match=r"did not exit within 0.3 s of its input closing: killed"):
         peer.close()
     assert peer.process.poll() is not None  # gone, not left behind

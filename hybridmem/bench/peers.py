@@ -129,7 +129,8 @@ class LinePeer:
             if left <= 0:
                 raise PeerError(
                     f"the {self.what} (pid {self.process.pid}) printed no answer for "
-                    f"{self.timeout_s:g} s: it is stuck (timeout_s=)"
+                    f"{self.timeout_s:g} s: it is stuck (or needs more than "
+                    f"timeout_s={self.timeout_s:g})"
                 )
             readable, _, _ = select.select([fd], [], [], min(left, _SLICE_S))
             if not readable:
