@@ -66,15 +66,26 @@ def as_on_a_cpu_machine(request: pytest.FixtureRequest, monkeypatch: pytest.Monk
     Such a test judges the CPU path (a fake seam, CPU tensors, "no GPU" messages); on a
     GPU host the real device would take it elsewhere ("'w' is on cpu but this bucket is
     for cuda:0"). This process's ``torch.cuda.is_available()`` and ``device_count()``
-    say none, and the processes the test starts get ``CUDA_VISIBLE_DEVICES=""``. This
-    process's own driver read its devices at collection (``pytest_collection_modifyitems``),
-    so the ``gpu`` tests after it still find theirs.
+    say none, CUDA cannot initialise in it (as in CI's CUDA build without a driver; a
+    test that initialised it would leave it so for every later test of its worker), and
+    the processes the test starts get ``CUDA_VISIBLE_DEVICES=""``. This process's own
+    driver read its devices at collection (``pytest_collection_modifyitems``), so the
+    ``gpu`` tests after it still find theirs.
     """
     if any(request.node.get_closest_marker(mark) for mark in ("gpu", "multi_gpu")):
         return
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    if _torch.cuda_built():  # a CPU build refuses CUDA already, its own way
+        monkeypatch.setattr(torch.cuda, "_lazy_init", _no_driver)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def _no_driver() -> None:
+    """What a CUDA build of torch raises where no GPU is (CI's ``newest`` job)."""
+    raise RuntimeError(
+        "Found no NVIDIA driver on your system (hidden from this test: it is not marked gpu)"
+    )
 
 
 @pytest.fixture(autouse=True)
