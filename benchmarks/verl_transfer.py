@@ -237,10 +237,11 @@ def main() -> None:
         for conn, _ in engines.values():
             conn.send(("model", int(gib * GiB)))
             conn.recv()
-        ceiling = copy_rate(payload, repeats=5) / 2
+        ceiling = copy_rate(payload, repeats=5) * 1e9 / 2  # bytes/s (copy_rate: GB/s)
         print(
             f"== {payload / GiB:.2f} GiB in {len(tensors)} tensors; "
-            f"two-copy ceiling {ceiling / 1e9:.0f} GB/s"
+            f"two-copy ceiling {ceiling / 1e9:.0f} GB/s",
+            flush=True,
         )
         for method in ("verl", "drop-in", "drop-in-fd", "per-tensor", "flattened"):
             deny = method == "drop-in-fd"
@@ -259,14 +260,16 @@ def main() -> None:
             row["speedup"] = ref / row["seconds"]
             print(
                 f"{row['method']:<12} {row['seconds']:8.4f} s/sync  {row['speedup']:6.1f}x  "
-                f"{row['share']:6.1%} of ceiling  {row['engine_growth_mib_per_sync']:6.1f} MiB/sync"
+                f"{row['share']:6.1%} of ceiling  "
+                f"{row['engine_growth_mib_per_sync']:6.1f} MiB/sync",
+                flush=True,
             )
+        if args.json:  # after each size: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(rows, indent=1))
     link.close_links()
     for conn, process in engines.values():
         conn.send(("stop",))
         process.join(timeout=60)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
