@@ -123,8 +123,8 @@ def child(size_gib: float, method: str, cycles: int) -> dict[str, Any]:
         out["host_pool_bytes"] = off.host_bytes
         # the ceiling: one contiguous copy of the same bytes through the same pool
         off.offload()
-        assert off._host.tensor is not None  # the Offloader's pool (memory/host_pool.py)
-        pool = off._host.tensor[:nbytes]
+        (chunk,) = off._host.chunks  # the Offloader's pool (memory/host_pool.py): one chunk
+        pool = chunk.tensor[:nbytes]
         device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         out["ceiling_d2h_gbps"] = max(
             nbytes / _timed(lambda: pool.copy_(device, non_blocking=True)) / 1e9

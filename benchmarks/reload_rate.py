@@ -117,9 +117,9 @@ def _registered_pool(host: Any, flags: int) -> tuple[Any, int]:
     from hybridmem.memory.host_pool import HostPool
 
     maker = HostPool(pin_memory=False)
-    maker.ensure(host.numel(), None, release=maker.close)
-    pool = maker.tensor
-    assert pool is not None
+    maker.grow(host.numel(), None)
+    (chunk,) = maker.chunks
+    pool = chunk.tensor
     pool.copy_(host)
     torch.cuda.synchronize()
     free = torch.cuda.mem_get_info()[0]

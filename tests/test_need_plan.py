@@ -9,9 +9,11 @@ nothing.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -226,6 +228,71 @@ def test_a_second_partial_offload_grows_the_pool_keeping_the_first(
     off.reload()
     assert off.offloaded_groups == frozenset()
     assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_a_growing_plan_pins_only_the_difference_and_moves_nothing_already_there(
+    cpu_as_device: list[int],
+) -> None:
+    """The pool grows by a chunk: cycle after cycle of a slightly larger deficit, only
+    the new bytes are pinned, and bytes already offloaded are neither copied nor moved."""
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    off.offload(max_bytes=1)  # one optimizer storage
+    first = off.host_bytes
+    assert cpu_as_device == [first]
+    (chunk,) = off._host.chunks
+    held = chunk.tensor.clone()  # the first part, as offloaded
+    off.offload(max_bytes=optimizer_bytes(off) + 1)  # more, while the first is offloaded
+    assert cpu_as_device == [first, off.host_bytes - first]  # the difference, pinned once
+    assert off._host.chunks[0] is chunk  # the first chunk stays, with what it holds
+    assert torch.equal(chunk.tensor, held)
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    grown = off.host_bytes
+    off.offload(max_bytes=1)  # a smaller part fits the pool: nothing pinned
+    off.reload()
+    off.offload()  # everything: one more chunk, up to the whole state
+    assert cpu_as_device[:2] == [first, grown - first]
+    assert cpu_as_device[2:] == [off.host_bytes - grown]
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_new_targets_start_a_pool_of_their_own_places(cpu_as_device: list[int]) -> None:
+    """After the targets change, a pool of several chunks is let go (its seams could
+    cut a new place in two); the new layout gets one chunk."""
+    model, optimizer = make_model()
+    off = hm.Offloader(model, optimizer)
+    off.offload(max_bytes=1)
+    off.reload()
+    off.offload(max_bytes=optimizer_bytes(off) + 1)
+    off.reload()
+    assert len(off._host.chunks) == 2
+    first_layer: Any = next(iter(model.children()))
+    first_layer.weight.data = torch.zeros(32, 16)  # a new storage: the layout changed
+    before = snapshot(model, optimizer)
+    off.offload()
+    assert len(off._host.chunks) == 1
+    assert cpu_as_device.count(-1) == 2  # both earlier chunks unpinned
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
+def test_a_place_across_two_chunks_is_refused_not_copied_in_part() -> None:
+    from hybridmem.memory.host_pool import HostPool
+
+    pool = HostPool(pin_memory=False)
+    pool.grow(100, None)
+    pool.grow(300, None)
+    straddling = SimpleNamespace(offset=64, nbytes=64)
+    with pytest.raises(RuntimeError, match=r"no chunk holding bytes \[64, 128\)"):
+        pool.place(straddling)  # type: ignore[arg-type]
+    chunk, span = pool.place(SimpleNamespace(offset=100, nbytes=200))  # type: ignore[arg-type]
+    assert (chunk.start, span) == (100, slice(0, 200))
+    with pytest.raises(ValueError, match="max_host_bytes=400"):
+        pool.grow(500, 400)
+    assert pool.nbytes == 300  # refused before anything was allocated
 
 
 def test_max_host_bytes_allows_a_partial_offload_that_fits_it(cpu_as_device: list[int]) -> None:

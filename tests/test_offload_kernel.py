@@ -87,13 +87,16 @@ def test_the_device_view_never_outlives_its_pool(cpu_mapping: list[int]) -> None
     off = hm.Offloader(layer)
     off.offload()
     off.reload(by="kernel")
-    assert off._host._views  # looked for once, kept
+    (chunk,) = off._host.chunks
+    assert chunk.views  # looked for once, kept
     off.close()
-    assert off._host._views == {}  # dropped before the pool is unpinned
+    assert chunk.views == {}  # dropped before the pool is unpinned
+    assert off._host.chunks == []
     off.offload()  # a new pool: its own view
     off.reload(by="kernel")
-    view = next(iter(off._host._views.values()))
-    assert view is off._host.tensor
+    (chunk,) = off._host.chunks
+    view = next(iter(chunk.views.values()))
+    assert view is chunk.tensor
 
 
 @pytest.mark.parametrize("by", ["kernels", "engine", "", None, 1])

@@ -8,7 +8,8 @@ every step costs more, and ``.cpu().pin_memory()`` doubles host peak memory.
 :class:`Offloader` instead:
 
 - keeps **one persistent pinned pool** (:mod:`hybridmem.memory.host_pool`), sized
-  exactly, allocated on the first offload and reused every cycle;
+  exactly, allocated on the first offload and reused every cycle; a larger offload
+  (planned by need) grows it by a chunk of the difference, pinning only that;
 - frees and restores **device storage in place** (``storage.resize_``): every
   ``Parameter`` and tensor keeps its identity, shape and views, so optimizers,
   hooks and FSDP2/DTensor local shards keep working;
@@ -231,7 +232,13 @@ class Offloader:
                 slot.offset = offset
                 offset += _place_bytes(slot.nbytes)
             if whole:  # may refuse (max_host_bytes): keep the old plan then
-                self._host.ensure(offset, self.max_host_bytes, release=self.close)
+                self._host.check(offset, self.max_host_bytes)
+            # Nothing is offloaded: the pool is kept only where no new place can
+            # straddle two of its chunks (one chunk holding every place).
+            if len(self._host.chunks) > 1 or self._host.nbytes < offset:
+                self._host.close()
+            if whole:
+                self._host.grow(offset, self.max_host_bytes)
             if self._slots:
                 logger.info(
                     "Offloader: targets changed since the last offload; re-planned the pool"
@@ -242,11 +249,7 @@ class Offloader:
 
     def _size_pool(self, slots: list[Slot]) -> None:
         """Make the pool reach the end of ``slots``' places (kept: what it holds)."""
-        end = _places_end(slots)
-        if self.offloaded_groups:
-            self._host.grow(end, self.max_host_bytes)
-        else:
-            self._host.ensure(end, self.max_host_bytes, release=self.close)
+        self._host.grow(_places_end(slots), self.max_host_bytes)
 
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None or self._stream_device != device:
@@ -563,7 +566,7 @@ class Offloader:
             is offloaded, or the targets changed).
         """
         if (
-            self._host.tensor is None
+            self._host.nbytes == 0
             or not self._slots
             or self.offloaded_groups
             or self._device is None
@@ -606,7 +609,7 @@ class Offloader:
         Returns:
             ``(side stream, current stream)``.
         """
-        assert self._host.tensor is not None, "planned before copying"
+        assert self._host.chunks, "planned before copying"
         assert self._device is not None, "planned before copying"
         side = self._side_stream(self._device)
         current = _torch.current_stream(self._device)

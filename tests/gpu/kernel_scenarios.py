@@ -72,10 +72,10 @@ def offload_by_kernel() -> dict[str, Any]:
         off.offload()
         off.reload(non_blocking=True, by="kernel")
         got = sum(float(v.double().sum()) for v in state.values())
-        assert off._host.tensor is not None
-        view = off._host.device_view(torch.device("cuda", 0))
-        pool_bytes = off._host.tensor.numel()
-        view_matches = view is not None and torch.equal(view.cpu(), off._host.tensor)
+        (chunk,) = off._host.chunks  # a whole offload: one chunk
+        view = chunk.device_view(torch.device("cuda", 0))
+        pool_bytes = chunk.tensor.numel()
+        view_matches = view is not None and torch.equal(view.cpu(), chunk.tensor)
         # The switch's early reload (decision 81): a head by copy engine, waited for,
         # then the tail queued by kernel while the peer frees, as an engine's sleep does.
         head_tail: list[bool] = []

@@ -263,7 +263,8 @@ def offload_cycles() -> dict[str, Any]:
         "after_offload": after_offload,
         "bitwise_equal": equal,
         "same_parameters": ids == [id(p) for p in model.parameters()],
-        "pool_pinned": bool(off._host.tensor is not None and off._host.tensor.is_pinned()),
+        "pool_pinned": bool(off._host.chunks)
+        and all(chunk.tensor.is_pinned() for chunk in off._host.chunks),
         "host_bytes": off.host_bytes,
         "offload_gbps": [r.gbps for r in reports[2::2]],
         "reload_gbps": [r.gbps for r in reports[3::2]],
