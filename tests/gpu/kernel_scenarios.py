@@ -170,9 +170,50 @@ def reload_feed() -> dict[str, Any]:
     return facts
 
 
+def growing_pool() -> dict[str, Any]:
+    """Offloads of a growing part: the pool grows by pinned, mapped chunks; reloads exact.
+
+    The tensors smallest first, so that each ``max_bytes`` takes a longer prefix of the
+    places: one storage, then four, then everything while the first is still offloaded
+    (the pool grows with state in it), then everything again (it fits).
+    """
+    torch.cuda.set_device(0)
+    state = dict(reversed(list(_state().items())))
+    reference = {k: v.cpu().clone() for k, v in state.items()}
+    off = hm.Offloader(list(state.values()))
+    chunks: list[int] = []
+    host_bytes: list[int] = []
+    exact: list[bool] = []
+
+    def cycle(*parts: int | None, by: str) -> None:
+        for part in parts:
+            off.offload(max_bytes=part)
+        chunks.append(len(off._host.chunks))
+        host_bytes.append(off.host_bytes)
+        off.reload(by=by)  # type: ignore[arg-type]
+        exact.append(
+            not off.offloaded_groups
+            and all(torch.equal(state[k].cpu(), reference[k]) for k in state)
+        )
+
+    cycle(1, by="kernel")
+    cycle(100_000, by="kernel")
+    cycle(1, None, by="kernel")
+    cycle(None, by="copy_engine")
+    device = torch.device("cuda", 0)
+    return {
+        "chunks": chunks,
+        "host_bytes": host_bytes,
+        "exact": exact,
+        "all_pinned": all(chunk.tensor.is_pinned() for chunk in off._host.chunks),
+        "all_mapped": all(chunk.device_view(device) is not None for chunk in off._host.chunks),
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "offload_by_kernel": offload_by_kernel,
     "reload_feed": reload_feed,
+    "growing_pool": growing_pool,
 }
 
 if __name__ == "__main__":

@@ -111,6 +111,18 @@ def test_a_reload_by_kernel_is_exact_and_reads_the_pools_mapping() -> None:
     assert facts["peer_exit"] == 0
 
 
+def test_a_growing_partial_offload_pins_chunks_and_reloads_across_them() -> None:
+    """A larger part adds a pinned, mapped chunk; reloads by kernel read every chunk."""
+    facts = run_scenario("growing_pool", "tests.gpu.kernel_scenarios")
+    print(f"\ngrowing_pool: {facts}")
+    assert facts["chunks"] == [1, 2, 3, 3]  # a chunk per larger part; none when it fits
+    first, second, whole, again = facts["host_bytes"]
+    assert first < second < whole == again
+    assert facts["exact"] == [True] * 4
+    assert facts["all_pinned"]
+    assert facts["all_mapped"]
+
+
 def test_a_reload_feed_stops_early_and_keeps_every_bit() -> None:
     """Decision 94: fed a chunk at a time; stopped, or finished by kernel after a free."""
     facts = run_scenario("reload_feed", "tests.gpu.kernel_scenarios")
