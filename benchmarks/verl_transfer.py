@@ -26,6 +26,9 @@ device memory lost per sync over the timed syncs (100 by default at 1 GiB).
 
 Run on a GPU: ``python benchmarks/verl_transfer.py [--gib 1 8 15] [--json FILE]``
 (pyzmq installed; the two wheels downloaded with ``pip download --no-deps``).
+``--methods`` runs some of them; ``--group-buckets 1 4 16`` also times the drop-in
+with those many verl buckets' worth of tensors per bucket sync (rows ``drop-in-gN``):
+each group is one pipelined bucket sync, drained before the next.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ WARMUP = 2
 HANDLE = "ipc:///tmp/hybridmem-bench-verl-{}.sock"
 TRANSFER = "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py"
 BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
+METHODS = ("verl", "drop-in", "drop-in-fd", "per-tensor", "flattened")
 
 
 def _from_wheel(env: str, member: str, name: str) -> types.ModuleType:
@@ -209,13 +213,25 @@ def main() -> None:
     parser.add_argument("--gib", type=float, nargs="+", default=[1, 8, 15])
     parser.add_argument("--syncs", type=int, nargs="+", default=[100, 8, 5], help="per size")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument(
+        "--group-buckets",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time the drop-in with these GROUP_BUCKETS (verl buckets' worth of "
+        "tensors per bucket sync), as rows drop-in-gN",
+    )
     args = parser.parse_args()
 
     import torch
     import torch.multiprocessing as tmp
 
     from hybridmem.bench.engine import BoundedConn
-    from hybridmem.integrations.verl import link
+    from hybridmem.integrations.verl import link, transfer
+
+    default_groups = transfer.GROUP_BUCKETS
+    runs = [(m, None) for m in args.methods] + [("drop-in", g) for g in args.group_buckets]
 
     verl = verl_module()
     _from_wheel("HYBRIDMEM_SGLANG_WHEEL", BUCKET, "sglang_tensor_bucket")
@@ -243,23 +259,30 @@ def main() -> None:
             f"two-copy ceiling {ceiling / 1e9:.0f} GB/s",
             flush=True,
         )
-        for method in ("verl", "drop-in", "drop-in-fd", "per-tensor", "flattened"):
+        for method, groups in runs:
             deny = method == "drop-in-fd"
             os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
+            transfer.GROUP_BUCKETS = groups or default_groups  # read at each sync
             link.close_links()  # each method's own link (the fd one: another bucket)
             row = _run(method, tensors, engines[deny][0], syncs, verl)
-            row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)
-            rows.append(row)
-        base = {r["method"]: r["seconds"] for r in rows if r["gib"] == payload / GiB}
-        for row in rows[-5:]:
-            ref = (
-                base["verl"]
-                if row["method"].startswith(("verl", "drop-in"))
-                else base["per-tensor"]
+            if groups:
+                row["method"] = f"drop-in-g{groups}"
+            row.update(
+                gib=payload / GiB,
+                share=payload / row["seconds"] / ceiling,
+                group_buckets=groups or default_groups,
             )
-            row["speedup"] = ref / row["seconds"]
+            rows.append(row)
+        transfer.GROUP_BUCKETS = default_groups
+        base = {r["method"]: r["seconds"] for r in rows if r["gib"] == payload / GiB}
+        for row in rows[-len(runs) :]:
+            ref = base.get(
+                "verl" if row["method"].startswith(("verl", "drop-in")) else "per-tensor"
+            )
+            row["speedup"] = ref / row["seconds"] if ref else None
+            times = f"{row['speedup']:6.1f}x" if ref else "     -"
             print(
-                f"{row['method']:<12} {row['seconds']:8.4f} s/sync  {row['speedup']:6.1f}x  "
+                f"{row['method']:<12} {row['seconds']:8.4f} s/sync  {times}  "
                 f"{row['share']:6.1%} of ceiling  "
                 f"{row['engine_growth_mib_per_sync']:6.1f} MiB/sync",
                 flush=True,
