@@ -305,12 +305,20 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
     return fake_torch
 
 
-@pytest.fixture
-def fake_gpu(fake: FakeTorch) -> FakeTorch:
-    """The fake seam with CUDA initialised on device 0."""
+def on_a_gpu(fake: FakeTorch) -> FakeTorch:
+    """``fake`` with CUDA initialised on device 0: 80 GiB, 2 GiB allocated, 10 reserved.
+
+    For a process outside pytest's fixtures too (a rank of ``tests/gloo_planned.py``).
+    """
     fake.initialized = True
     fake.devices[0] = FakeDevice(allocated=2 << 30, reserved=10 << 30)
     return fake
+
+
+@pytest.fixture
+def fake_gpu(fake: FakeTorch) -> FakeTorch:
+    """The fake seam with CUDA initialised on device 0 (:func:`on_a_gpu`)."""
+    return on_a_gpu(fake)
 
 
 #: What `training` puts in the env: expandable segments on, and settings of the user's own.

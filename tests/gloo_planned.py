@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 import hybridmem as hm
 from hybridmem.engine.switch_offload import NEED_MARGIN_BYTES
-from tests.conftest import FakeDevice, FakeTorch, treat_cpu_as_device
+from tests.conftest import FakeTorch, on_a_gpu, treat_cpu_as_device
 from tests.gloo_teardown import leave_group
 from tests.test_offload import make_model, snapshot
 from tests.test_switch import FakeVLLM
+from tests.test_switch_need import FREE
 
 GiB = 1 << 30
-FREE = 77 * GiB  # the fake device's free memory once the trainer's cache is released
 CYCLES = 2
 
 
@@ -55,8 +55,7 @@ def main(out: Path, case: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     patches = pytest.MonkeyPatch()
-    fake = FakeTorch(initialized=True)
-    fake.devices[0] = FakeDevice(allocated=2 * GiB, reserved=10 * GiB)
+    fake = on_a_gpu(FakeTorch())
     fake.install(patches)
     treat_cpu_as_device()
     model, optimizer = make_model()

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import hybridmem as hm
 from hybridmem.memory.need_plan import NEED_ORDER, NeedPlan, choose, plan_by_need
+from hybridmem.memory.offload import _place_bytes
 from tests.conftest import fail_resizes
 from tests.test_offload import assert_bitwise_equal, make_model, snapshot
 
@@ -188,12 +189,6 @@ def test_a_partial_offload_under_injected_faults_loses_nothing(
     assert_bitwise_equal(before, snapshot(model, optimizer))
 
 
-def _aligned(nbytes: int) -> int:
-    from hybridmem.memory.offload import _ALIGN
-
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
 def test_the_host_pool_is_as_long_as_what_a_partial_offload_moves(
     cpu_as_device: list[int],
 ) -> None:
@@ -205,11 +200,11 @@ def test_the_host_pool_is_as_long_as_what_a_partial_offload_moves(
     optimizer_sizes = [size for group, size in resident if group == "optimizer"]
     off.offload(max_bytes=state)  # the optimizer state: a prefix of the pool
     assert off.offloaded_groups == {"optimizer"}
-    assert off.host_bytes == sum(_aligned(size) for size in optimizer_sizes)
+    assert off.host_bytes == sum(_place_bytes(size) for size in optimizer_sizes)
     off.reload()
     assert_bitwise_equal(before, snapshot(model, optimizer))
     off.offload()  # everything: the pool grows to the whole state
-    assert off.host_bytes == sum(_aligned(size) for _, size in resident)
+    assert off.host_bytes == sum(_place_bytes(size) for _, size in resident)
     off.reload()
     assert_bitwise_equal(before, snapshot(model, optimizer))
 
@@ -300,7 +295,7 @@ def test_max_host_bytes_allows_a_partial_offload_that_fits_it(cpu_as_device: lis
     before = snapshot(model, optimizer)
     probe = hm.Offloader(model, optimizer)
     state = optimizer_bytes(probe)
-    limit = sum(_aligned(size) for group, size in probe.resident() if group == "optimizer")
+    limit = sum(_place_bytes(size) for group, size in probe.resident() if group == "optimizer")
     off = hm.Offloader(model, optimizer, max_host_bytes=limit)
     off.offload(max_bytes=state)
     assert off.offloaded_groups == {"optimizer"}
