@@ -26,9 +26,9 @@ device memory lost per sync over the timed syncs (100 by default at 1 GiB).
 
 Run on a GPU: ``python benchmarks/verl_transfer.py [--gib 1 8 15] [--json FILE]``
 (pyzmq installed; the two wheels downloaded with ``pip download --no-deps``).
-``--methods`` runs some of them; ``--group-buckets 1 4 16`` also times the drop-in
-with those many verl buckets' worth of tensors per bucket sync (rows ``drop-in-gN``):
-each group is one pipelined bucket sync, drained before the next.
+``--methods`` runs some of them; ``drop-in-copies`` (not run by default) is the
+drop-in whose receiver copies each batch out of the bucket before the callback, where
+the drop-in hands out views of it as verl's own receiver does: what the views save.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ HANDLE = "ipc:///tmp/hybridmem-bench-verl-{}.sock"
 TRANSFER = "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py"
 BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
 METHODS = ("verl", "drop-in", "drop-in-fd", "per-tensor", "flattened")
+DROP_INS = ("drop-in", "drop-in-fd", "drop-in-copies")
 
 
 def _from_wheel(env: str, member: str, name: str) -> types.ModuleType:
@@ -103,6 +104,7 @@ def _engine(conn: Any, deny: bool) -> None:
         deny_pidfd_getfd()
     from hybridmem import _torch
     from hybridmem.integrations.verl.transfer import BucketedWeightReceiver
+    from hybridmem.ipc.receiver import BucketReceiver
 
     verl = verl_module()
     bucket = _from_wheel("HYBRIDMEM_SGLANG_WHEEL", BUCKET, "sglang_tensor_bucket")
@@ -127,6 +129,13 @@ def _engine(conn: Any, deny: bool) -> None:
             verl.BucketedWeightReceiver(command[1], device).receive_weights(load)
         elif kind == "drop-in":
             BucketedWeightReceiver(command[1], device).receive_weights(load)
+        elif kind == "drop-in-copies":  # the receiver copies out of the bucket first
+            zero_copy = BucketReceiver.zero_copy
+            BucketReceiver.zero_copy = property(lambda self: False)  # type: ignore[method-assign,assignment]
+            try:
+                BucketedWeightReceiver(command[1], device).receive_weights(load)
+            finally:
+                BucketReceiver.zero_copy = zero_copy  # type: ignore[method-assign]
         elif kind == "per-tensor":
             for name, (rebuild, args) in command[1]:
                 tensor = _torch.import_cuda_tensor(rebuild, args, device.index)
@@ -171,8 +180,8 @@ def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any)
     bucket_mb = max(512, -(-max(t.nbytes for t in tensors.values()) // MiB))  # verl's refuses less
 
     def sync() -> float:
-        if method in ("verl", "drop-in", "drop-in-fd"):
-            conn.send(("verl" if method == "verl" else "drop-in", handle))
+        if method == "verl" or method in DROP_INS:
+            conn.send(("drop-in" if method == "drop-in-fd" else method, handle))
             kind = verl.BucketedWeightSender if method == "verl" else BucketedWeightSender
             sender = kind(handle, bucket_size_mb=bucket_mb)
             asyncio.run(sender.async_send_weights(iter(tensors.items())))
@@ -213,14 +222,8 @@ def main() -> None:
     parser.add_argument("--gib", type=float, nargs="+", default=[1, 8, 15])
     parser.add_argument("--syncs", type=int, nargs="+", default=[100, 8, 5], help="per size")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument(
-        "--group-buckets",
-        type=int,
-        nargs="+",
-        default=[],
-        help="also time the drop-in with these GROUP_BUCKETS (verl buckets' worth of "
-        "tensors per bucket sync), as rows drop-in-gN",
+        "--methods", nargs="+", choices=(*METHODS, "drop-in-copies"), default=list(METHODS)
     )
     args = parser.parse_args()
 
@@ -228,10 +231,9 @@ def main() -> None:
     import torch.multiprocessing as tmp
 
     from hybridmem.bench.engine import BoundedConn
-    from hybridmem.integrations.verl import link, transfer
+    from hybridmem.integrations.verl import link
 
-    default_groups = transfer.GROUP_BUCKETS
-    runs = [(m, None) for m in args.methods] + [("drop-in", g) for g in args.group_buckets]
+    runs = args.methods
 
     verl = verl_module()
     _from_wheel("HYBRIDMEM_SGLANG_WHEEL", BUCKET, "sglang_tensor_bucket")
@@ -259,21 +261,13 @@ def main() -> None:
             f"two-copy ceiling {ceiling / 1e9:.0f} GB/s",
             flush=True,
         )
-        for method, groups in runs:
+        for method in runs:
             deny = method == "drop-in-fd"
             os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
-            transfer.GROUP_BUCKETS = groups or default_groups  # read at each sync
             link.close_links()  # each method's own link (the fd one: another bucket)
             row = _run(method, tensors, engines[deny][0], syncs, verl)
-            if groups:
-                row["method"] = f"drop-in-g{groups}"
-            row.update(
-                gib=payload / GiB,
-                share=payload / row["seconds"] / ceiling,
-                group_buckets=groups or default_groups,
-            )
+            row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)
             rows.append(row)
-        transfer.GROUP_BUCKETS = default_groups
         base = {r["method"]: r["seconds"] for r in rows if r["gib"] == payload / GiB}
         for row in rows[-len(runs) :]:
             ref = base.get(

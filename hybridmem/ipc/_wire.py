@@ -2,10 +2,14 @@
 
 Protocol over any channel with ``send(obj)`` / ``recv()`` (a
 ``multiprocessing.Pipe`` end, a wrapped ZMQ socket), every message tagged with the
-sync's number: ``("begin", sync)``; ``("hello", sync, pid)`` from the receiver (so
-that the producer can tell when it dies); ``("events", sync, handles)`` once from a
-receiver that hands off on the device; ``("batch", sync, seq, buffer, entries)`` once a buffer
-is filled (its copy finished, or its interprocess event recorded); ``("ack", sync,
+sync's number: ``("begin", sync)``; ``("hello", sync, pid, events)`` from the
+receiver (its pid, so that the producer can tell when it dies; the handles of the
+interprocess events it records after reading each buffer, or None where it hands off
+on the host), which a producer that knows no such events waits for before its first
+fill of a device buffer; ``("batch", sync, seq, buffer, entries)`` once a buffer is
+filled (its copy finished, or its interprocess event recorded), with a sixth element
+``("group", tag)`` on the last batch of a group (:meth:`WeightBucket.send_groups`)
+and ``("group", sync, seq, tag)`` for an empty group; ``("ack", sync,
 seq)`` from the receiver once it no longer reads that buffer (or queued its reads);
 ``("end", sync, seq, count, nbytes)``, acknowledged too once the receiver checked
 that it got ``count`` tensors and ``nbytes`` bytes in batches numbered without a gap;
@@ -56,7 +60,9 @@ __all__ = [
     "word_unit",
 ]
 
-PROTOCOL = 2  # 2: the receiver says hello (its pid); the end is checked
+#: 2: the receiver says hello (its pid); the end is checked. 3: groups, and the hello
+#: carries the receiver's drained events, every sync.
+PROTOCOL = 3
 
 #: How long a sync waits for the other side by default, per message (seconds).
 DEFAULT_TIMEOUT_S = 60.0

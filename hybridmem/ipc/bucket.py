@@ -30,7 +30,7 @@ import dataclasses
 import os
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ from hybridmem.ipc._wire import (
     recv_within,
     send_to,
 )
-from hybridmem.ipc.bucket_fill import Filler
+from hybridmem.ipc.bucket_fill import Filler, Plan
 from hybridmem.ipc.bucket_options import MAX_BUFFERS, TransportChoice, auto_size, check_transport
 from hybridmem.ipc.sync_report import SyncReport
 from hybridmem.ipc.tensor_checks import Checked, NamedTensors, validate
@@ -166,10 +166,12 @@ class WeightBucket(ClosesOnExit):
         self._acked = 0
         self._seq = 0
         self._sync = 0
+        self._batches = 0  # batches of the current sync: the next one's buffer
         self._closed = False
         self._filler = Filler(self._views, size, self.device)  # the plan and the fills
         self._filled = self._held.events  # interprocess events, recorded after each fill
         self._drained: list[Any] | None = None  # the receiver's, once it sent them
+        self._drained_handles: Any = None  # what they were opened from
         self._peer = Peer(None, "receiver")  # learnt from its hello
         # A bucket dropped without close() (or whose set-up failed midway) still
         # unlinks its host segments: torch's resource tracker would otherwise report
@@ -360,11 +362,8 @@ class WeightBucket(ClosesOnExit):
             if not (isinstance(message, tuple) and len(message) >= 3):
                 raise RuntimeError(f"unexpected message from the receiver: {message!r}")
             kind, sync = message[0], message[1]
-            if kind == "hello":  # the receiver's pid: its death is noticed while waiting
-                self._peer.track(int(message[2]))
-                continue
-            if kind == "events":  # the receiver drains on the device and says so with these
-                self._drained = [_torch.open_ipc_event(self._index, h) for h in message[2]]
+            if kind == "hello":
+                self._hello(message)
                 continue
             if sync != self._sync:
                 continue  # left over from an earlier, aborted sync
@@ -375,6 +374,37 @@ class WeightBucket(ClosesOnExit):
             else:
                 raise RuntimeError(f"unexpected message from the receiver: {message!r}")
 
+    def _hello(self, message: tuple[Any, ...]) -> None:
+        """The receiver's pid (its death is noticed while waiting) and its drained events.
+
+        A receiver that reads the buffers on the device sends the interprocess events
+        it records after each read with every sync; they are opened once.
+        """
+        self._peer.track(int(message[2]))
+        handles = message[3] if len(message) >= 4 else None
+        if handles is not None and handles != self._drained_handles:
+            self._drained = [_torch.open_ipc_event(self._index, h) for h in handles]
+            self._drained_handles = handles
+
+    def _wait_hello(self, channel: Channel, sync: int, timeout: float | None) -> None:
+        """Before a first fill: the receiver's hello for ``sync``, with its events if any.
+
+        Needed while this bucket knows no drained events but its buffers are on the
+        device: a receiver of an earlier sync may still have reads of them queued.
+        """
+        while True:
+            message = recv_within(channel, timeout, self._peer, f"the hello of sync {sync}")
+            if not (isinstance(message, tuple) and len(message) >= 3):
+                raise RuntimeError(f"unexpected message from the receiver: {message!r}")
+            if message[1] != sync:
+                continue  # left over from an earlier, aborted sync
+            if message[0] == "hello":
+                self._hello(message)
+                return
+            if message[0] == "abort":
+                raise PeerAborted(f"the receiver stopped the weight sync: {message[2]}")
+            raise RuntimeError(f"unexpected message from the receiver: {message!r}")
+
     def _forget_receiver(self, caller: Any, stream: Any) -> None:
         """After a failed sync: wait for this side's copies, and expect a fresh receiver.
 
@@ -384,56 +414,69 @@ class WeightBucket(ClosesOnExit):
         with contextlib.suppress(Exception):
             _torch.synchronize_stream(stream)  # our fills of the buffers are done
             _torch.wait_stream(caller, stream)
-        self._drained = None
+        self._drained = self._drained_handles = None
         self._acked = self._seq
         self._peer.close()
         self._peer = Peer(None, "receiver")  # the next receiver says hello anew
 
-    def _send(
+    def _put(
         self,
+        channel: Channel,
+        sync: int,
+        occupied: list[int],
+        plan: Plan,
+        number: int,
         items: list[tuple[str, torch.Tensor]],
+        flats: dict[int, torch.Tensor],
+        timeout: float | None,
+        extra: tuple[Any, ...] = (),
+    ) -> None:
+        """Fill the next buffer with batch ``number`` once the receiver is done with it, send it."""
+        stream = self._side_stream()
+        buffer = self._batches % self._buffers_count
+        self._batches += 1
+        self._wait_ack(channel, occupied[buffer], timeout)
+        if self._drained is not None:  # the receiver's copies out of it come first
+            _torch.wait_event(stream, self._drained[buffer])
+        with _torch.stream_scope(stream):
+            self._filler.fill(buffer, number, plan, items, flats)
+        # The data is complete before the hand-off: on the device through the
+        # buffer's event (CUDA), or by waiting here (host memory).
+        if self._filled:
+            _torch.record_event(self._filled[buffer], stream)
+        else:
+            _torch.synchronize_stream(stream)
+        self._seq += 1
+        message = ("batch", sync, self._seq, buffer, plan.entries[number], *extra)
+        send_to(channel, message, self._peer, f"batch {self._seq}")
+        occupied[buffer] = self._seq
+
+    def _run(
+        self,
         channel: Channel,
         caller: Any,
         timeout: float | None,
+        body: Callable[[int, list[int]], tuple[int, int]],
     ) -> SyncReport:
+        """One sync: its begin, ``body(sync, occupied)`` (tensors, bytes sent), its end."""
         if self._closed:
             raise RuntimeError("this WeightBucket is closed")
         started = time.perf_counter()
-        plan = self._filler.make_plan(items)
-        flats: dict[int, torch.Tensor] = {}
         stream = self._side_stream()
         _torch.wait_stream(stream, caller)  # the tensors are written on the caller's stream
         occupied: list[int] = [0] * self._buffers_count
-        total = sum(t.nbytes for _, t in items)
+        self._batches = 0
         self._sync += 1
         sync = self._sync
         try:
             send_to(channel, ("begin", sync), self._peer, f"the begin of sync {sync}")
-            for number in range(len(plan.batches)):
-                buffer = number % self._buffers_count
-                self._wait_ack(channel, occupied[buffer], timeout)
-                if self._drained is not None:  # the receiver's copies out of it come first
-                    _torch.wait_event(stream, self._drained[buffer])
-                with _torch.stream_scope(stream):
-                    self._filler.fill(buffer, number, plan, items, flats)
-                # The data is complete before the hand-off: on the device through the
-                # buffer's event (CUDA), or by waiting here (host memory).
-                if self._filled:
-                    _torch.record_event(self._filled[buffer], stream)
-                else:
-                    _torch.synchronize_stream(stream)
-                self._seq += 1
-                send_to(
-                    channel,
-                    ("batch", sync, self._seq, buffer, plan.entries[number]),
-                    self._peer,
-                    f"batch {self._seq}",
-                )
-                occupied[buffer] = self._seq
+            if self._filled and self._drained is None:
+                self._wait_hello(channel, sync, timeout)
+            count, total = body(sync, occupied)
             self._seq += 1
             send_to(
                 channel,
-                ("end", sync, self._seq, len(items), total),
+                ("end", sync, self._seq, count, total),
                 self._peer,
                 f"the end of sync {sync}",
             )
@@ -448,14 +491,67 @@ class WeightBucket(ClosesOnExit):
             self._forget_receiver(caller, stream)
             raise
         report = SyncReport(
-            tensors=len(items),
+            tensors=count,
             nbytes=total,
-            batches=len(plan.batches),
+            batches=self._batches,
             seconds=time.perf_counter() - started,
             transport=self._transport.name,
         )
         logger.debug("WeightBucket: %s", report)
         return report
+
+    def _send(
+        self,
+        items: list[tuple[str, torch.Tensor]],
+        channel: Channel,
+        caller: Any,
+        timeout: float | None,
+    ) -> SyncReport:
+        def body(sync: int, occupied: list[int]) -> tuple[int, int]:
+            plan = self._filler.make_plan(items)
+            flats: dict[int, torch.Tensor] = {}
+            for number in range(len(plan.batches)):
+                self._put(channel, sync, occupied, plan, number, items, flats, timeout)
+            return len(items), sum(t.nbytes for _, t in items)
+
+        return self._run(channel, caller, timeout, body)
+
+    def _send_groups(
+        self,
+        groups: Iterable[tuple[NamedTensors, Any]],
+        channel: Channel,
+        caller: Any,
+        timeout: float | None,
+    ) -> SyncReport:
+        stream = self._side_stream()
+
+        def body(sync: int, occupied: list[int]) -> tuple[int, int]:
+            count = total = 0
+            for group in groups:
+                if not (isinstance(group, tuple) and len(group) == 2):
+                    raise TypeError(f"groups must yield (named_tensors, tag) pairs, got {group!r}")
+                named, tag = group
+                items = named if isinstance(named, Checked) else validate(named, self.device)
+                # This group's tensors may have been written since the sync began.
+                _torch.wait_stream(stream, caller)
+                plan = self._filler.make_plan(items, together=True)
+                last = len(plan.batches) - 1
+                if last < 0:  # an empty group: nothing to fill, its tag all the same
+                    self._seq += 1
+                    message = ("group", sync, self._seq, tag)
+                    send_to(channel, message, self._peer, f"group {self._seq}")
+                flats: dict[int, torch.Tensor] = {}
+                for number in range(last + 1):
+                    mark = ("group", tag) if number == last else None  # the group goes on
+                    self._put(channel, sync, occupied, plan, number, items, flats, timeout, (mark,))
+                # The caller's later work (which may reuse these tensors' memory once it
+                # lets go of them) comes after the copies out of them.
+                _torch.wait_stream(caller, stream)
+                count += len(items)
+                total += sum(t.nbytes for _, t in items)
+            return count, total
+
+        return self._run(channel, caller, timeout, body)
 
     @_timeline.traced("weight_sync.send", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
     def send(
@@ -510,6 +606,53 @@ class WeightBucket(ClosesOnExit):
         items = validate(named_tensors, self.device)
         caller = _torch.current_stream(self.device)
         return await asyncio.to_thread(self._send, items, channel, caller, wait)
+
+    @_timeline.traced("weight_sync.send", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
+    def send_groups(
+        self,
+        groups: Iterable[tuple[NamedTensors, Any]],
+        channel: Channel,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> SyncReport:
+        """Ship groups of tensors as they come, each to arrive together with its tag.
+
+        One sync, streamed: ``groups`` is read one group at a time while the receiver
+        drains earlier ones, so a producer that makes its tensors as it goes (a
+        gather per layer) never holds more than one group. Each group is packed into
+        one batch whenever it fits a buffer (at 256-byte offsets, else at offsets
+        rounded to each tensor's element size), so that
+        :meth:`BucketReceiver.receive_groups` can hand it out as views of the bucket,
+        with no copy; a larger group is split across batches and arrives as copies.
+
+        Args:
+            groups: an iterable of ``(named_tensors, tag)``: tensors as :meth:`send`
+                takes them (a mapping or pairs; :meth:`check`'s result is not checked
+                again), and a small picklable ``tag`` handed to the receiver with them
+                (a flag, a name). An empty group arrives empty, with its tag.
+            channel: the producer's end of a two-way channel.
+            timeout: the longest wait for any one answer of the receiver (None: no bound).
+
+        Returns:
+            A :class:`SyncReport` for the whole sync.
+
+        Raises:
+            TypeError, ValueError: a bad group, name or tensor; the receiver is told
+                and stops, what it was handed before stays handed.
+            SyncError, RuntimeError: as :meth:`send`; the bucket stays usable.
+            Exception: what ``groups`` raised (the receiver is told).
+
+        Example:
+            >>> def layers():                                         # doctest: +SKIP
+            ...     for i, layer in enumerate(model.layers):
+            ...         yield dict(layer.named_parameters()), i
+            >>> bucket.send_groups(layers(), conn)
+
+        Scope: as :meth:`send`; each group's copies come after the work queued on the
+        current stream before it was read, and work queued after it comes after them.
+        """
+        wait = check_timeout(timeout)
+        return self._send_groups(groups, channel, _torch.current_stream(self.device), wait)
 
     # ------------------------------------------------------------------ #
     # Closing

@@ -1,9 +1,10 @@
 """How a WeightBucket packs tensors into its buffers: the plan (cached), and each batch's fill.
 
 The plan packs the tensors at
-256-byte-aligned offsets, splitting those larger than a buffer; a batch is filled
-by copying each tensor as it is into a view of the buffer with its dtype and shape
-(small ones batched), the views made once per plan.
+256-byte-aligned offsets, splitting those larger than a buffer (a group that must
+arrive together is packed into one batch whenever it fits: :func:`plan_group`); a
+batch is filled by copying each tensor as it is into a view of the buffer with its
+dtype and shape (small ones batched), the views made once per plan.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from typing import Any
 import torch
 
 from hybridmem import _torch
-from hybridmem.ipc._plan import ALIGN, Batch, plan_batches
+from hybridmem.ipc._plan import ALIGN, Batch, plan_batches, plan_group
 from hybridmem.ipc._wire import Entry, byte_offset, flat_words, word_unit
 
 __all__ = ["Filler", "Plan"]
+
+#: How many layouts a filler keeps plans and views for (a sync of groups has one per
+#: group; beyond this the cache is emptied and rebuilt as layouts repeat).
+_PLANS = 1024
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,7 @@ class Plan:
     batches: tuple[Batch, ...]
     entries: tuple[tuple[Entry, ...], ...]
     units: tuple[tuple[int, torch.dtype], ...]  # per tensor: the words its split pieces move as
+    serial: int = 0  # which cached plan: its buffer views are kept under it
 
 
 class Filler:
@@ -42,24 +48,37 @@ class Filler:
         self._views = views
         self.nbytes = nbytes
         self.device = device
-        self._plan_key: tuple[Any, ...] | None = None
-        self._plan: Plan | None = None
+        self._plans: dict[tuple[Any, ...], Plan] = {}
+        self._serial = 0
         self._word_views: list[dict[torch.dtype, torch.Tensor]] = []
-        self._target_views: dict[tuple[int, int], tuple[torch.Tensor | None, ...]] = {}
+        self._target_views: dict[tuple[int, int, int], tuple[torch.Tensor | None, ...]] = {}
 
     def clear(self) -> None:
-        """Forget the views (the bucket is closing)."""
+        """Forget the plans and views (the bucket is closing)."""
         self._word_views.clear()
         self._target_views.clear()
+        self._plans.clear()
 
-    def make_plan(self, items: list[tuple[str, torch.Tensor]]) -> Plan:
-        """Pack the tensors' layout; cached while names, dtypes and shapes repeat."""
-        key = tuple((name, t.dtype, t.shape, byte_offset(t) % 8) for name, t in items)
-        if self._plan is not None and key == self._plan_key:
-            return self._plan
-        self._target_views.clear()  # they follow the plan
+    def make_plan(self, items: list[tuple[str, torch.Tensor]], *, together: bool = False) -> Plan:
+        """Pack the tensors' layout; cached while names, dtypes and shapes repeat.
+
+        Args:
+            items: the ``(name, tensor)`` pairs, in order.
+            together: one batch for all of them whenever they fit (:func:`plan_group`).
+        """
+        key = (together, *((name, t.dtype, t.shape, byte_offset(t) % 8) for name, t in items))
+        cached = self._plans.get(key)
+        if cached is not None:
+            return cached
+        if len(self._plans) >= _PLANS:
+            self._plans.clear()
+            self._target_views.clear()  # they follow the plans
         sizes = [t.nbytes for _, t in items]
-        batches = tuple(plan_batches(sizes, self.nbytes, ALIGN))
+        if together:
+            elements = [t.element_size() for _, t in items]
+            batches = tuple(plan_group(sizes, elements, self.nbytes, ALIGN))
+        else:
+            batches = tuple(plan_batches(sizes, self.nbytes, ALIGN))
         entries = tuple(
             tuple(
                 (
@@ -76,9 +95,9 @@ class Filler:
             for batch in batches
         )
         units = tuple(word_unit(t.nbytes, byte_offset(t)) for _, t in items)
-        self._plan = Plan(batches, entries, units)
-        self._plan_key = key
-        return self._plan
+        self._serial += 1
+        plan = self._plans[key] = Plan(batches, entries, units, self._serial)
+        return plan
 
     def _buffer_words(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
         while len(self._word_views) <= buffer:
@@ -98,7 +117,7 @@ class Filler:
         made per sync; a piece of a split tensor's place is a slice of the buffer's
         words. The views hold the bucket's own buffers only.
         """
-        key = (buffer, number)
+        key = (plan.serial, buffer, number)
         targets = self._target_views.get(key)
         if targets is not None:
             return targets

@@ -22,6 +22,7 @@ from hybridmem.ipc._wire import (
     Channel,
     Entry,
     Peer,
+    PeerAborted,
     byte_offset,
     check_timeout,
     dtype_named,
@@ -82,7 +83,7 @@ class BucketReceiver(ClosesOnExit):
         self._closed = False
         self._filled: list[Any] = []  # the producer's events, one per buffer
         self._drained: list[Any] = []  # ours, recorded once a buffer is read
-        self._events_sent = False
+        self._event_handles: list[Any] | None = None  # the drained events', made once
         if transport.on_device:
             source = self._source_device(handle)
             self.device = torch.device(
@@ -291,11 +292,7 @@ class BucketReceiver(ClosesOnExit):
         finished = False
         aborted_by_peer = False
         sync = self._begin(channel, wait)
-        send_to(channel, ("hello", sync, os.getpid()), self._peer, "its hello")
-        if self._drained and not self._events_sent:
-            handles = [_torch.ipc_event_handle(e) for e in self._drained]
-            send_to(channel, ("events", sync, handles), self._peer, "its events")
-            self._events_sent = True
+        self._hello(channel, sync)
         count = nbytes = 0
         last_seq: int | None = None
         try:
@@ -308,12 +305,17 @@ class BucketReceiver(ClosesOnExit):
                     continue  # left over from an earlier, aborted sync
                 if kind == "abort":
                     aborted_by_peer = True
-                    raise RuntimeError(f"the producer stopped the weight sync: {message[2]}")
+                    raise PeerAborted(f"the producer stopped the weight sync: {message[2]}")
                 if kind == "end":
                     self._check_end(message, partial, count, nbytes, last_seq)
                     finished = True
                     send_to(channel, ("ack", sync, message[2]), self._peer, "the ack of the end")
                     return
+                if kind == "group" or (kind == "batch" and len(message) == 6):
+                    raise RuntimeError(
+                        "the producer sends groups (WeightBucket.send_groups): receive them "
+                        "with BucketReceiver.receive_groups"
+                    )
                 if kind != "batch" or len(message) != 5:
                     raise RuntimeError(f"unexpected message from the producer: {message!r}")
                 seq = int(message[2])
@@ -332,14 +334,151 @@ class BucketReceiver(ClosesOnExit):
                     yield from ready
                 else:
                     yield from ready
-                    if self._drained:  # after the user's work on the views, on the device
-                        _torch.record_event(self._drained[int(message[3])], caller)
+                    self._views_done(int(message[3]), caller)
                     # the views of this batch are done with
                     send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
         finally:
-            if not finished and not aborted_by_peer:
-                with contextlib.suppress(Exception):
-                    channel.send(("abort", sync, "the receiver stopped before the end"))
+            if not finished:
+                self._stopped(channel, sync, caller, told=aborted_by_peer)
+
+    def _views_done(self, buffer: int, caller: Any) -> None:
+        """The user's work on views of ``buffer`` is queued: the producer may refill it after it.
+
+        On the device by the buffer's drained event; else (host buffers, or another
+        device's) by waiting here for the user's queued work, which may still read them.
+        """
+        if self._drained:
+            _torch.record_event(self._drained[buffer], caller)
+        elif self.device.type == "cuda":
+            _torch.synchronize_stream(caller)
+
+    def _stopped(self, channel: Channel, sync: int, caller: Any, *, told: bool) -> None:
+        """A sync that ends early: the producer told (unless it stopped it), reads ordered.
+
+        Every drained event is recorded after all the reads queued so far (ours and
+        the user's work on views), so that the producer's next fills come after them.
+        """
+        with contextlib.suppress(Exception):
+            if self._drained:
+                _torch.wait_stream(caller, self._side_stream())
+                for event in self._drained:
+                    _torch.record_event(event, caller)
+        if not told:
+            with contextlib.suppress(Exception):
+                channel.send(("abort", sync, "the receiver stopped before the end"))
+
+    def receive_groups(
+        self,
+        channel: Channel,
+        *,
+        views: bool = True,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+    ) -> Generator[tuple[list[tuple[str, torch.Tensor]], Any], None, None]:
+        """Yield ``(tensors, tag)`` for every group of one :meth:`WeightBucket.send_groups`.
+
+        Args:
+            channel: the consumer's end of the channel.
+            views: hand out a group that came in one batch as views of the bucket (no
+                copy, no new memory; :attr:`zero_copy` says whether they are on this
+                receiver's device). They are valid until the iterator is asked for the
+                next group: copy what you keep. A group split across batches arrives
+                as copies.
+            timeout: the longest wait for any one message of the producer (None: no
+                bound); with a ``Pipe`` end the producer's death ends the wait too.
+
+        Yields:
+            ``(tensors, tag)``: the group's ``(name, tensor)`` pairs in the producer's
+            order, ready on the current stream, and the tag it was sent with.
+
+        Raises:
+            SyncError, RuntimeError: as :meth:`receive`; what was yielded before stays
+                yielded.
+
+        Example:
+            >>> for tensors, layer in receiver.receive_groups(conn):  # doctest: +SKIP
+            ...     model.layers[layer].load(tensors)
+        """
+        if self._closed:
+            raise RuntimeError("this BucketReceiver is closed")
+        wait = check_timeout(timeout)
+        caller = _torch.current_stream(self.device)
+        partial: dict[str, tuple[torch.Tensor, int]] = {}
+        group: list[tuple[str, torch.Tensor]] = []
+        finished = aborted_by_peer = False
+        sync = self._begin(channel, wait)
+        self._hello(channel, sync)
+        count = nbytes = 0
+        last_seq: int | None = None
+        try:
+            while True:
+                message = recv_within(channel, wait, self._peer, "the next group")
+                if not (isinstance(message, tuple) and len(message) >= 3):
+                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
+                kind = message[0]
+                if message[1] != sync:
+                    continue  # left over from an earlier, aborted sync
+                if kind == "abort":
+                    aborted_by_peer = True
+                    raise PeerAborted(f"the producer stopped the weight sync: {message[2]}")
+                if kind == "end":
+                    if group:
+                        raise SyncError("the sync ended inside a group: a batch was lost")
+                    self._check_end(message, partial, count, nbytes, last_seq)
+                    finished = True
+                    send_to(channel, ("ack", sync, message[2]), self._peer, "the ack of the end")
+                    return
+                if kind == "batch" and len(message) == 5:
+                    raise RuntimeError(
+                        "the producer sends a plain sync (WeightBucket.send): receive it with "
+                        "BucketReceiver.receive"
+                    )
+                if kind not in ("batch", "group") or len(message) != (6 if kind == "batch" else 4):
+                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
+                seq = int(message[2])
+                if last_seq is not None and seq != last_seq + 1:
+                    raise SyncError(
+                        f"message {seq} came after message {last_seq}: {seq - last_seq - 1} "
+                        "of this sync were lost"
+                    )
+                last_seq = seq
+                if kind == "group":  # an empty group
+                    if group:
+                        raise SyncError("an empty group came inside a group: a batch was lost")
+                    yield [], message[3]
+                    continue
+                mark = message[5]
+                if mark is not None and not (
+                    isinstance(mark, tuple) and len(mark) == 2 and mark[0] == "group"
+                ):
+                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
+                ends = mark is not None
+                whole = views and ends and not group and not partial
+                ready = self._take(message[:5], None, whole, partial, caller)
+                count += len(ready)
+                nbytes += sum(e[4] for e in message[4])
+                if not whole:  # copies made: the producer may refill it
+                    send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
+                    group.extend(ready)
+                    if ends:
+                        tensors, group = group, []
+                        yield tensors, message[5][1]
+                    continue
+                yield ready, message[5][1]
+                self._views_done(int(message[3]), caller)
+                send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
+        finally:
+            if not finished:
+                self._stopped(channel, sync, caller, told=aborted_by_peer)
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether views of the bucket are on this receiver's device, handed back there.
+
+        True for device buffers opened on their own device: views cost no copy, and
+        the producer learns when they are read from events on the device, not by a
+        wait here.
+        """
+        return bool(self._drained)
 
     @staticmethod
     def _check_end(
@@ -362,6 +501,18 @@ class BucketReceiver(ClosesOnExit):
         end_seq = int(message[2])
         if last_seq is not None and end_seq != last_seq + 1:
             raise SyncError(f"the sync ended at message {end_seq} after batch {last_seq}: lost")
+
+    def _hello(self, channel: Channel, sync: int) -> None:
+        """Tell the producer who reads its buffers (a pid), and the events that say when.
+
+        The events go with every sync: a producer whose earlier sync failed forgot
+        them (it cannot tell this receiver from a new one) and waits for them before
+        it fills a buffer, which our copies out of may still be queued on the device.
+        """
+        if self._drained and self._event_handles is None:
+            self._event_handles = [_torch.ipc_event_handle(e) for e in self._drained]
+        hello = ("hello", sync, os.getpid(), self._event_handles)
+        send_to(channel, hello, self._peer, "its hello")
 
     def _begin(self, channel: Channel, timeout: float | None) -> int:
         """Wait for the next sync's ``begin``, skipping leftovers of an aborted one."""

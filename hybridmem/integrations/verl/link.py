@@ -32,7 +32,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ import torch
 from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem._platform import unix_socket
-from hybridmem.integrations.verl.batches import OnBucket, VerlBatches, Weights
+from hybridmem.integrations.verl.batches import Batch, OnBucket
 from hybridmem.ipc._wire import BucketHandle, Peer, PeerAborted, recv_within, send_to
 from hybridmem.ipc.bucket import WeightBucket
 from hybridmem.ipc.receiver import BucketReceiver
@@ -157,10 +157,7 @@ class SenderLink:
         """The receiver's connection: kept while it lives, else a new one within the timeout."""
         if self._conn is not None and not unix_socket.peer_closed(self._conn):
             return self._conn
-        if self._conn is not None:
-            with contextlib.suppress(OSError):
-                self._conn.close()
-            self._conn = None
+        self._drop_connection()
         assert self._listener is not None
         readable, _, _ = select.select([self._listener], [], [], self.timeout)
         if not readable:
@@ -197,12 +194,13 @@ class SenderLink:
         self._conn = conn
         return conn
 
-    def send(
-        self, groups: Iterable[tuple[list[tuple[str, torch.Tensor]], bool]], bucket_size: int
-    ) -> int:
-        """Send one sync, group by group (``(tensors, last)``); return how many tensors.
+    def send(self, batches: Iterable[Batch], bucket_size: int) -> int:
+        """Send one sync of verl's batches (``(weights, is_last)``); return how many tensors.
 
-        ``bucket_size`` is verl's bucket for this sync: the receiver cuts by it.
+        Each batch is one group of the bucket's sync, streamed as ``batches`` yields
+        them: the receiver hands it to ``on_bucket_received`` whole, as views of the
+        bucket when it came in one buffer. ``bucket_size`` is verl's bucket for this
+        sync (the batches were cut by it).
 
         Raises:
             SyncError: the receiver did not connect or answer in time, died, or its
@@ -212,32 +210,51 @@ class SenderLink:
             conn = self._connection()
             self._syncs += 1
             sync = self._syncs
-            sent = 0
-            send_to(conn, ("sync", sync, bucket_size), self._peer, f"the start of sync {sync}")
-            try:
-                for items, last in groups:
-                    checked = self.bucket.check(items)  # refused before the receiver waits
-                    send_to(conn, ("group", last, len(items)), self._peer, "a group's header")
-                    if checked:
-                        self.bucket.send(checked, conn, timeout=self.timeout)
-                        sent += len(items)
+            sent = [0]
+            callback_failed = False  # the worker's callback raised: the connection is sound
+
+            def groups() -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+                for weights, last in batches:
+                    checked = self.bucket.check(weights)
+                    sent[0] += len(checked)
+                    yield checked, bool(last)
                     if last:
-                        break
-            except PeerAborted as exc:  # the receiver stopped: its callback says why
-                reason = self._reason(conn, sync)
-                raise SyncError(
-                    f"the vLLM worker's on_bucket_received failed: {reason or exc}"
-                ) from exc
-            except BaseException as exc:
-                with contextlib.suppress(Exception):  # the receiver waits for a group: stop it
-                    conn.send(("abort", sync, f"{type(exc).__name__}: {exc}"))
+                        return
+
+            try:
+                start = ("sync", sync, bucket_size)
+                send_to(conn, start, self._peer, f"the start of sync {sync}")
+                try:
+                    self.bucket.send_groups(groups(), conn, timeout=self.timeout)
+                except PeerAborted as exc:  # the receiver stopped: its callback says why
+                    reason = self._reason(conn, sync)
+                    callback_failed = True
+                    raise SyncError(
+                        f"the vLLM worker's on_bucket_received failed: {reason or exc}"
+                    ) from exc
+                while True:  # what an earlier, stopped sync left unread is skipped
+                    what = f"the end of sync {sync}"
+                    answer = recv_within(conn, self.timeout, self._peer, what)
+                    if isinstance(answer, tuple) and answer[:2] == ("failed", sync):
+                        callback_failed = True
+                        raise SyncError(f"the vLLM worker's on_bucket_received failed: {answer[2]}")
+                    if answer == ("done", sync):
+                        return sent[0]
+            except SyncError:
+                if not callback_failed:  # died, closed or silent: the next sync accepts anew
+                    self._drop_connection()
                 raise
-            while True:  # what an earlier, stopped sync left unread is skipped
-                answer = recv_within(conn, self.timeout, self._peer, f"the end of sync {sync}")
-                if isinstance(answer, tuple) and answer[:2] == ("failed", sync):
-                    raise SyncError(f"the vLLM worker's on_bucket_received failed: {answer[2]}")
-                if answer == ("done", sync):
-                    return sent
+
+    def _drop_connection(self) -> None:
+        """Forget the receiver's connection: what is left on it is not read again.
+
+        A worker that died may have left messages unread on it, so that it does not
+        look closed yet; the next sync waits for a new connection instead.
+        """
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None
 
     def _reason(self, conn: Any, sync: int) -> str | None:
         """What the receiver said when it stopped a sync (its callback's error), if it did."""
@@ -251,10 +268,7 @@ class SenderLink:
 
     def close(self) -> None:
         """Free the bucket and close the socket. Idempotent."""
-        if self._conn is not None:
-            with contextlib.suppress(OSError):
-                self._conn.close()
-            self._conn = None
+        self._drop_connection()
         self._close_listener()
         self._peer.close()
         self.bucket.close()
@@ -306,12 +320,17 @@ class ReceiverLink:
             self._peer.close()
             raise
         self._conn = conn
+        self._broken = False
 
     def receive(self, on_bucket_received: OnBucket) -> int:
         """Receive one sync, calling ``on_bucket_received`` with verl's batches; count them.
 
+        Each batch comes as views of the bucket where it came in one buffer on this
+        device (as verl's own receiver hands out views of its buffer), else as copies.
+
         Raises:
-            SyncError: the sender died or went silent (nothing more is delivered).
+            SyncError: the sender died, went silent or stopped (nothing more is
+                delivered; what was delivered before stays delivered).
             Exception: what ``on_bucket_received`` raised (the sender is told).
         """
         with self.lock:
@@ -320,48 +339,48 @@ class ReceiverLink:
                 header = recv_within(conn, self.timeout, self._peer, "the start of a sync")
                 if isinstance(header, tuple) and len(header) == 3 and header[0] == "sync":
                     break
-            _, sync, bucket_size = header
-            calls: list[int] = [0]
-
-            def deliver(weights: Weights, last: bool) -> None:
-                calls[0] += 1
-                on_bucket_received(weights, last)
-
-            batches = VerlBatches(int(bucket_size), deliver)
+            sync = header[1]
+            calls = 0
+            groups = self.receiver.receive_groups(
+                conn, views=self.receiver.zero_copy, timeout=self.timeout
+            )
             try:
-                while True:
-                    group = recv_within(conn, self.timeout, self._peer, "the next group")
-                    if isinstance(group, tuple) and group[:2] == ("abort", sync):
-                        raise SyncError(
-                            f"the verl sender stopped sync {sync} ({group[2]}); what was "
-                            "delivered before stays delivered"
-                        )
-                    if not (isinstance(group, tuple) and len(group) == 3 and group[0] == "group"):
-                        raise SyncError(f"unexpected message from the verl sender: {group!r}")
-                    _, last, count = group
-                    if count:
-                        received = self.receiver.receive(conn, timeout=self.timeout)
-                        try:
-                            for name, tensor in received:
-                                batches.add(name, tensor)
-                        finally:
-                            received.close()  # stopped early: the sender is told
-                    if last:
-                        batches.finish()
-                        break
+                try:
+                    for weights, last in groups:
+                        calls += 1
+                        on_bucket_received(weights, bool(last))
+                finally:
+                    groups.close()  # stopped early: the sender is told
+            except PeerAborted as exc:  # the sender's weights or checks failed: it said why
+                raise SyncError(
+                    f"the verl sender stopped sync {sync} ({exc}); what was delivered "
+                    "before stays delivered"
+                ) from exc
             except SyncError:
+                # Died, closed or silent: what it left unread is not read again, the
+                # next receive connects anew.
+                self._broken = True
                 raise
             except BaseException as exc:
-                with contextlib.suppress(Exception):
-                    conn.send(("failed", sync, f"{type(exc).__name__}: {exc}"))
+                self._failed(conn, sync, exc)
                 raise
             send_to(conn, ("done", sync), self._peer, f"the end of sync {sync}")
-            return calls[0]
+            return calls
+
+    @staticmethod
+    def _failed(conn: Any, sync: int, exc: BaseException) -> None:
+        """Tell the sender why this sync stopped (its ``SyncError`` quotes it)."""
+        with contextlib.suppress(Exception):
+            conn.send(("failed", sync, f"{type(exc).__name__}: {exc}"))
 
     @property
     def closed(self) -> bool:
-        """Whether the sender closed its end (its process exited or shut the link)."""
-        return unix_socket.peer_closed(self._conn)
+        """Whether the sender closed its end (its process exited or shut the link).
+
+        Also after a sync that ended because the sender died, closed its end or went
+        silent, though messages it sent may still be unread on the connection.
+        """
+        return self._broken or unix_socket.peer_closed(self._conn)
 
     def close(self) -> None:
         """Let go of the bucket and the connection. Idempotent."""

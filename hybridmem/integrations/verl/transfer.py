@@ -22,9 +22,16 @@ sides; a tensor larger than the bucket is delivered alone, as verl's CUDA-IPC pa
 delivers it, also with ``use_shm`` (where verl's asserts after it has flushed the
 bucket before it, and its receiver then waits forever).
 
-What the sender holds: the tensors of one group (twice the bucket) until the group is
-sent, where verl's holds one tensor at a time; the receiver, one hybridmem batch of
-copies until verl's batch is delivered.
+The sender cuts verl's batches by verl's rule (:mod:`~hybridmem.integrations.verl.
+batches`) and streams them as one bucket sync (:meth:`~hybridmem.WeightBucket.
+send_groups`): a batch is copied into one buffer while the receiver's callback reads the
+other, with no stop between batches. The receiver hands each batch to
+``on_bucket_received`` as views of the bucket, as verl's hands out views of its
+buffer: the bytes are copied once on the way (verl's ``use_shm`` and a worker on
+another device: copies, made by the receiver).
+
+What the sender holds: the tensors of up to three of verl's batches (one being cut,
+one queued, one being copied), where verl's holds one tensor at a time.
 
 Scope: one sync at a time per ``zmq_handle`` and process.
 """
@@ -43,12 +50,10 @@ import torch
 from hybridmem._checks import check_bool, check_number
 from hybridmem._errors import SyncError
 from hybridmem._log import logger
+from hybridmem.integrations.verl.batches import Batch, VerlBatches
 from hybridmem.integrations.verl.link import receiver_link, sender_link
 
-__all__ = ["GROUP_BUCKETS", "BucketedWeightReceiver", "BucketedWeightSender"]
-
-#: How many buckets' worth of tensors one group holds (one bucket sync, pipelined).
-GROUP_BUCKETS = 2
+__all__ = ["BucketedWeightReceiver", "BucketedWeightSender"]
 
 
 def _check_handle(zmq_handle: object) -> str:
@@ -136,17 +141,14 @@ class BucketedWeightSender:
         link = await asyncio.to_thread(
             sender_link, self.zmq_handle, self.bucket_size, self.use_shm, device
         )
-        limit = GROUP_BUCKETS * max(self.bucket_size, link.bucket_size)
-        group: list[tuple[str, torch.Tensor]] = []
-        held = 0
-        # One group queued while the link sends another: what the sender holds is bounded.
-        groups: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+        # verl's batches, cut here by verl's rule; one queued while the link sends another.
+        batches: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
         loop = asyncio.get_running_loop()
 
-        def produced() -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
+        def produced() -> Iterator[Batch]:
             while True:
                 waiting = asyncio.run_coroutine_threadsafe(
-                    asyncio.wait_for(groups.get(), link.timeout), loop
+                    asyncio.wait_for(batches.get(), link.timeout), loop
                 )
                 try:
                     item = waiting.result(timeout=link.timeout + 1)
@@ -163,20 +165,22 @@ class BucketedWeightSender:
                     return
 
         sending = asyncio.ensure_future(asyncio.to_thread(link.send, produced(), self.bucket_size))
+        cut: list[Batch] = []
+        cutter = VerlBatches(self.bucket_size, lambda weights, last: cut.append((weights, last)))
         try:
             pending = first
             while pending is not None and not sending.done():  # a failed link: stop feeding
-                name, tensor = _checked(pending)
-                group.append((name, tensor))
-                held += tensor.nbytes
-                if held >= limit:
-                    await _put(groups, (group, False), sending)
-                    group, held = [], 0
+                cutter.add(*_checked(pending))
+                for batch in cut:
+                    await _put(batches, batch, sending)
+                cut.clear()
                 pending = await anext(stream, None)
-            await _put(groups, (group, True), sending)
+            cutter.finish()
+            for batch in cut:
+                await _put(batches, batch, sending)
         except BaseException as exc:
             if not sending.done():
-                await _put(groups, exc, sending)
+                await _put(batches, exc, sending)
             with contextlib.suppress(BaseException):
                 await sending
             raise
