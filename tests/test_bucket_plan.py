@@ -125,7 +125,8 @@ def test_a_group_too_large_for_the_alignment_packs_by_element_size() -> None:
     # At 256-byte offsets the last tensor would start past the bucket; by element size
     # the three end at 252 of 256 bytes.
     (batch,) = plan_group([3, 4, 244], [1, 4, 4], 256)
-    assert [p.offset for p in batch.pieces] == [0, 4, 8] and batch.used == 252
+    assert [p.offset for p in batch.pieces] == [0, 4, 8]
+    assert batch.used == 252
     assert len(plan_group([3, 256], [1, 4], 256)) == 2  # 4 + 256 > 256: split
 
 
