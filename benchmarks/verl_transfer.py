@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -57,6 +58,7 @@ TRANSFER = "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py"
 BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
 METHODS = ("verl", "drop-in", "drop-in-fd", "per-tensor", "flattened")
 DROP_INS = ("drop-in", "drop-in-fd", "drop-in-copies")
+CEILING_BYTES = 2 * GiB  # what the device copy rate is measured on
 
 
 def _from_wheel(env: str, member: str, name: str) -> types.ModuleType:
@@ -246,47 +248,54 @@ def main() -> None:
         child.close()
         engines[deny] = (BoundedConn(pipe, process.pid, timeout=600.0), process)
     rows: list[dict[str, Any]] = []
-    for index, gib in enumerate(args.gib):
-        syncs = args.syncs[min(index, len(args.syncs) - 1)]
-        tensors: dict[str, Any] = {}
-        torch.cuda.empty_cache()
-        tensors = _model(int(gib * GiB))
-        payload = sum(t.nbytes for t in tensors.values())
-        for conn, _ in engines.values():
-            conn.send(("model", int(gib * GiB)))
-            conn.recv()
-        ceiling = copy_rate(payload, repeats=5) * 1e9 / 2  # bytes/s (copy_rate: GB/s)
-        print(
-            f"== {payload / GiB:.2f} GiB in {len(tensors)} tensors; "
-            f"two-copy ceiling {ceiling / 1e9:.0f} GB/s",
-            flush=True,
-        )
-        for method in runs:
-            deny = method == "drop-in-fd"
-            os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
-            link.close_links()  # each method's own link (the fd one: another bucket)
-            row = _run(method, tensors, engines[deny][0], syncs, verl)
-            row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)
-            rows.append(row)
-        base = {r["method"]: r["seconds"] for r in rows if r["gib"] == payload / GiB}
-        for row in rows[-len(runs) :]:
-            ref = base.get(
-                "verl" if row["method"].startswith(("verl", "drop-in")) else "per-tensor"
-            )
-            row["speedup"] = ref / row["seconds"] if ref else None
-            times = f"{row['speedup']:6.1f}x" if ref else "     -"
+    try:
+        for index, gib in enumerate(args.gib):
+            syncs = args.syncs[min(index, len(args.syncs) - 1)]
+            tensors: dict[str, Any] = {}
+            torch.cuda.empty_cache()
+            tensors = _model(int(gib * GiB))
+            payload = sum(t.nbytes for t in tensors.values())
+            for conn, _ in engines.values():
+                conn.send(("model", int(gib * GiB)))
+                conn.recv()
+            # bytes/s (copy_rate: GB/s); the rate is flat past a few hundred MiB, and two
+            # copies of 15 GiB beside three models do not fit an 80 GiB card.
+            ceiling = copy_rate(min(payload, CEILING_BYTES), repeats=5) * 1e9 / 2
             print(
-                f"{row['method']:<12} {row['seconds']:8.4f} s/sync  {times}  "
-                f"{row['share']:6.1%} of ceiling  "
-                f"{row['engine_growth_mib_per_sync']:6.1f} MiB/sync",
+                f"== {payload / GiB:.2f} GiB in {len(tensors)} tensors; "
+                f"two-copy ceiling {ceiling / 1e9:.0f} GB/s",
                 flush=True,
             )
-        if args.json:  # after each size: a run cut short keeps what it measured
-            args.json.write_text(json.dumps(rows, indent=1))
-    link.close_links()
-    for conn, process in engines.values():
-        conn.send(("stop",))
-        process.join(timeout=60)
+            for method in runs:
+                deny = method == "drop-in-fd"
+                os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
+                link.close_links()  # each method's own link (the fd one: another bucket)
+                row = _run(method, tensors, engines[deny][0], syncs, verl)
+                row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)
+                rows.append(row)
+            base = {r["method"]: r["seconds"] for r in rows if r["gib"] == payload / GiB}
+            for row in rows[-len(runs) :]:
+                ref = base.get(
+                    "verl" if row["method"].startswith(("verl", "drop-in")) else "per-tensor"
+                )
+                row["speedup"] = ref / row["seconds"] if ref else None
+                times = f"{row['speedup']:6.1f}x" if ref else "     -"
+                print(
+                    f"{row['method']:<12} {row['seconds']:8.4f} s/sync  {times}  "
+                    f"{row['share']:6.1%} of ceiling  "
+                    f"{row['engine_growth_mib_per_sync']:6.1f} MiB/sync",
+                    flush=True,
+                )
+            if args.json:  # after each size: a run cut short keeps what it measured
+                args.json.write_text(json.dumps(rows, indent=1))
+    finally:  # an error (a size that does not fit) must not leave the engines waiting
+        link.close_links()
+        for conn, process in engines.values():
+            with contextlib.suppress(Exception):
+                conn.send(("stop",))
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import weakref
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -183,7 +184,12 @@ def test_cached_probe_failure_picks_host(
 
 
 class Segments:
-    """Which tensors' storages count as classic; new ones follow the allocator mode."""
+    """Which tensors' storages count as classic; new ones follow the allocator mode.
+
+    Keyed by address, and an address is forgotten when the tensor first seen there is
+    collected: an allocator may hand the same address to the next tensor (the CPU's did,
+    on a GPU host), which is then a new allocation in the mode of its time.
+    """
 
     def __init__(self) -> None:
         self.kind: dict[int, bool | None] = {}
@@ -199,6 +205,7 @@ class Segments:
                 self.kind[ptr] = False
             else:
                 self.kind[ptr] = not expandable_now()
+            weakref.finalize(tensor, self.kind.pop, ptr, None)
         return self.kind[ptr]
 
 
@@ -238,11 +245,15 @@ def test_shareable_copies_expandable_tensor_without_cache_release(
     assert expandable_now()
 
 
+@pytest.mark.parametrize("same_address", [False, True])
 def test_shareable_retries_after_landing_in_cached_expandable_block(
-    segments: Segments, training: FakeTorch
+    segments: Segments, training: FakeTorch, monkeypatch: pytest.MonkeyPatch, same_address: bool
 ) -> None:
     tensor = torch.ones(4)
     segments.query(tensor)
+    if same_address:  # the retry's copy where the dropped one was, as allocators do
+        arena = torch.empty(64)
+        monkeypatch.setattr(ipc, "_safe_copy", lambda t: arena[: t.numel()].copy_(t))
     segments.next_lands_in_cached_expandable = 1
     copy = hm.ipc_shareable(tensor)
     assert segments.kind[copy.untyped_storage().data_ptr()] is True
