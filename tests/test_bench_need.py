@@ -159,6 +159,42 @@ def test_the_need_table_and_verdicts_follow_the_deficit() -> None:
     assert need_verdicts([wrong])[0].endswith("2.00 GiB copied: NOT met")
 
 
+def test_the_verdict_allows_the_releases_where_they_were_timed() -> None:
+    # 0.25 GiB copied at the pinned rate in 1.05x its time, plus 7 ms of releases each
+    # way beside the engine's calls: over 1.1x with them, within it without them.
+    copies = 0.25 * GiB / 54e9 * 1.05
+    timed = figures(
+        "planned",
+        need=0.25,
+        deficit_bytes=GiB // 50,
+        copied_bytes=[GiB // 4] * 4,
+        to_rollout_s=[copies + 0.02 + 0.007] * 4,
+        to_trainer_s=[copies + 0.03 + 0.007] * 4,
+        engine_wake_s=[0.02] * 4,
+        engine_sleep_s=[0.03] * 4,
+        release_to_rollout_s=[0.007] * 4,
+        release_to_trainer_s=[0.007] * 4,
+        kv_target=40 * GiB,
+        kv_obtained=[40 * GiB] * 4,
+        handback=[0.9999] * 4,
+    ).summary()
+    assert timed["to_rollout_over_ceiling_engine_and_release_aside"] == pytest.approx(1.05)
+    assert timed["to_rollout_over_ceiling_engine_aside"] > 2
+    assert timed["release_to_trainer_s"] == pytest.approx(0.007)
+    point = {"state_gib": 8, "need": 0.25, "plan": {}, "results": {"planned": {"summary": timed}}}
+    to_rollout, to_trainer, _ = need_verdicts([point])
+    assert to_rollout.startswith("8 GiB, need 25% to rollout: 1.05x its 0.25 GiB at the pinned")
+    assert "engine calls and the releases aside" in to_rollout
+    assert to_rollout.endswith(": met")
+    assert "x with the releases" in to_trainer
+    assert "x -rel" in "\n".join(format_need_table([point]))
+    # Saved before releases were timed: judged without the allowance, and saying so.
+    del timed["to_rollout_over_ceiling_engine_and_release_aside"]
+    old = need_verdicts([point])[0]
+    assert "releases not timed" in old
+    assert old.endswith("NOT met")
+
+
 def test_the_need_plot_is_a_non_trivial_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "need.png"

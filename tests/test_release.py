@@ -376,3 +376,18 @@ def test_a_small_cache_left_is_not_worth_a_line(
     )
     hm.release_cache()
     assert not [r for r in caplog.records if "stayed cached" in r.getMessage()]
+
+
+def test_release_seconds_adds_up_every_release_from_every_thread(fake_gpu: FakeTorch) -> None:
+    import threading
+
+    from hybridmem.scopes.release import release_seconds
+
+    before = release_seconds()
+    reports = [hm.release_cache(0)]
+    worker = threading.Thread(target=lambda: reports.append(hm.release_cache(0)))
+    worker.start()
+    worker.join(timeout=30)
+    assert len(reports) == 2
+    assert all(r.devices for r in reports)  # real releases (on the fake device)
+    assert release_seconds() - before == pytest.approx(sum(r.duration_s for r in reports))

@@ -373,6 +373,11 @@ class Figures:
     #: ceiling does not count them. Empty in results saved before.
     engine_wake_s: list[float] = field(default_factory=list)
     engine_sleep_s: list[float] = field(default_factory=list)
+    #: per cycle, the seconds of each switch's release of the cache it freed (its
+    #: ``release`` stage; 0 for strategies without one): the need target allows them
+    #: beside the copies. Empty in results saved before.
+    release_to_rollout_s: list[float] = field(default_factory=list)
+    release_to_trainer_s: list[float] = field(default_factory=list)
     #: per cycle, the seconds the trainer's GPU took to finish the training step's
     #: queued work once the host had queued it all: waited for before each switch to
     #: rollout is timed, since no strategy can start its copies before that work
@@ -446,6 +451,22 @@ class Figures:
             ),
             "to_trainer_over_ceiling_engine_aside": _over(
                 median(_less(self.to_trainer_s, self.engine_sleep_s)), ceiling
+            ),
+            "release_to_rollout_s": median(self.release_to_rollout_s),
+            "release_to_trainer_s": median(self.release_to_trainer_s),
+            # The same less the switch's release too, cycle by cycle: what the need
+            # target judges (its copies within 1.1x of the ceiling, plus the release).
+            "to_rollout_over_ceiling_engine_and_release_aside": _over(
+                median(
+                    _less(_less(self.to_rollout_s, self.engine_wake_s), self.release_to_rollout_s)
+                ),
+                ceiling,
+            ),
+            "to_trainer_over_ceiling_engine_and_release_aside": _over(
+                median(
+                    _less(_less(self.to_trainer_s, self.engine_sleep_s), self.release_to_trainer_s)
+                ),
+                ceiling,
             ),
             "trainer_cached_mib": (
                 median([float(m["trainer_cached"]) for m in self.missing]) or 0.0

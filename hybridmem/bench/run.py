@@ -310,6 +310,8 @@ def _cycle(
         figures.to_trainer_s.append(to_trainer)
         figures.engine_wake_s.append(wake)
         figures.engine_sleep_s.append(engine.memory_seconds)
+        figures.release_to_rollout_s.append(out.release_s)
+        figures.release_to_trainer_s.append(back.release_s)
         figures.copied_bytes.append(out.copy_bytes)
         if out.copy_s > 0 and out.copy_bytes:
             figures.offload_gbps.append(out.copy_bytes / out.copy_s / 1e9)

@@ -48,17 +48,22 @@ from hybridmem.memory.compact import compact
 from hybridmem.memory.offload import Offloader
 from hybridmem.scopes.engines import EngineAdapter, SGLangEngine
 from hybridmem.scopes.phases import phase
+from hybridmem.scopes.release import release_seconds
 
 __all__ = ["TMS_TAG", "Moved", "Strategy", "fixed_share", "make_strategy", "strategy_classes"]
 
 
 @dataclass
 class Moved:
-    """What one direction of a switch did: its offload/reload and weight-sync time."""
+    """What one direction of a switch did: its offload/reload, weight-sync and release time."""
 
     copy_s: float = 0.0
     copy_bytes: int = 0
     sync_s: float = 0.0
+    #: seconds the switch spent releasing the trainer's cache (every
+    #: :func:`~hybridmem.scopes.release.release_cache` of this direction; 0 where a
+    #: strategy does not say): the need target allows them beside the copies.
+    release_s: float = 0.0
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict[str, Any], str]]:
@@ -287,7 +292,9 @@ class Hybridmem(Strategy):
         return phase("train", backend="sglang")
 
     def to_rollout(self) -> Moved:
+        released = release_seconds()
         report = self.switch.to_rollout()
+        release = release_seconds() - released
         # The copies' own time: the stage only queued them, the weights and the KV
         # cache woke under them, and their report's wall time runs to their late landing.
         offloaded, planned = self.switch.offload_report, self.switch.plan
@@ -298,11 +305,16 @@ class Hybridmem(Strategy):
         else:
             copy_s, nbytes = report.stage("offload").seconds, self.offloader.host_bytes
         self._moved = nbytes
-        return Moved(copy_s=copy_s, copy_bytes=nbytes, sync_s=self._sync_s)
+        return Moved(copy_s=copy_s, copy_bytes=nbytes, sync_s=self._sync_s, release_s=release)
 
     def to_trainer(self) -> Moved:
+        released = release_seconds()
         report = self.switch.to_trainer()
-        return Moved(copy_s=report.stage("reload").seconds, copy_bytes=self._moved)
+        return Moved(
+            copy_s=report.stage("reload").seconds,
+            copy_bytes=self._moved,
+            release_s=release_seconds() - released,
+        )
 
 
 class Planned(Hybridmem):

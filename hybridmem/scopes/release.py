@@ -10,6 +10,7 @@ leftovers, empty the cache.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ __all__ = [
     "check_garbage",
     "check_release_args",
     "release_cache",
+    "release_seconds",
 ]
 
 #: A garbage-collection pass is repeated only while the previous one freed device
@@ -256,6 +258,37 @@ def release_cache(
     )
 
 
+_spent_lock = threading.Lock()
+_spent = [0.0]  # seconds this process spent in release_cache, all threads
+
+
+def release_seconds() -> float:
+    """Seconds this process has spent in :func:`release_cache` so far, all threads together.
+
+    A running total to take differences of: what a step spent handing memory back
+    (its synchronise, garbage passes and ``empty_cache``), apart from its other work.
+
+    Returns:
+        The total since the process started (0.0 before any release).
+
+    Example:
+        >>> before = release_seconds()
+        >>> _ = release_cache()  # no device here: returns at once, still counted
+        >>> release_seconds() >= before
+        True
+
+    Scope: process-global; thread-safe.
+    """
+    with _spent_lock:
+        return _spent[0]
+
+
+def _count(report: ReleaseReport) -> ReleaseReport:
+    with _spent_lock:
+        _spent[0] += report.duration_s
+    return report
+
+
 def _release(
     devices: list[int],
     *,
@@ -267,7 +300,7 @@ def _release(
     if not devices or disabled():
         report = ReleaseReport((), False, 0, 0, False, time.perf_counter() - start)
         logger.debug("%s", report)
-        return report
+        return _count(report)
     before = [read_memory(d) for d in devices]
     if sync:
         for d in devices:
@@ -298,7 +331,7 @@ def _release(
     )
     logger.info("%s", report)
     _hint_stuck_cache(after)
-    return report
+    return _count(report)
 
 
 #: Cache left after a release above which the log says what keeps it (once).
