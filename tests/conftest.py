@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing as mp
 import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -378,3 +380,12 @@ def cpu_mapping(cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch) -> li
     monkeypatch.setattr(_torch, "host_device_view", lambda host, device: host)
     monkeypatch.setattr(_torch, "copy_by_kernel", copy)
     return copies
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[Connection, Connection]]:
+    """Both ends of a ``multiprocessing.Pipe()``, closed after the test."""
+    a, b = mp.Pipe()
+    yield a, b
+    a.close()
+    b.close()

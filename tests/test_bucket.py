@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -45,14 +45,6 @@ def model_tensors() -> dict[str, torch.Tensor]:
         "empty": torch.empty(0, 5),
         "head": torch.randn(5, 3).to(torch.float16),
     }
-
-
-@pytest.fixture
-def pipe() -> Iterator[tuple[Connection, Connection]]:
-    a, b = mp.Pipe()
-    yield a, b
-    a.close()
-    b.close()
 
 
 def run_receiver(

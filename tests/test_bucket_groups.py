@@ -27,14 +27,6 @@ KiB = 1024
 Group = tuple[list[tuple[str, torch.Tensor]], Any]
 
 
-@pytest.fixture
-def pipe() -> Iterator[tuple[Connection, Connection]]:
-    a, b = mp.Pipe()
-    yield a, b
-    a.close()
-    b.close()
-
-
 def _receive_in_thread(
     handle: hm.BucketHandle, conn: Connection, *, views: bool = True
 ) -> tuple[threading.Thread, dict[str, Any]]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
-from multiprocessing.connection import Connection, Pipe
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
 import pytest
@@ -130,14 +130,6 @@ class LoopTransport(HostTransport):
     ) -> None:
         LoopTransport.opened.append(len(exports))
         super().open(exports, nbytes, producer_pid, source, into)
-
-
-@pytest.fixture
-def pipe() -> Iterator[tuple[Connection, Connection]]:
-    a, b = Pipe()
-    yield a, b
-    a.close()
-    b.close()
 
 
 def test_a_fourth_transport_is_one_class_and_one_registry_line(

@@ -41,6 +41,16 @@ _END = object()
 _TYPED_LAYOUTS = 256
 
 
+def _in_order(seq: int, last: int | None) -> int:
+    """``seq``, if it follows ``last``: else batches were lost (:class:`SyncError`)."""
+    if last is not None and seq != last + 1:
+        raise SyncError(
+            f"message {seq} came after message {last}: {seq - last - 1} message(s) of this "
+            "sync were lost"
+        )
+    return seq
+
+
 class BucketReceiver(ClosesOnExit):
     """The consumer's side of a :class:`WeightBucket`: opens it once, receives every sync.
 
@@ -297,15 +307,8 @@ class BucketReceiver(ClosesOnExit):
         last_seq: int | None = None
         try:
             while True:
-                message = recv_within(channel, wait, self._peer, "the next batch")
-                if not (isinstance(message, tuple) and len(message) >= 3):
-                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
+                message = self._next(channel, wait, sync, "the next batch")
                 kind = message[0]
-                if message[1] != sync:
-                    continue  # left over from an earlier, aborted sync
-                if kind == "abort":
-                    aborted_by_peer = True
-                    raise PeerAborted(f"the producer stopped the weight sync: {message[2]}")
                 if kind == "end":
                     self._check_end(message, partial, count, nbytes, last_seq)
                     finished = True
@@ -318,13 +321,7 @@ class BucketReceiver(ClosesOnExit):
                     )
                 if kind != "batch" or len(message) != 5:
                     raise RuntimeError(f"unexpected message from the producer: {message!r}")
-                seq = int(message[2])
-                if last_seq is not None and seq != last_seq + 1:
-                    raise SyncError(
-                        f"batch {seq} came after batch {last_seq}: {seq - last_seq - 1} "
-                        "batch(es) of this sync were lost"
-                    )
-                last_seq = seq
+                seq = last_seq = _in_order(int(message[2]), last_seq)
                 ready = self._take(message, out, views, partial, caller)
                 count += len(ready)
                 nbytes += sum(e[4] for e in message[4])
@@ -337,9 +334,27 @@ class BucketReceiver(ClosesOnExit):
                     self._views_done(int(message[3]), caller)
                     # the views of this batch are done with
                     send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
+        except PeerAborted:
+            aborted_by_peer = True  # the producer stopped it: no need to tell it
+            raise
         finally:
             if not finished:
                 self._stopped(channel, sync, caller, told=aborted_by_peer)
+
+    def _next(self, channel: Channel, wait: float | None, sync: int, what: str) -> Any:
+        """The producer's next message of ``sync``; its ``abort`` raised as :class:`PeerAborted`.
+
+        Messages of an earlier, aborted sync are skipped.
+        """
+        while True:
+            message = recv_within(channel, wait, self._peer, what)
+            if not (isinstance(message, tuple) and len(message) >= 3):
+                raise RuntimeError(f"unexpected message from the producer: {message!r}")
+            if message[1] != sync:
+                continue  # left over from an earlier, aborted sync
+            if message[0] == "abort":
+                raise PeerAborted(f"the producer stopped the weight sync: {message[2]}")
+            return message
 
     def _views_done(self, buffer: int, caller: Any) -> None:
         """The user's work on views of ``buffer`` is queued: the producer may refill it after it.
@@ -411,15 +426,8 @@ class BucketReceiver(ClosesOnExit):
         last_seq: int | None = None
         try:
             while True:
-                message = recv_within(channel, wait, self._peer, "the next group")
-                if not (isinstance(message, tuple) and len(message) >= 3):
-                    raise RuntimeError(f"unexpected message from the producer: {message!r}")
+                message = self._next(channel, wait, sync, "the next group")
                 kind = message[0]
-                if message[1] != sync:
-                    continue  # left over from an earlier, aborted sync
-                if kind == "abort":
-                    aborted_by_peer = True
-                    raise PeerAborted(f"the producer stopped the weight sync: {message[2]}")
                 if kind == "end":
                     if group:
                         raise SyncError("the sync ended inside a group: a batch was lost")
@@ -434,13 +442,7 @@ class BucketReceiver(ClosesOnExit):
                     )
                 if kind not in ("batch", "group") or len(message) != (6 if kind == "batch" else 4):
                     raise RuntimeError(f"unexpected message from the producer: {message!r}")
-                seq = int(message[2])
-                if last_seq is not None and seq != last_seq + 1:
-                    raise SyncError(
-                        f"message {seq} came after message {last_seq}: {seq - last_seq - 1} "
-                        "of this sync were lost"
-                    )
-                last_seq = seq
+                seq = last_seq = _in_order(int(message[2]), last_seq)
                 if kind == "group":  # an empty group
                     if group:
                         raise SyncError("an empty group came inside a group: a batch was lost")
@@ -466,6 +468,9 @@ class BucketReceiver(ClosesOnExit):
                 yield ready, message[5][1]
                 self._views_done(int(message[3]), caller)
                 send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
+        except PeerAborted:
+            aborted_by_peer = True  # the producer stopped it: no need to tell it
+            raise
         finally:
             if not finished:
                 self._stopped(channel, sync, caller, told=aborted_by_peer)
