@@ -13,8 +13,9 @@ of ``bucket_size`` bytes:
   not: an empty model gives one callback, ``([], True)``, and so does a model whose
   last tensor was larger than a bucket.
 
-:class:`VerlBatches` replays it on a stream of tensors, so the drop-in's receiver calls
-``on_bucket_received`` with exactly the batches verl's own pair would deliver.
+:class:`VerlBatches` replays it on a stream of tensors: the drop-in's sender cuts its
+stream with it and sends each batch whole, so the receiver calls ``on_bucket_received``
+with exactly the batches verl's own pair would deliver.
 ``tests/verl_transfer_oracle.py`` holds this module against verl's own code.
 
 Scope: one sync; not thread-safe.

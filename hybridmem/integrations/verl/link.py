@@ -13,12 +13,17 @@ Unix socket named after the handle. Only a process of the same user is accepted.
 
 One sync, over that connection (each wait bounded by ``timeout``):
 
-- sender: ``("sync", n, bucket_size)``, then for each group of tensors
-  ``("group", last, count)`` and, when ``count``, the bucket's own protocol
-  (:meth:`~hybridmem.WeightBucket.send`);
-- receiver: the tensors in verl's batches to ``on_bucket_received``
-  (:class:`~hybridmem.integrations.verl.batches.VerlBatches`), then ``("done", n)``,
-  or ``("failed", n, why)`` when a callback raised (the sender raises it too).
+- sender: ``("sync", n, bucket_size)``, then verl's batches (cut by
+  :class:`~hybridmem.integrations.verl.batches.VerlBatches`) as the groups of one
+  bucket sync (:meth:`~hybridmem.WeightBucket.send_groups`), each tagged with its
+  ``is_last``;
+- receiver: each batch to ``on_bucket_received`` as it arrives
+  (:meth:`~hybridmem.BucketReceiver.receive_groups`: views of the bucket where it is on
+  this device), then ``("done", n)``, or ``("failed", n, why)`` when a callback raised
+  (the sender raises it too).
+
+A link whose peer died, closed its end or went silent is dropped by the side that saw
+it: what the peer left unread is not read again, and the next sync connects anew.
 
 Scope: one sync at a time per link (a lock); the links of a process by handle.
 """
