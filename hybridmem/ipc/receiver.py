@@ -1,4 +1,11 @@
-"""BucketReceiver: the consumer's side of a WeightBucket (opens it once, by GPU UUID)."""
+"""BucketReceiver: the consumer's side of a WeightBucket (opens it once, by GPU UUID).
+
+Why this module is long: the consumer's side of one protocol, received two ways (a
+sync of tensors, :meth:`BucketReceiver.receive`; a sync of groups handed out whole,
+:meth:`BucketReceiver.receive_groups`) over the same reading, ordering, hand-back and
+stopping steps. Around it: the wire format in ``_wire``, the transports (opening the
+buffers) in ``transports``.
+"""
 
 from __future__ import annotations
 
@@ -294,15 +301,9 @@ class BucketReceiver(ClosesOnExit):
                 producer sent (a batch was lost): nothing of it may be trusted.
             RuntimeError: the producer aborted, or a message broke the protocol.
         """
-        if self._closed:
-            raise RuntimeError("this BucketReceiver is closed")
-        wait = check_timeout(timeout)
-        caller = _torch.current_stream(self.device)
+        wait, caller, sync = self._open(channel, timeout)
         partial: dict[str, tuple[torch.Tensor, int]] = {}
-        finished = False
-        aborted_by_peer = False
-        sync = self._begin(channel, wait)
-        self._hello(channel, sync)
+        finished = aborted_by_peer = False
         count = nbytes = 0
         last_seq: int | None = None
         try:
@@ -340,6 +341,20 @@ class BucketReceiver(ClosesOnExit):
         finally:
             if not finished:
                 self._stopped(channel, sync, caller, told=aborted_by_peer)
+
+    def _open(self, channel: Channel, timeout: object) -> tuple[float | None, Any, int]:
+        """Start receiving a sync: the checked timeout, the caller's stream, the sync's number.
+
+        Waits for the producer's ``begin`` (an aborted sync's leftovers skipped) and
+        says hello.
+        """
+        if self._closed:
+            raise RuntimeError("this BucketReceiver is closed")
+        wait = check_timeout(timeout)
+        caller = _torch.current_stream(self.device)
+        sync = self._begin(channel, wait)
+        self._hello(channel, sync)
+        return wait, caller, sync
 
     def _next(self, channel: Channel, wait: float | None, sync: int, what: str) -> Any:
         """The producer's next message of ``sync``; its ``abort`` raised as :class:`PeerAborted`.
@@ -413,15 +428,10 @@ class BucketReceiver(ClosesOnExit):
             >>> for tensors, layer in receiver.receive_groups(conn):  # doctest: +SKIP
             ...     model.layers[layer].load(tensors)
         """
-        if self._closed:
-            raise RuntimeError("this BucketReceiver is closed")
-        wait = check_timeout(timeout)
-        caller = _torch.current_stream(self.device)
+        wait, caller, sync = self._open(channel, timeout)
         partial: dict[str, tuple[torch.Tensor, int]] = {}
         group: list[tuple[str, torch.Tensor]] = []
         finished = aborted_by_peer = False
-        sync = self._begin(channel, wait)
-        self._hello(channel, sync)
         count = nbytes = 0
         last_seq: int | None = None
         try:
