@@ -29,6 +29,12 @@ Run on a GPU: ``python benchmarks/verl_transfer.py [--gib 1 8 15] [--json FILE]`
 ``--methods`` runs some of them; ``drop-in-copies`` (not run by default) is the
 drop-in whose receiver copies each batch out of the bucket before the callback, where
 the drop-in hands out views of it as verl's own receiver does: what the views save.
+``hand-written-2`` and ``hand-written-3`` (not run by default) are the floor of any
+two-process design with verl's bucket size: the trainer copies each batch into one of
+2 (3) device buffers opened once by the engine, which copies each tensor out; device
+events shared once order the two, one pipe message per batch each way, nothing else
+(no checks, no framing). ``drop-in-3`` is the drop-in with a third buffer. They tell
+what the two processes themselves cost against the one-process ceiling.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ HANDLE = "ipc:///tmp/hybridmem-bench-verl-{}.sock"
 TRANSFER = "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py"
 BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
 METHODS = ("verl", "drop-in", "drop-in-fd", "per-tensor", "flattened")
-DROP_INS = ("drop-in", "drop-in-fd", "drop-in-copies")
+DROP_INS = ("drop-in", "drop-in-fd", "drop-in-copies", "drop-in-3")
+EXTRA = ("drop-in-copies", "drop-in-3", "hand-written-2", "hand-written-3")
 CEILING_BYTES = 2 * GiB  # what the device copy rate is measured on
 
 
@@ -112,6 +119,7 @@ def _engine(conn: Any, deny: bool) -> None:
     bucket = _from_wheel("HYBRIDMEM_SGLANG_WHEEL", BUCKET, "sglang_tensor_bucket")
     device = torch.device("cuda", torch.cuda.current_device())
     out: dict[str, Any] = {}
+    hand: tuple[list[Any], list[Any], list[Any]] = ([], [], [])  # buffers, filled, drained
 
     def load(weights: list[tuple[str, Any]], last: bool) -> None:
         for name, tensor in weights:
@@ -124,6 +132,7 @@ def _engine(conn: Any, deny: bool) -> None:
             return
         if kind == "model":
             out = {}
+            hand = ([], [], [])
             torch.cuda.empty_cache()
             out = _model(command[1])
             torch.cuda.synchronize()
@@ -138,6 +147,30 @@ def _engine(conn: Any, deny: bool) -> None:
                 BucketedWeightReceiver(command[1], device).receive_weights(load)
             finally:
                 BucketReceiver.zero_copy = zero_copy  # type: ignore[method-assign]
+        elif kind == "hand-open":  # the hand-written floor's buffers and events, once
+            buffers = [_torch.import_cuda_tensor(r, a, device.index) for r, a in command[1]]
+            filled = [torch.cuda.Event.from_ipc_handle(device, h) for h in command[2]]  # type: ignore[no-untyped-call]
+            drained = [torch.cuda.Event(interprocess=True) for _ in buffers]  # type: ignore[no-untyped-call]
+            for event in drained:
+                event.record()
+            hand = (buffers, filled, drained)
+            conn.send(("opened", [event.ipc_handle() for event in drained]))  # type: ignore[no-untyped-call]
+            continue
+        elif kind == "hand-written":  # one sync: a message per batch until "end"
+            buffers, filled, drained = hand
+            stream = torch.cuda.current_stream()
+            while (message := conn.recv())[0] == "batch":
+                _, index, layout = message
+                stream.wait_event(filled[index])
+                for name, offset in layout:
+                    target = out[name]
+                    source = buffers[index][offset : offset + target.nbytes]
+                    target.copy_(source.view(target.dtype).view(target.shape))
+                drained[index].record(stream)
+                conn.send(("drained", index))
+            torch.cuda.synchronize()
+            conn.send(("ack", torch.cuda.mem_get_info()[0]))
+            continue
         elif kind == "per-tensor":
             for name, (rebuild, args) in command[1]:
                 tensor = _torch.import_cuda_tensor(rebuild, args, device.index)
@@ -167,6 +200,62 @@ def _batches(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, Any]]]
     return batches
 
 
+def _aligned_batches(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, int]]]:
+    """(name, byte offset) batches of at most ``limit`` bytes, offsets 256-aligned."""
+    batches: list[list[tuple[str, int]]] = [[]]
+    offset = 0
+    for name, tensor in tensors.items():
+        if batches[-1] and offset + tensor.nbytes > limit:
+            batches.append([])
+            offset = 0
+        batches[-1].append((name, offset))
+        offset = -(-(offset + tensor.nbytes) // 256) * 256
+    return batches
+
+
+class HandWritten:
+    """The floor's trainer side: ``count`` buffers of ``nbytes``, opened by the engine once."""
+
+    def __init__(self, conn: Any, nbytes: int, count: int) -> None:
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.conn = conn
+        self.nbytes = nbytes
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(count)]
+        self.filled = [torch.cuda.Event(interprocess=True) for _ in range(count)]  # type: ignore[no-untyped-call]
+        for event in self.filled:
+            event.record()
+        exports = [reduce_tensor(b) for b in self.buffers]  # type: ignore[no-untyped-call]
+        conn.send(("hand-open", exports, [e.ipc_handle() for e in self.filled]))  # type: ignore[no-untyped-call]
+        answer = conn.recv()
+        device = torch.device("cuda", torch.cuda.current_device())
+        self.drained = [torch.cuda.Event.from_ipc_handle(device, h) for h in answer[1]]  # type: ignore[no-untyped-call]
+
+    def sync(self, tensors: dict[str, Any]) -> float:
+        """One sync; the engine's free device memory after it."""
+        import torch
+
+        stream = torch.cuda.current_stream()
+        count = len(self.buffers)
+        self.conn.send(("hand-written",))
+        for number, layout in enumerate(_aligned_batches(tensors, self.nbytes)):
+            index = number % count
+            if number >= count:  # the engine has queued its reads of this buffer
+                assert self.conn.recv() == ("drained", index)
+                stream.wait_event(self.drained[index])
+            for name, offset in layout:
+                source = tensors[name]
+                target = self.buffers[index][offset : offset + source.nbytes]
+                target.view(source.dtype).view(source.shape).copy_(source)
+            self.filled[index].record(stream)
+            self.conn.send(("batch", index, layout))
+        self.conn.send(("end",))
+        while (answer := self.conn.recv())[0] == "drained":
+            pass
+        return float(answer[1])
+
+
 def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any) -> dict[str, Any]:
     """Time ``syncs`` syncs of ``method`` after WARMUP; its row."""
     import torch
@@ -180,10 +269,17 @@ def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any)
 
     handle = HANDLE.format(method)
     bucket_mb = max(512, -(-max(t.nbytes for t in tensors.values()) // MiB))  # verl's refuses less
+    hand = (
+        HandWritten(conn, bucket_mb * MiB, int(method[-1]))
+        if method.startswith("hand-written")
+        else None
+    )
 
     def sync() -> float:
+        if hand is not None:
+            return hand.sync(tensors)
         if method == "verl" or method in DROP_INS:
-            conn.send(("drop-in" if method == "drop-in-fd" else method, handle))
+            conn.send(("drop-in" if method in ("drop-in-fd", "drop-in-3") else method, handle))
             kind = verl.BucketedWeightSender if method == "verl" else BucketedWeightSender
             sender = kind(handle, bucket_size_mb=bucket_mb)
             asyncio.run(sender.async_send_weights(iter(tensors.items())))
@@ -224,9 +320,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, nargs="+", default=[1, 8, 15])
     parser.add_argument("--syncs", type=int, nargs="+", default=[100, 8, 5], help="per size")
     parser.add_argument("--json", type=Path)
-    parser.add_argument(
-        "--methods", nargs="+", choices=(*METHODS, "drop-in-copies"), default=list(METHODS)
-    )
+    parser.add_argument("--methods", nargs="+", choices=(*METHODS, *EXTRA), default=list(METHODS))
     args = parser.parse_args()
 
     import torch
@@ -270,14 +364,14 @@ def main() -> None:
                 deny = method == "drop-in-fd"
                 os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
                 link.close_links()  # each method's own link (the fd one: another bucket)
+                link.SenderLink.buffers = 3 if method == "drop-in-3" else 2
                 row = _run(method, tensors, engines[deny][0], syncs, verl)
                 row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)
                 rows.append(row)
             base = {r["method"]: r["seconds"] for r in rows if r["gib"] == payload / GiB}
             for row in rows[-len(runs) :]:
-                ref = base.get(
-                    "verl" if row["method"].startswith(("verl", "drop-in")) else "per-tensor"
-                )
+                vllm_route = row["method"].startswith(("verl", "drop-in", "hand"))
+                ref = base.get("verl" if vllm_route else "per-tensor")
                 row["speedup"] = ref / row["seconds"] if ref else None
                 times = f"{row['speedup']:6.1f}x" if ref else "     -"
                 print(

@@ -6,16 +6,17 @@ import gc
 import multiprocessing as mp
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from hypothesis import settings
 
 from hybridmem import _log, _torch
+from hybridmem._torch import device as _torch_device
 from hybridmem.allocator.grammar import parse_settings
 from hybridmem.allocator.rules import TorchRules, default_state
 from hybridmem.ipc import _launch as _probe_launch
@@ -61,26 +62,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
 
 
-@pytest.fixture(autouse=True)
-def as_on_a_cpu_machine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test not marked ``gpu`` sees no GPU, wherever it runs (CI has none; a GPU host does).
+# torch's own answer, bound before any test hides CUDA (the hiding replaces the attribute).
+_CUDA_INITIALIZED = cast(Callable[[], bool], torch.cuda.is_initialized)
 
-    Such a test judges the CPU path (a fake seam, CPU tensors, "no GPU" messages); on a
-    GPU host the real device would take it elsewhere ("'w' is on cpu but this bucket is
-    for cuda:0"). This process's ``torch.cuda.is_available()`` and ``device_count()``
-    say none, CUDA cannot initialise in it (as in CI's CUDA build without a driver; a
-    test that initialised it would leave it so for every later test of its worker), and
-    the processes the test starts get ``CUDA_VISIBLE_DEVICES=""``. This process's own
-    driver read its devices at collection (``pytest_collection_modifyitems``), so the
-    ``gpu`` tests after it still find theirs.
+
+def hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this process look like a machine without a GPU until ``monkeypatch`` undoes it.
+
+    ``torch.cuda.is_available()`` and ``device_count()`` say none; CUDA cannot
+    initialise (as in CI's CUDA build without a driver); ``torch.cuda.is_initialized()``
+    and the seam's ``cuda_initialized()`` say it is not, even where a ``gpu`` test earlier
+    in this worker initialised it for real (it stays so for the worker's life); the
+    processes started meanwhile get ``CUDA_VISIBLE_DEVICES=""``.
     """
-    if any(request.node.get_closest_marker(mark) for mark in ("gpu", "multi_gpu")):
-        return
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     if _torch.cuda_built():  # a CPU build refuses CUDA already, its own way
         monkeypatch.setattr(torch.cuda, "_lazy_init", _no_driver)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        monkeypatch.setattr(_torch_device, "_IS_INITIALIZED", lambda: False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def check_cuda_still_hidden(was_initialized: bool, initialized: bool, test: str) -> None:
+    """Fail ``test`` if CUDA became initialised for real while it was hidden from it.
+
+    Such a test reached the driver past the hiding (a function of torch's that bound
+    ``_lazy_init`` at import, a thread it left running): it is not judging the CPU path.
+    """
+    if initialized and not was_initialized:
+        pytest.fail(
+            f"{test} initialised CUDA though it is not marked gpu (CUDA was hidden from "
+            "it): mark it gpu, or find the call that reached the driver past the hiding "
+            "(tests/conftest.py hide_cuda)",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(autouse=True)
+def as_on_a_cpu_machine(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """A test not marked ``gpu`` sees no GPU, wherever it runs (CI has none; a GPU host does).
+
+    Such a test judges the CPU path (a fake seam, CPU tensors, "no GPU" messages); on a
+    GPU host the real device would take it elsewhere ("'w' is on cpu but this bucket is
+    for cuda:0"): :func:`hide_cuda`. This process's own driver read its devices at
+    collection (``pytest_collection_modifyitems``), so the ``gpu`` tests after it still
+    find theirs. A hidden test that initialises CUDA all the same fails, named.
+    """
+    if any(request.node.get_closest_marker(mark) for mark in ("gpu", "multi_gpu")):
+        yield
+        return
+    was_initialized = _CUDA_INITIALIZED()
+    hide_cuda(monkeypatch)
+    yield
+    check_cuda_still_hidden(was_initialized, _CUDA_INITIALIZED(), request.node.nodeid)
 
 
 def _no_driver() -> None:
@@ -95,7 +132,7 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test starts with no allocator env, no kill switch, no hybridmem state."""
     for name in _ENV:
         monkeypatch.delenv(name, raising=False)
-    if not _torch.cuda_initialized():
+    if not _CUDA_INITIALIZED():  # for real: a hidden test is always told "no"
         _reset_real_torch_settings()
     _reset_state_for_tests()
     _log.reset_once()
@@ -111,7 +148,7 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _probe_launch.discard_pending()
     timeline._reset_for_tests()
     _reset_state_for_tests()
-    if not _torch.cuda_initialized():
+    if not _CUDA_INITIALIZED():  # for real: a hidden test's answer is always "no"
         _reset_real_torch_settings()
 
 

@@ -146,9 +146,18 @@ class SenderLink:
             bucket_size,
         )
 
+    buffers = 2
+    """How many buffers the bucket rotates: one filled while the receiver reads another."""
+
     def _new_bucket(self) -> WeightBucket:
         size, index, transport = self._bucket_args
-        return WeightBucket(size, index, transport=transport, fallback="auto")  # type: ignore[arg-type]
+        return WeightBucket(
+            size,
+            index,
+            transport=transport,  # type: ignore[arg-type]
+            fallback="auto",
+            buffers=self.buffers,
+        )
 
     def _close_listener(self) -> None:
         if self._listener is not None:
