@@ -195,6 +195,26 @@ def test_the_verdict_allows_the_releases_where_they_were_timed() -> None:
     assert old.endswith("NOT met")
 
 
+def test_the_kv_verdict_says_what_failed() -> None:
+    point = _point(32, 0.5, 8.0)
+    rows = {name: r["summary"] for name, r in point["results"].items()}
+    rows["planned"]["handback"] = 0.999499  # under 0.9995, though four decimals round it up
+    assert need_verdicts([point])[-1].endswith(
+        "hand-back 0.999499 (target >= 0.9995): NOT met: the hand-back is under its target"
+    )
+    rows["planned"]["handback"] = 0.9999
+    for row in rows.values():  # the device cannot hold it, whatever the strategy frees
+        row["kv_obtained_gib"] = 39.875
+    short = need_verdicts([point])[-1]
+    assert "KV cache 39.9 of 40.0 GiB" in short
+    assert short.endswith(
+        "NOT met: the KV cache is short (offload-all got 39.88 GiB: the device's limit, "
+        "not the plan's)"
+    )
+    rows["hybridmem"]["kv_obtained_gib"] = 40.0  # offload-all got it: the plan's fault
+    assert need_verdicts([point])[-1].endswith("NOT met: the KV cache is short")
+
+
 def test_the_need_plot_is_a_non_trivial_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "need.png"

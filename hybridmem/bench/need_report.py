@@ -145,16 +145,37 @@ def need_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
                     f"{where} {what}: {judged_by:.2f}x its {_cell(copied, '.2f')} GiB at the "
                     f"pinned rate, {left_out} (target <= {NEED_TARGET}x; {beside}): {verdict}"
                 )
-        kv, target = row.get("kv_obtained_gib"), row.get("kv_target_gib")
-        handback = row.get("handback")
-        kv_ok = isinstance(kv, float | int) and isinstance(target, float | int) and kv >= target
-        back_ok = isinstance(handback, float | int) and handback >= HANDBACK_TARGET
-        judged.append(
-            f"{where}: KV cache {_cell(kv, '.1f')} of {_cell(target, '.1f')} GiB, hand-back "
-            f"{_cell(handback, '.4f')} (target >= {HANDBACK_TARGET}): "
-            + ("met" if kv_ok and back_ok else "NOT met")
-        )
+        judged.append(f"{where}: {_kv_verdict(row, _rows(size).get('hybridmem'))}")
     return judged
+
+
+def _kv_verdict(row: dict[str, Any], offload_all: dict[str, Any] | None) -> str:
+    """The KV cache and hand-back part of a planned point's verdict, saying what failed.
+
+    A KV cache short by as much under offload-all (which frees the most) is the
+    device's limit, not the plan's: said so. A hand-back under the target by less than
+    four decimals show is printed with more.
+    """
+    kv, target = row.get("kv_obtained_gib"), row.get("kv_target_gib")
+    handback = row.get("handback")
+    kv_ok = isinstance(kv, float | int) and isinstance(target, float | int) and kv >= target
+    back_ok = isinstance(handback, float | int) and handback >= HANDBACK_TARGET
+    digits = ".4f" if back_ok or _cell(handback, ".4f") != f"{HANDBACK_TARGET:.4f}" else ".6f"
+    text = (
+        f"KV cache {_cell(kv, '.1f')} of {_cell(target, '.1f')} GiB, hand-back "
+        f"{_cell(handback, digits)} (target >= {HANDBACK_TARGET}): "
+    )
+    if kv_ok and back_ok:
+        return text + "met"
+    why = []
+    if not kv_ok:
+        why.append("the KV cache is short")
+        other = (offload_all or {}).get("kv_obtained_gib")
+        if isinstance(kv, float | int) and isinstance(other, float | int) and other <= kv:
+            why[-1] += f" (offload-all got {other:.2f} GiB: the device's limit, not the plan's)"
+    if not back_ok:
+        why.append("the hand-back is under its target")
+    return text + "NOT met: " + "; ".join(why)
 
 
 def plot_need(sizes: list[dict[str, Any]], path: str) -> None:
