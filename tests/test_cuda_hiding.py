@@ -14,14 +14,15 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._torch import device as _torch_device
-from tests.conftest import check_cuda_still_hidden, hide_cuda
+from tests.conftest import _CUDA_INITIALIZED, check_cuda_still_hidden, hide_cuda
 
 
 def _as_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     """What an earlier ``gpu`` test leaves behind: a CUDA build, initialised for real."""
     monkeypatch.setattr(_torch_device, "_CUDA_BUILT", True)
     monkeypatch.setattr(torch.cuda, "_initialized", True)
-    monkeypatch.setattr(_torch_device, "_IS_INITIALIZED", torch.cuda.is_initialized)
+    # torch's own function (this test's fixture has hidden the attribute on a CUDA build)
+    monkeypatch.setattr(_torch_device, "_IS_INITIALIZED", _CUDA_INITIALIZED)
 
 
 def test_a_hidden_test_sees_cuda_uninitialised_after_a_gpu_test_initialised_it() -> None:
