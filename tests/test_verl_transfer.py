@@ -13,6 +13,7 @@ a tensor over the bucket with ``use_shm``, a peer that dies or fails on either s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -23,11 +24,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridmem import SyncError
+from hybridmem import SyncError, _torch
 from hybridmem.integrations.verl import link
 from hybridmem.integrations.verl.batches import VerlBatches
 from hybridmem.integrations.verl.transfer import BucketedWeightReceiver, BucketedWeightSender
 from tests import verl_oracle, verl_transfer_oracle
+from tests.conftest import patch_seam
 
 Weights = list[tuple[str, torch.Tensor]]
 Callbacks = list[tuple[Weights, bool]]
@@ -341,6 +343,53 @@ def test_a_hundred_syncs_leave_no_fd_shm_or_thread_behind(monkeypatch: pytest.Mo
     assert _shm_mapped() == mapped
     assert [n for n in created if os.path.exists(f"/dev/shm/{n.lstrip('/')}")] == []
     assert threading.active_count() <= threads + 1  # asyncio's default executor, at most
+
+
+def _sender_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("hybridmem-verl-sender")}
+
+
+def test_a_link_sends_from_one_thread_of_its_own_kept_across_syncs_and_event_loops() -> None:
+    weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(4)]
+    before = _sender_threads()
+    ours(weights, 1)  # a new sender object and event loop each sync, as verl makes them
+    made = _sender_threads() - before
+    assert len(made) == 1
+    for _ in range(3):
+        ours(weights, 1)
+    assert _sender_threads() - before == made  # no thread made or left per sync
+    link.close_links()
+    (thread,) = made
+    thread.join(timeout=30)
+    assert not thread.is_alive()  # closing the link ends its thread
+
+
+def test_the_copies_wait_for_the_stream_the_weights_were_written_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The sending thread is not the one that wrote the weights: it must order its copies
+    # after the writer's current stream, not its own (a trainer on a stream of its own).
+    entered: list[tuple[Any, str]] = []
+    real_scope = _torch.stream_scope
+
+    def current_stream(device: torch.device) -> Any:
+        return ("the current stream of", threading.get_ident())
+
+    def stream_scope(stream: Any) -> Any:
+        if isinstance(stream, tuple):
+            entered.append((stream, threading.current_thread().name))
+            return contextlib.nullcontext()
+        return real_scope(stream)
+
+    patch_seam(monkeypatch, "current_stream", current_stream)
+    patch_seam(monkeypatch, "stream_scope", stream_scope)
+    weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(3)]
+    ((got, last),) = ours(weights, 1)
+    assert last
+    assert [n for n, _ in got] == ["w0", "w1", "w2"]
+    writer = ("the current stream of", threading.get_ident())  # this thread wrote them
+    in_sender = [stream for stream, name in entered if name.startswith("hybridmem-verl-sender")]
+    assert in_sender == [writer], entered
 
 
 def _child(target: Any, *args: Any) -> Any:

@@ -125,20 +125,35 @@ def verl_views(syncs: int = 6, fail_sync: int = 2) -> dict[str, Any]:
         for step in range(syncs):
             tensors = _model(seed=step)
             fail_at = 3 if step == fail_sync else 0
+            # The last sync's weights are written on a stream of the trainer's own, behind
+            # slow work, and sent from inside it: the copies must wait for that stream.
+            own_stream = step == syncs - 1
+            final = _model(seed=step + 100) if own_stream else tensors
+            torch.cuda.synchronize()
             control.send(("sync", fail_at))
             sender = BucketedWeightSender(HANDLE, bucket_size_mb=32)
             sent_error = None
+            stream = torch.cuda.current_stream()
+            if own_stream:
+                stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             try:
-                asyncio.run(sender.async_send_weights(iter(tensors.items())))
+                with torch.cuda.stream(stream):
+                    if own_stream:
+                        _spin()
+                        for name, tensor in tensors.items():
+                            tensor.copy_(final[name])
+                    asyncio.run(sender.async_send_weights(iter(tensors.items())))
             except SyncError as exc:
                 sent_error = str(exc)
             answer = control.poll(120) and control.recv()
             if not answer:
                 raise TimeoutError(f"the engine did not answer sync {step}")
-            expected = {name: _checksum(t) for name, t in tensors.items()}
+            torch.cuda.synchronize()
+            expected = {name: _checksum(t) for name, t in final.items()}
             rows.append(
                 {
                     "step": step,
+                    "own_stream": own_stream,
                     "failed_here": bool(fail_at),
                     "sender_error": sent_error,
                     "engine_error": answer["error"],

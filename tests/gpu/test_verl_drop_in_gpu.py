@@ -27,6 +27,9 @@ def test_the_engine_gets_views_and_keeps_every_sync_intact_after_a_failed_one() 
     assert len({row["calls"] for row in good}) == 1
     # Slow device work queued before each copy: the sender waits for it, every sync.
     assert all(row["intact"] for row in good), [row["bad"] for row in good]
+    # The last sync's weights were written on the trainer's own stream behind slow work:
+    # intact only if the copies waited for that stream (checked with the others above).
+    assert rows[-1]["own_stream"]
     # The failed sync: both sides say so; the syncs after it are intact (above).
     assert "the engine's loader failed" in (failed["sender_error"] or "")
     assert "the engine's loader failed" in (failed["engine_error"] or "")

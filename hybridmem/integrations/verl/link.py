@@ -30,6 +30,7 @@ Scope: one sync at a time per link (a lock); the links of a process by handle.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 
+from hybridmem import _torch
 from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem._platform import unix_socket
@@ -56,6 +58,7 @@ __all__ = [
     "SenderLink",
     "address_of",
     "close_links",
+    "made_sender_link",
     "receiver_link",
     "sender_link",
 ]
@@ -133,6 +136,7 @@ class SenderLink:
         index = device.index if isinstance(device, torch.device) and device.type == "cuda" else None
         self._bucket_args = (bucket_size, index, "host" if use_shm else transport())
         self._served = False  # a receiver opened the bucket (host buffers' names are gone)
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         try:
             self.bucket = self._new_bucket()
         except BaseException:
@@ -208,13 +212,15 @@ class SenderLink:
         self._conn = conn
         return conn
 
-    def send(self, batches: Iterable[Batch], bucket_size: int) -> int:
+    def send(self, batches: Iterable[Batch], bucket_size: int, caller: Any = None) -> int:
         """Send one sync of verl's batches (``(weights, is_last)``); return how many tensors.
 
         Each batch is one group of the bucket's sync, streamed as ``batches`` yields
         them: the receiver hands it to ``on_bucket_received`` whole, as views of the
         bucket when it came in one buffer. ``bucket_size`` is verl's bucket for this
-        sync (the batches were cut by it).
+        sync (the batches were cut by it). ``caller``: the stream the weights were
+        written on, in the thread that made them (None: this thread's current one); the
+        copies out of them wait for its work, and its later work waits for the copies.
 
         Raises:
             SyncError: the receiver did not connect or answer in time, died, or its
@@ -239,7 +245,8 @@ class SenderLink:
                 start = ("sync", sync, bucket_size)
                 send_to(conn, start, self._peer, f"the start of sync {sync}")
                 try:
-                    self.bucket.send_groups(groups(), conn, timeout=self.timeout)
+                    with _torch.stream_scope(caller):
+                        self.bucket.send_groups(groups(), conn, timeout=self.timeout)
                 except PeerAborted as exc:  # the receiver stopped: its callback says why
                     reason = self._reason(conn, sync)
                     callback_failed = True
@@ -258,6 +265,21 @@ class SenderLink:
                 if not callback_failed:  # died, closed or silent: the next sync accepts anew
                     self._drop_connection()
                 raise
+
+    def submit(
+        self, batches: Iterable[Batch], bucket_size: int, caller: Any = None
+    ) -> concurrent.futures.Future[int]:
+        """:meth:`send`, run on this link's own thread; its future.
+
+        The thread is made at the first sync and kept: a sync neither starts a thread
+        nor waits for one to be joined, and an event loop's default executor (whatever
+        else it runs) never delays it.
+        """
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="hybridmem-verl-sender"
+            )
+        return self._worker.submit(self.send, batches, bucket_size, caller)
 
     def _drop_connection(self) -> None:
         """Forget the receiver's connection: what is left on it is not read again.
@@ -286,6 +308,9 @@ class SenderLink:
         self._close_listener()
         self._peer.close()
         self.bucket.close()
+        if self._worker is not None:  # its sync, if any, ends on the closed connection
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
 
 class ReceiverLink:
@@ -419,6 +444,11 @@ def sender_link(zmq_handle: str, bucket_size: int, use_shm: bool, device: Any) -
         if link is None:
             link = _senders[zmq_handle] = SenderLink(zmq_handle, bucket_size, use_shm, device)
         return link
+
+
+def made_sender_link(zmq_handle: str) -> SenderLink | None:
+    """This process's sender link for ``zmq_handle`` if one was made (no lock, no wait)."""
+    return _senders.get(zmq_handle)
 
 
 def receiver_link(zmq_handle: str, device: torch.device) -> ReceiverLink:

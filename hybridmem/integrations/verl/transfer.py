@@ -30,6 +30,11 @@ other, with no stop between batches. The receiver hands each batch to
 buffer: the bytes are copied once on the way (verl's ``use_shm`` and a worker on
 another device: copies, made by the receiver).
 
+The batches are cut on the caller's event loop (verl's weights may be an async
+iterator, and a generator that gathers runs where verl runs it) and copied in from one
+thread each link keeps (:meth:`~hybridmem.integrations.verl.link.SenderLink.submit`),
+which takes each batch from a thread queue, without a trip through the loop.
+
 What the sender holds: the tensors of up to three of verl's batches (one being cut,
 one queued, one being copied), where verl's holds one tensor at a time.
 
@@ -39,19 +44,20 @@ Scope: one sync at a time per ``zmq_handle`` and process.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import inspect
+import queue
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from hybridmem import _torch
 from hybridmem._checks import check_bool, check_number
 from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem.integrations.verl.batches import Batch, VerlBatches
-from hybridmem.integrations.verl.link import receiver_link, sender_link
+from hybridmem.integrations.verl.link import made_sender_link, receiver_link, sender_link
 
 __all__ = ["BucketedWeightReceiver", "BucketedWeightSender"]
 
@@ -74,12 +80,59 @@ async def _items(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
             yield item
 
 
-async def _put(queue: asyncio.Queue[Any], item: object, sending: asyncio.Future[Any]) -> None:
-    """Queue ``item`` for the link, unless the link already stopped (then it takes no more)."""
-    putting = asyncio.ensure_future(queue.put(item))
-    await asyncio.wait({putting, sending}, return_when=asyncio.FIRST_COMPLETED)
-    if not putting.done():
-        putting.cancel()
+class _Handover:
+    """verl's batches, from the event loop that cuts them to the thread that sends them.
+
+    One batch waits at a time. The sending thread takes it from a thread queue, so a
+    batch cut ahead costs it no trip through the event loop; the loop is woken only
+    while it waits for room.
+
+    Args:
+        loop: the running event loop (the cutting side).
+        timeout: the longest the sending thread waits for the next batch, in seconds.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._loop = loop
+        self._room = asyncio.Event()
+        self._waiting = False  # the loop waits for room: the taker wakes it
+        self.timeout = timeout
+
+    async def put(self, item: object, sending: asyncio.Future[Any]) -> None:
+        """Queue ``item``, unless the sending thread stopped (then it takes no more)."""
+        while not sending.done():
+            try:
+                self._queue.put_nowait(item)
+                return
+            except queue.Full:
+                pass
+            self._room.clear()
+            self._waiting = True
+            try:
+                if self._queue.full():  # still full once the taker can see the flag
+                    room = asyncio.ensure_future(self._room.wait())
+                    await asyncio.wait({room, sending}, return_when=asyncio.FIRST_COMPLETED)
+                    room.cancel()
+            finally:
+                self._waiting = False
+
+    def take(self) -> Any:
+        """The next item, in the sending thread.
+
+        Raises:
+            SyncError: nothing came within the timeout (the weights' iterator is stuck).
+        """
+        try:
+            item = self._queue.get(timeout=self.timeout)
+        except queue.Empty:
+            raise SyncError(
+                f"the weights to send gave no tensor for {self.timeout:g} s "
+                "(HYBRIDMEM_VERL_TIMEOUT): the iterator is stuck"
+            ) from None
+        if self._waiting:
+            self._loop.call_soon_threadsafe(self._room.set)
+        return item
 
 
 def _checked(item: object) -> tuple[str, torch.Tensor]:
@@ -138,33 +191,28 @@ class BucketedWeightSender:
         stream = _items(weights)
         first = await anext(stream, None)
         device = torch.device("cpu") if first is None else _checked(first)[1].device
-        link = await asyncio.to_thread(
-            sender_link, self.zmq_handle, self.bucket_size, self.use_shm, device
-        )
+        link = made_sender_link(self.zmq_handle)
+        if link is None:  # the first sync makes it (a bucket: not on the event loop)
+            link = await asyncio.to_thread(
+                sender_link, self.zmq_handle, self.bucket_size, self.use_shm, device
+            )
         # verl's batches, cut here by verl's rule; one queued while the link sends another.
-        batches: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
-        loop = asyncio.get_running_loop()
+        batches = _Handover(asyncio.get_running_loop(), link.timeout)
 
         def produced() -> Iterator[Batch]:
             while True:
-                waiting = asyncio.run_coroutine_threadsafe(
-                    asyncio.wait_for(batches.get(), link.timeout), loop
-                )
-                try:
-                    item = waiting.result(timeout=link.timeout + 1)
-                except (concurrent.futures.TimeoutError, TimeoutError):
-                    waiting.cancel()
-                    raise SyncError(
-                        f"the weights to send gave no tensor for {link.timeout:g} s "
-                        "(HYBRIDMEM_VERL_TIMEOUT): the iterator is stuck"
-                    ) from None
+                item = batches.take()
                 if isinstance(item, BaseException):
                     raise item  # the weights' iterator failed: the link tells the receiver
                 yield item
                 if item[1]:
                     return
 
-        sending = asyncio.ensure_future(asyncio.to_thread(link.send, produced(), self.bucket_size))
+        # The weights are written on this thread's current stream; the link's thread
+        # orders its copies after that stream's work (and that stream's later work after
+        # the copies), whichever stream the caller runs verl's update on.
+        caller = _torch.current_stream(device)
+        sending = asyncio.wrap_future(link.submit(produced(), self.bucket_size, caller))
         cut: list[Batch] = []
         cutter = VerlBatches(self.bucket_size, lambda weights, last: cut.append((weights, last)))
         try:
@@ -172,15 +220,15 @@ class BucketedWeightSender:
             while pending is not None and not sending.done():  # a failed link: stop feeding
                 cutter.add(*_checked(pending))
                 for batch in cut:
-                    await _put(batches, batch, sending)
+                    await batches.put(batch, sending)
                 cut.clear()
                 pending = await anext(stream, None)
             cutter.finish()
             for batch in cut:
-                await _put(batches, batch, sending)
+                await batches.put(batch, sending)
         except BaseException as exc:
             if not sending.done():
-                await _put(batches, exc, sending)
+                await batches.put(exc, sending)
             with contextlib.suppress(BaseException):
                 await sending
             raise
