@@ -364,7 +364,7 @@ def main() -> None:
                 deny = method == "drop-in-fd"
                 os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
                 link.close_links()  # each method's own link (the fd one: another bucket)
-                link.SenderLink.buffers = 3 if method == "drop-in-3" else 2
+                os.environ["HYBRIDMEM_VERL_BUFFERS"] = "3" if method == "drop-in-3" else ""
                 row = _run(method, tensors, engines[deny][0], syncs, verl)
                 row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)
                 rows.append(row)

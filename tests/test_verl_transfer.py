@@ -345,6 +345,46 @@ def test_a_hundred_syncs_leave_no_fd_shm_or_thread_behind(monkeypatch: pytest.Mo
     assert threading.active_count() <= threads + 1  # asyncio's default executor, at most
 
 
+@pytest.mark.parametrize("value", ["0", "9", "two", "-1", "1.5"])
+def test_a_bad_buffer_count_names_the_allowed_ones(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("HYBRIDMEM_VERL_BUFFERS", value)
+    with pytest.raises(ValueError, match=r"HYBRIDMEM_VERL_BUFFERS=.*a whole number from 1 to 8"):
+        link.buffers()
+    sender = BucketedWeightSender(f"ipc:///tmp/hybridmem-verl-buffers-{os.getpid()}.sock")
+    with pytest.raises(ValueError, match="HYBRIDMEM_VERL_BUFFERS"):  # before any wait
+        asyncio.run(sender.async_send_weights(iter([("w", torch.ones(4))])))
+
+
+@pytest.mark.parametrize(("value", "count"), [("", 2), ("1", 1), ("3", 3)])
+def test_the_buffer_count_is_the_buckets(
+    monkeypatch: pytest.MonkeyPatch, value: str, count: int
+) -> None:
+    monkeypatch.setenv("HYBRIDMEM_VERL_BUFFERS", value)
+    weights = [(f"w{i}", torch.full((200_000,), float(i))) for i in range(5)]  # 5 batches
+    callbacks = ours(weights, 1)
+    assert [[n for n, _ in batch] for batch, _ in callbacks] == [[f"w{i}"] for i in range(5)]
+    assert [last for _, last in callbacks] == [False] * 4 + [True]
+    assert all(torch.equal(t, dict(weights)[n]) for batch, _ in callbacks for n, t in batch)
+    (sender,) = link._senders.values()
+    assert sender.bucket._buffers_count == count
+
+
+def test_a_trainer_that_frees_its_bucket_between_syncs_syncs_again() -> None:
+    # The trainer's close_links() between syncs (its memory back for a rollout); the
+    # worker's end still holds the old link and connects anew at the next sync.
+    weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(3)]
+    first = ours(weights, 1)
+    with link._senders_lock:
+        for sender in link._senders.values():
+            sender.close()
+        link._senders.clear()
+    assert len(link._receivers) == 1
+    again = ours([(n, t + 1) for n, t in weights], 1)
+    same(first, [([(n, t - 1) for n, t in batch], last) for batch, last in again])
+
+
 def _sender_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("hybridmem-verl-sender")}
 

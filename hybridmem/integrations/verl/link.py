@@ -50,13 +50,16 @@ from hybridmem._platform import unix_socket
 from hybridmem.integrations.verl.batches import Batch, OnBucket
 from hybridmem.ipc._wire import BucketHandle, Peer, PeerAborted, recv_within, send_to
 from hybridmem.ipc.bucket import WeightBucket
+from hybridmem.ipc.bucket_options import MAX_BUFFERS
 from hybridmem.ipc.receiver import BucketReceiver
 
 __all__ = [
+    "DEFAULT_BUFFERS",
     "DEFAULT_TIMEOUT_S",
     "ReceiverLink",
     "SenderLink",
     "address_of",
+    "buffers",
     "close_links",
     "made_sender_link",
     "receiver_link",
@@ -67,6 +70,9 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 120.0
 _TIMEOUT_ENV = "HYBRIDMEM_VERL_TIMEOUT"
 _TRANSPORT_ENV = "HYBRIDMEM_VERL_TRANSPORT"
+_BUFFERS_ENV = "HYBRIDMEM_VERL_BUFFERS"
+#: How many bucket-sized buffers a sender's bucket rotates unless told otherwise.
+DEFAULT_BUFFERS = 2
 _CONNECT_SLICE_S = 0.01  # how often a receiver retries a sender not yet listening
 _PATH_MAX = 100  # sun_path holds 108 bytes
 
@@ -94,6 +100,23 @@ def transport() -> str:
             "vLLM worker needed, expandable segments kept) or 'host'"
         )
     return raw
+
+
+def buffers() -> int:
+    """How many buffers a sender's bucket rotates: ``HYBRIDMEM_VERL_BUFFERS``, else 2.
+
+    Each is verl's bucket size, on the trainer's device for the process's life; a third
+    lets the trainer fill one while the engine's answer for another is on its way.
+    """
+    raw = os.environ.get(_BUFFERS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BUFFERS
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_BUFFERS:
+        raise ValueError(
+            f"{_BUFFERS_ENV}={raw!r}: a whole number from 1 to {MAX_BUFFERS} is needed "
+            f"(default {DEFAULT_BUFFERS}; each buffer is one verl bucket on the trainer's device)"
+        )
+    return int(raw)
 
 
 def address_of(zmq_handle: str) -> bytes:
@@ -134,7 +157,7 @@ class SenderLink:
                 os.unlink(self.address)  # a stale socket of an earlier run
         self._listener: socket.socket | None = unix_socket.listen(self.address, stream=True)
         index = device.index if isinstance(device, torch.device) and device.type == "cuda" else None
-        self._bucket_args = (bucket_size, index, "host" if use_shm else transport())
+        self._bucket_args = (bucket_size, index, "host" if use_shm else transport(), buffers())
         self._served = False  # a receiver opened the bucket (host buffers' names are gone)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         try:
@@ -143,24 +166,23 @@ class SenderLink:
             self._close_listener()
             raise
         logger.info(
-            "verl drop-in: %s serves %s over a %s bucket of %d bytes",
+            "verl drop-in: %s serves %s over a %s bucket of %d x %d bytes (held until "
+            "close_links())",
             self.address,
             zmq_handle,
             self.bucket.transport,
+            self._bucket_args[3],
             bucket_size,
         )
 
-    buffers = 2
-    """How many buffers the bucket rotates: one filled while the receiver reads another."""
-
     def _new_bucket(self) -> WeightBucket:
-        size, index, transport = self._bucket_args
+        size, index, transport, count = self._bucket_args
         return WeightBucket(
             size,
             index,
             transport=transport,  # type: ignore[arg-type]
             fallback="auto",
-            buffers=self.buffers,
+            buffers=count,
         )
 
     def _close_listener(self) -> None:
