@@ -385,6 +385,46 @@ def test_a_trainer_that_frees_its_bucket_between_syncs_syncs_again() -> None:
     same(first, [([(n, t - 1) for n, t in batch], last) for batch, last in again])
 
 
+def test_a_receiver_waiting_for_its_sender_does_not_hold_up_another_handles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Handle A's worker waits for a trainer that has not started; handle B's sync in the
+    # same process goes through meanwhile, and A's once its trainer comes.
+    monkeypatch.setenv("HYBRIDMEM_VERL_TIMEOUT", "30")  # held up, B would fail in 30 s
+    handle = f"ipc:///tmp/hybridmem-verl-late-{os.getpid()}.sock"
+    seen: list[Any] = []
+    failed: list[BaseException] = []
+    connecting = threading.Event()
+    real_init = link.ReceiverLink.__init__
+
+    def init(self: Any, zmq_handle: str, device: torch.device) -> None:
+        if zmq_handle == handle:
+            connecting.set()  # A now waits for its sender, its link being made
+        real_init(self, zmq_handle, device)
+
+    monkeypatch.setattr(link.ReceiverLink, "__init__", init)
+
+    def wait_for_late_trainer() -> None:
+        try:
+            receiver = BucketedWeightReceiver(handle, torch.device("cpu"))
+            receiver.receive_weights(lambda batch, last: seen.append([n for n, _ in batch]))
+        except BaseException as exc:  # reported below
+            failed.append(exc)
+
+    waiting = threading.Thread(target=wait_for_late_trainer, daemon=True)
+    waiting.start()
+    assert connecting.wait(timeout=30)
+    weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(3)]
+    assert [n for n, _ in ours(weights, 1)[0][0]] == ["w0", "w1", "w2"]
+    assert waiting.is_alive()  # B went through while A still waited
+    assert seen == []
+    asyncio.run(BucketedWeightSender(handle, bucket_size_mb=1).async_send_weights(iter(weights)))
+    waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    assert not failed, failed
+    assert seen == [["w0", "w1", "w2"]]
+
+
 def _sender_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("hybridmem-verl-sender")}
 

@@ -454,9 +454,12 @@ class ReceiverLink:
 _senders: dict[str, SenderLink] = {}
 _receivers: dict[str, ReceiverLink] = {}
 # One lock per side: a receiver that waits for its sender (in the same process, as
-# vLLM's in-process engine runs) must not stop that sender from listening.
+# vLLM's in-process engine runs) must not stop that sender from listening. A receiver
+# is made under its handle's own lock: one that waits for its sender (up to the
+# timeout) does not hold up another handle's.
 _senders_lock = threading.Lock()
 _receivers_lock = threading.Lock()
+_receiver_locks: dict[str, threading.Lock] = {}
 
 
 def sender_link(zmq_handle: str, bucket_size: int, use_shm: bool, device: Any) -> SenderLink:
@@ -476,13 +479,17 @@ def made_sender_link(zmq_handle: str) -> SenderLink | None:
 def receiver_link(zmq_handle: str, device: torch.device) -> ReceiverLink:
     """This process's receiver link for ``zmq_handle``, connected once (again if it broke)."""
     with _receivers_lock:
+        making = _receiver_locks.setdefault(zmq_handle, threading.Lock())
+    with making:
         link = _receivers.get(zmq_handle)
         if link is not None and not link.closed:
             return link
         if link is not None:
             link.close()
-        link = _receivers[zmq_handle] = ReceiverLink(zmq_handle, device)
-        return link
+        made = ReceiverLink(zmq_handle, device)  # may wait for the sender: no shared lock
+        with _receivers_lock:
+            _receivers[zmq_handle] = made
+        return made
 
 
 def close_links() -> None:
