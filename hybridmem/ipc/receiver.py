@@ -313,7 +313,7 @@ class BucketReceiver(ClosesOnExit):
                 if kind == "end":
                     self._check_end(message, partial, count, nbytes, last_seq)
                     finished = True
-                    send_to(channel, ("ack", sync, message[2]), self._peer, "the ack of the end")
+                    self._ack(channel, sync, message[2], "the end")
                     return
                 if kind == "group" or (kind == "batch" and len(message) == 6):
                     raise RuntimeError(
@@ -328,13 +328,13 @@ class BucketReceiver(ClosesOnExit):
                 nbytes += sum(e[4] for e in message[4])
                 if not views or out is not None:
                     # copies made: the producer may refill it
-                    send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
+                    self._ack(channel, sync, seq, f"batch {seq}")
                     yield from ready
                 else:
                     yield from ready
                     self._views_done(int(message[3]), caller)
                     # the views of this batch are done with
-                    send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
+                    self._ack(channel, sync, seq, f"batch {seq}")
         except PeerAborted:
             aborted_by_peer = True  # the producer stopped it: no need to tell it
             raise
@@ -443,7 +443,7 @@ class BucketReceiver(ClosesOnExit):
                         raise SyncError("the sync ended inside a group: a batch was lost")
                     self._check_end(message, partial, count, nbytes, last_seq)
                     finished = True
-                    send_to(channel, ("ack", sync, message[2]), self._peer, "the ack of the end")
+                    self._ack(channel, sync, message[2], "the end")
                     return
                 if kind == "batch" and len(message) == 5:
                     raise RuntimeError(
@@ -469,7 +469,7 @@ class BucketReceiver(ClosesOnExit):
                 count += len(ready)
                 nbytes += sum(e[4] for e in message[4])
                 if not whole:  # copies made: the producer may refill it
-                    send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
+                    self._ack(channel, sync, seq, f"batch {seq}")
                     group.extend(ready)
                     if ends:
                         tensors, group = group, []
@@ -477,7 +477,7 @@ class BucketReceiver(ClosesOnExit):
                     continue
                 yield ready, message[5][1]
                 self._views_done(int(message[3]), caller)
-                send_to(channel, ("ack", sync, seq), self._peer, f"the ack of batch {seq}")
+                self._ack(channel, sync, seq, f"batch {seq}")
         except PeerAborted:
             aborted_by_peer = True  # the producer stopped it: no need to tell it
             raise
@@ -494,6 +494,10 @@ class BucketReceiver(ClosesOnExit):
         wait here.
         """
         return bool(self._drained)
+
+    def _ack(self, channel: Channel, sync: int, seq: int, what: str) -> None:
+        """Tell the producer message ``seq`` of ``sync`` (``what``) is done with."""
+        send_to(channel, ("ack", sync, seq), self._peer, f"the ack of {what}")
 
     @staticmethod
     def _check_end(
