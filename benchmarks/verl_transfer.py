@@ -188,20 +188,8 @@ def _engine(conn: Any, deny: bool) -> None:
         conn.send(("ack", torch.cuda.mem_get_info()[0]))
 
 
-def _batches(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, Any]]]:
-    batches: list[list[tuple[str, Any]]] = [[]]
-    held = 0
-    for name, tensor in tensors.items():
-        if batches[-1] and held + tensor.nbytes > limit:
-            batches.append([])
-            held = 0
-        batches[-1].append((name, tensor))
-        held += tensor.nbytes
-    return batches
-
-
-def _aligned_batches(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, int]]]:
-    """(name, byte offset) batches of at most ``limit`` bytes, offsets 256-aligned."""
+def _batches(tensors: dict[str, Any], limit: int, align: int = 1) -> list[list[tuple[str, int]]]:
+    """(name, byte offset) batches of at most ``limit`` bytes, offsets ``align``-aligned."""
     batches: list[list[tuple[str, int]]] = [[]]
     offset = 0
     for name, tensor in tensors.items():
@@ -209,7 +197,7 @@ def _aligned_batches(tensors: dict[str, Any], limit: int) -> list[list[tuple[str
             batches.append([])
             offset = 0
         batches[-1].append((name, offset))
-        offset = -(-(offset + tensor.nbytes) // 256) * 256
+        offset = -(-(offset + tensor.nbytes) // align) * align
     return batches
 
 
@@ -239,7 +227,7 @@ class HandWritten:
         stream = torch.cuda.current_stream()
         count = len(self.buffers)
         self.conn.send(("hand-written",))
-        for number, layout in enumerate(_aligned_batches(tensors, self.nbytes)):
+        for number, layout in enumerate(_batches(tensors, self.nbytes, 256)):
             index = number % count
             if number >= count:  # the engine has queued its reads of this buffer
                 assert self.conn.recv() == ("drained", index)
@@ -289,7 +277,8 @@ def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any)
         else:  # flattened: one payload per 512 MiB batch, out of the drop-in's buffer
             payloads = []
             for batch in _batches(tensors, 512 * MiB):
-                payload = sglang.flattened_payload(batch, flat_metadata)
+                named = [(name, tensors[name]) for name, _ in batch]
+                payload = sglang.flattened_payload(named, flat_metadata)
                 payloads.append((reduce_tensor(payload["flattened_tensor"]), payload["metadata"]))
                 conn.send(("flattened", payloads))
                 answer = conn.recv()
