@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,3 +92,39 @@ class LoopTicker:
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+def open_fds() -> dict[int, str]:
+    """This process's open file descriptors, each with what it refers to (Linux ``/proc``).
+
+    A socket or pidfd reads as ``socket:[inode]`` / ``anon_inode:[pidfd]``, so a
+    descriptor number closed and reused for something else reads as a new entry.
+    """
+    fds: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except FileNotFoundError:  # closed meanwhile (listdir's own descriptor)
+            continue
+    return fds
+
+
+def fds_opened_since(before: dict[int, str]) -> dict[int, str]:
+    """The descriptors open now that were not open, to the same file, in ``before``.
+
+    Descriptors closed meanwhile are not a leak and are not counted: other threads of
+    this process (an earlier test's watcher ending, the garbage collector finalising a
+    socket) close their own at any moment, so comparing counts fails by timing.
+    """
+    return {fd: target for fd, target in open_fds().items() if before.get(fd) != target}
+
+
+def shared_mappings() -> Counter[str]:
+    """This process's mappings of shared memory, by file (``/dev/shm`` is machine-wide)."""
+    with open("/proc/self/maps") as maps:
+        return Counter(line.split(maxsplit=5)[-1].strip() for line in maps if "/dev/shm/" in line)
+
+
+def mappings_added_since(before: Counter[str]) -> Counter[str]:
+    """Shared-memory mappings made since ``before`` and still held (unmapped ones aside)."""
+    return shared_mappings() - before

@@ -30,6 +30,7 @@ from hybridmem.integrations.verl.batches import VerlBatches
 from hybridmem.integrations.verl.transfer import BucketedWeightReceiver, BucketedWeightSender
 from tests import verl_oracle, verl_transfer_oracle
 from tests.conftest import patch_seam
+from tests.helpers import fds_opened_since, mappings_added_since, open_fds, shared_mappings
 
 Weights = list[tuple[str, torch.Tensor]]
 Callbacks = list[tuple[Weights, bool]]
@@ -311,19 +312,13 @@ def test_a_named_transport_is_the_buckets(monkeypatch: pytest.MonkeyPatch, value
     assert link.transport() == (value.strip() or "auto")
 
 
-def _shm_mapped() -> int:
-    """This process's mappings of shared memory (/dev/shm itself is machine-wide)."""
-    with open("/proc/self/maps") as maps:
-        return sum("/dev/shm/" in line for line in maps)
-
-
 def test_a_hundred_syncs_leave_no_fd_shm_or_thread_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     from multiprocessing import shared_memory
 
     weights = [(f"w{i}", torch.full((50_000,), float(i))) for i in range(6)]
     ours(weights, 1)  # the link made once
-    fds = len(os.listdir("/proc/self/fd"))
-    mapped = _shm_mapped()
+    fds = open_fds()
+    mapped = shared_mappings()
     threads = threading.active_count()
     # The names this process makes from now on; other tests' processes (xdist's other
     # workers) make and remove names in /dev/shm at the same time.
@@ -339,8 +334,8 @@ def test_a_hundred_syncs_leave_no_fd_shm_or_thread_behind(monkeypatch: pytest.Mo
     monkeypatch.setattr(shared_memory, "SharedMemory", recorded)
     for _ in range(100):
         ours(weights, 1)
-    assert len(os.listdir("/proc/self/fd")) == fds
-    assert _shm_mapped() == mapped
+    assert fds_opened_since(fds) == {}
+    assert mappings_added_since(mapped) == {}
     assert [n for n in created if os.path.exists(f"/dev/shm/{n.lstrip('/')}")] == []
     assert threading.active_count() <= threads + 1  # asyncio's default executor, at most
 

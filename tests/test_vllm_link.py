@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing as mp
-import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,13 @@ from hybridmem.integrations.vllm.schema import check_weights, checkpoint_schema
 from hybridmem.integrations.vllm.trainer import TrainerLink
 from hybridmem.ipc._wire import BucketHandle
 from tests import link_trainer
-from tests.helpers import run_python
+from tests.helpers import (
+    fds_opened_since,
+    mappings_added_since,
+    open_fds,
+    run_python,
+    shared_mappings,
+)
 
 CPU = torch.device("cpu")
 
@@ -155,12 +160,6 @@ def test_the_engine_checks_what_it_received_and_applies_nothing_wrong(pair: _Pai
     _same(pair.applied[-1], _weights(2.0))
 
 
-def _shared_mappings() -> int:
-    """This process's mappings of shared memory (what it holds; /dev/shm is machine-wide)."""
-    with open("/proc/self/maps") as maps:
-        return sum("/dev/shm/" in line for line in maps)
-
-
 def test_a_worker_that_fails_before_reading_ends_the_sync_at_once_and_the_next_works(
     pair: _Pair,
 ) -> None:
@@ -179,12 +178,12 @@ def test_a_worker_that_fails_before_reading_ends_the_sync_at_once_and_the_next_w
 
 def test_twenty_syncs_leak_no_fd_and_no_shared_memory(pair: _Pair) -> None:
     pair.sync(_weights())
-    fds = len(os.listdir("/proc/self/fd"))
-    mapped = _shared_mappings()
+    fds = open_fds()
+    mapped = shared_mappings()
     for step in range(20):
         pair.sync(_weights(float(step)))
-    assert len(os.listdir("/proc/self/fd")) == fds
-    assert _shared_mappings() == mapped
+    assert fds_opened_since(fds) == {}
+    assert mappings_added_since(mapped) == {}
     assert len(pair.applied) == 21
 
 
@@ -274,10 +273,10 @@ def test_a_trainer_killed_mid_sync_leaves_the_model_and_the_machine_clean(
 def test_a_silent_trainer_times_out_and_its_exit_is_noticed_while_idle() -> None:
     child = _Child(silent=True, timeout=0.5)
     try:
-        fds = len(os.listdir("/proc/self/fd"))
+        fds = open_fds()
         with pytest.raises(SyncError, match=r"did not send the marker of sync 1 within 0\.5 s"):
             child.sync()
-        assert len(os.listdir("/proc/self/fd")) == fds  # no pidfd left behind by the failure
+        assert fds_opened_since(fds) == {}  # no pidfd left behind by the failure
         assert child.applied == []
         assert not child.engine.closed  # the trainer is alive: the link stays
         child.process.kill()

@@ -210,7 +210,10 @@ def test_twenty_updates_leak_no_shared_memory_and_no_fd(
     before = _held()
     for step in range(20):
         trainer.send_weights(weight_version=f"step-{step}")
-    assert _held() == before
+    fds, mapped = _held()
+    # Not more than before (other threads of vLLM's processes may close their own meanwhile).
+    assert fds <= before[0]
+    assert mapped <= before[1]
     assert llm.get_weight_version() == "step-19"
     assert _generate(llm) == original
 
