@@ -195,6 +195,21 @@ def test_the_verdict_allows_the_releases_where_they_were_timed() -> None:
     assert old.endswith("NOT met")
 
 
+def test_a_verdict_not_met_names_the_switchs_longest_stages() -> None:
+    point = _point(64, 1.0, 32.0, slow=1.3)
+    planned = point["results"]["planned"]["summary"]
+    stages = {"plan": 0.4, "offload": 600.0, "weight_sync": 9.0, "outside stages": 3.5}
+    planned["stages_to_rollout_ms"] = {f"s{i}": 0.01 for i in range(4)} | stages
+    to_rollout, to_trainer, _ = need_verdicts([point])
+    assert to_rollout.endswith(
+        "NOT met; longest stages (ms, median): offload 600.00, weight_sync 9.00, "
+        "outside stages 3.50, plan 0.40, s0 0.01"
+    )
+    assert to_trainer.endswith("NOT met")  # its stages were not saved: nothing said
+    met = need_verdicts([_point(32, 0.5, 8.0)])[1]
+    assert met.endswith(": met")
+
+
 def test_the_kv_verdict_says_what_failed() -> None:
     point = _point(32, 0.5, 8.0)
     rows = {name: r["summary"] for name, r in point["results"].items()}

@@ -17,7 +17,8 @@ import pytest
 
 from hybridmem import _torch
 from hybridmem.bench import run as bench_run
-from hybridmem.bench.plan import SCALE_GIB, BenchPlan, moved_bytes_of, resummarise, scale_plan
+from hybridmem.bench.figures import moved_bytes_of, resummarise
+from hybridmem.bench.plan import SCALE_GIB, BenchPlan, scale_plan
 from hybridmem.bench.report import format_scale_table, plot_scale, scale_verdicts
 from hybridmem.cli import main
 from tests.channels import ScriptedChannel
@@ -339,7 +340,11 @@ def test_hybridmems_offload_rate_is_its_copies_own_time(
     from hybridmem.memory.offload_report import OffloadReport
 
     report = OffloadReport("offload", ("optimizer",), GiB, 3, 0.2, GiB, "cuda:0", 0, copy_seconds)
-    switch = SimpleNamespace(to_rollout=lambda: None, offload_report=report, plan=None)
+    switch = SimpleNamespace(
+        to_rollout=lambda: _switch_report("to_rollout", offload=0.2),
+        offload_report=report,
+        plan=None,
+    )
     strategy = SimpleNamespace(
         switch=switch, offloader=SimpleNamespace(host_bytes=GiB), _sync_s=0.01
     )
@@ -353,11 +358,9 @@ def test_a_planned_switch_with_nothing_short_copies_nothing_either_way() -> None
     from hybridmem.bench.strategies import Hybridmem
     from hybridmem.memory.need_plan import NeedPlan
 
-    stage = SimpleNamespace(seconds=0.001)
-    report = SimpleNamespace(stage=lambda name: stage)
     switch = SimpleNamespace(
-        to_rollout=lambda: report,
-        to_trainer=lambda: report,
+        to_rollout=lambda: _switch_report("to_rollout", plan=0.001, offload=0.0),
+        to_trainer=lambda: _switch_report("to_trainer", reload=0.0, release=0.001),
         offload_report=None,
         plan=NeedPlan(need=GiB, free=8 * GiB, margin=0, deficit=0),
     )
@@ -367,6 +370,27 @@ def test_a_planned_switch_with_nothing_short_copies_nothing_either_way() -> None
     out = Hybridmem.to_rollout(strategy)  # type: ignore[arg-type]
     back = Hybridmem.to_trainer(strategy)  # type: ignore[arg-type]
     assert (out.copy_s, out.copy_bytes, back.copy_bytes) == (0.0, 0, 0)
+    # Where each way's time went, stage by stage, in the switch's order.
+    assert out.stages == {"plan": 0.001, "offload": 0.0}
+    assert back.stages == {"reload": 0.0, "release": 0.001}
+
+
+def _switch_report(direction: Any, **seconds: float) -> Any:
+    """A switch's report whose stages took ``seconds`` (by name, in order), no device."""
+    from hybridmem.engine.reports import StageReport, SwitchReport
+    from hybridmem.observe.memory import MemoryInfo
+
+    none = MemoryInfo(device=None, available=False)
+    stages = [StageReport(name, s, none, none, 0.0) for name, s in seconds.items()]
+    return SwitchReport(direction, 0, stages)
+
+
+def test_a_stage_run_twice_in_a_switch_is_summed() -> None:
+    from hybridmem.bench.strategies import _stage_seconds
+
+    report = _switch_report("to_rollout", release=0.002, wake_kv=0.01)
+    report.stages.append(report.stages[0])  # a second release
+    assert _stage_seconds(report) == {"release": 0.004, "wake_kv": 0.01}
 
 
 def _cycle_fakes(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
@@ -419,9 +443,52 @@ def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
     bench_run._cycle(0, tiny("torch"), Strategy(), engine, lambda: None, got)
     assert got.errors == []
     assert got.engine_wake_s == [0.25]  # counted from 0 at each switch, not from 9
+    assert got.stages_to_rollout_s == got.stages_to_trainer_s == []  # not a HybridSwitch
     assert got.engine_sleep_s == [0.125]
     assert read == ["hand-back"]
     assert got.handback[-1] == 0.999
+
+
+def test_each_cycle_records_the_switchs_stages_and_what_ran_outside_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    from hybridmem.bench.strategies import Moved
+
+    engine = _cycle_fakes(monkeypatch)
+    engine.last_missing = {"trainer_cached": 0}
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def switch(seconds: float, stages: dict[str, float], sync_s: float = 0.0) -> Any:
+        def call() -> Moved:
+            now[0] += seconds
+            return Moved(sync_s=sync_s, stages=stages)
+
+        return call
+
+    strategy = SimpleNamespace(
+        train_scope=contextlib.nullcontext,
+        to_rollout=switch(0.25, {"plan": 0.01, "weight_sync": 0.125}, sync_s=0.12),
+        to_trainer=switch(0.5, {"reload": 0.25, "release": 0.125}),
+    )
+    got = figures("planned", to_rollout_s=[], to_trainer_s=[])
+    for cycle in range(2):
+        bench_run._cycle(cycle, tiny("torch"), strategy, engine, lambda: None, got)
+    assert got.errors == []
+    assert got.sync_s == [0.12, 0.12]
+    outside = bench_run.OUTSIDE_STAGES
+    assert got.stages_to_rollout_s[0] == {
+        "plan": 0.01,
+        "weight_sync": 0.125,
+        outside: pytest.approx(0.115),
+    }
+    assert got.stages_to_trainer_s[1] == {"reload": 0.25, "release": 0.125, outside: 0.125}
+    summary = got.summary()
+    assert summary["sync_s"] == 0.12
+    assert summary["stages_to_trainer_ms"] == {"reload": 250.0, "release": 125.0, outside: 125.0}
+    assert list(summary["stages_to_rollout_ms"]) == ["plan", "weight_sync", outside]
 
 
 def test_the_training_steps_queued_work_is_waited_for_before_the_switch_is_timed(
@@ -479,7 +546,7 @@ def test_the_hand_back_is_read_after_the_switch_with_the_kv_wake_given_back(
     fake_gpu: Any,
 ) -> None:
     """The figure of the moment before the KV wake, read once the switch is done."""
-    from hybridmem.bench.plan import handback_ratio
+    from hybridmem.bench.figures import handback_ratio
 
     device = fake_gpu.devices[0]  # the trainer: 2 GiB allocated, 10 GiB reserved
     device.reserved = device.allocated  # released: nothing cached

@@ -8,6 +8,7 @@ cycle and generates; the same run goes through four strategies (``naive``,
 its own processes.
 """
 
-from hybridmem.bench.plan import MODELS, STRATEGIES, BenchPlan, Figures, handback_ratio, plan
+from hybridmem.bench.figures import Figures, handback_ratio
+from hybridmem.bench.plan import MODELS, STRATEGIES, BenchPlan, plan
 
 __all__ = ["MODELS", "STRATEGIES", "BenchPlan", "Figures", "handback_ratio", "plan"]

@@ -314,7 +314,7 @@ class EngineClient:
         # The contexts as they are now: lazily loaded kernels and library
         # workspaces grow them after the start, and no switch can free them.
         context = (total - free) - reserved - engine_reserved
-        from hybridmem.bench.plan import handback_ratio
+        from hybridmem.bench.figures import handback_ratio
 
         self.last_handback = handback_ratio(free, total, live, context)
         # What kept the hand-back below 1: caches either process kept.

@@ -140,13 +140,28 @@ def need_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
                 else:
                     judged_by, left_out = aside, "engine calls aside, releases not timed"
                     beside = f"{_cell(raw, '.2f')}x raw"
-                verdict = "met" if judged_by <= NEED_TARGET else "NOT met"
+                met = judged_by <= NEED_TARGET
                 judged.append(
                     f"{where} {what}: {judged_by:.2f}x its {_cell(copied, '.2f')} GiB at the "
-                    f"pinned rate, {left_out} (target <= {NEED_TARGET}x; {beside}): {verdict}"
+                    f"pinned rate, {left_out} (target <= {NEED_TARGET}x; {beside}): "
+                    + ("met" if met else "NOT met" + _where_it_went(row, key))
                 )
         judged.append(f"{where}: {_kv_verdict(row, _rows(size).get('hybridmem'))}")
     return judged
+
+
+def _where_it_went(row: dict[str, Any], key: str, top: int = 5) -> str:
+    """The switch's longest stages that way, in ms (empty where stages were not saved).
+
+    Each stage's time includes any engine call or release made in it: this says where
+    the seconds went, the verdict's figure says which of them count.
+    """
+    stages = row.get(f"stages_{key}_ms") or {}
+    if not stages:
+        return ""
+    longest = sorted(stages.items(), key=lambda item: -item[1])[:top]
+    said = ", ".join(f"{name} {ms:.2f}" for name, ms in longest)
+    return f"; longest stages (ms, median): {said}"
 
 
 def _kv_verdict(row: dict[str, Any], offload_all: dict[str, Any] | None) -> str:

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridmem._files import FileProblem, check_writable, describe
+from hybridmem.bench.figures import resummarise
 from hybridmem.bench.need_report import format_need_table, is_need_run, need_verdicts, plot_need
-from hybridmem.bench.plan import ALL_STRATEGIES, resummarise
+from hybridmem.bench.plan import ALL_STRATEGIES
 from hybridmem.bench.report import (
     format_scale_table,
     format_table,
@@ -198,7 +199,7 @@ def merge_scale(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
     A strategy at a size (and ``--need`` share) in a later run replaces the earlier
     one's (so one strategy run again, at one size, replaces only itself). Each summary
-    is computed again from its raw figures (:func:`~hybridmem.bench.plan.resummarise`),
+    is computed again from its raw figures (:func:`~hybridmem.bench.figures.resummarise`),
     so results saved by an older bench are judged by today's ceiling.
 
     Example:

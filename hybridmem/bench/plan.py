@@ -1,12 +1,14 @@
-"""What ``hybridmem bench`` runs: sizes chosen from device memory, and the figures it reports."""
+"""What ``hybridmem bench`` runs: sizes chosen from device memory, strategies, needs.
+
+What a run measured is :mod:`hybridmem.bench.figures`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from hybridmem._checks import check_number
-from hybridmem.observe.leakwatch import slope
 
 __all__ = [
     "ALL_STRATEGIES",
@@ -16,14 +18,10 @@ __all__ = [
     "NEED_STRATEGIES",
     "STRATEGIES",
     "BenchPlan",
-    "Figures",
     "check_need",
     "choose_strategies",
-    "handback_ratio",
-    "moved_bytes_of",
     "need_kv_target",
     "plan",
-    "resummarise",
     "scale_plan",
 ]
 
@@ -318,228 +316,3 @@ def need_kv_target(
             f"{optimizer / GiB:.1f} GiB of optimizer state"
         )
     return kv, max(0, weights + kv + margin - free)
-
-
-def handback_ratio(free: int, total: int, live: int, context: int) -> float:
-    """Device free memory over what could be free: ``free / (total - live - context)``."""
-    possible = total - live - context
-    return free / possible if possible > 0 else 0.0
-
-
-@dataclass
-class Figures:
-    """One strategy's results: the figures its verdicts judge."""
-
-    strategy: str
-    cycles: int
-    kv_target: int
-    kv_obtained: list[int]
-    handback: list[float]
-    to_rollout_s: list[float]
-    to_trainer_s: list[float]
-    offload_gbps: list[float]
-    pinned_gbps: float
-    peak_reserved: list[int]
-    peak_allocated: list[int]
-    free_at_train: list[int]
-    overhead_s: list[float]
-    errors: list[str]
-    #: per cycle, in bytes: caches each process kept when the KV cache woke (what kept
-    #: the hand-back below 1), and how much the contexts grew since the start.
-    missing: list[dict[str, int]] = field(default_factory=list)
-    #: the model the trainer built (e.g. ``"transformers LlamaForCausalLM"``).
-    model: str = ""
-    #: the engine that ran (``"torch_memory_saver (preload)"``, ``"handmade"``).
-    engine: str = ""
-    #: with ``BenchPlan.anatomy``: per cycle, the trainer's and the engine's cache
-    #: anatomy at the KV wake (``hybridmem.bench.anatomy.cache_anatomy``).
-    anatomy: list[dict[str, Any]] = field(default_factory=list)
-    #: per cycle, bytes the engine kept cached once asleep (outside paused regions).
-    engine_cached_after_sleep: list[int] = field(default_factory=list)
-    #: the trainer state on the device at each switch: parameters and optimizer state
-    #: (the gradients are dropped before it).
-    state_bytes: int = 0
-    #: the bytes each switch copies over the host link in each direction, the
-    #: ceiling's bytes: the optimizer state, which every strategy offloads and
-    #: reloads. The parameters stay on the device (the engine gets them by weight
-    #: sync, a device-to-device copy), so they are not in the ceiling: counting
-    #: them, as the first scale runs did, made it 1.5x too long (fp32 parameters
-    #: beside two fp32 AdamW moments). 0 in results saved before (then see
-    #: :func:`moved_bytes_of`).
-    moved_bytes: int = 0
-    #: per cycle, the seconds of each switch spent in the engine's own memory calls,
-    #: timed from the trainer across the pipe: its wake-ups on the way to rollout,
-    #: its sleep on the way back. No trainer-side strategy can shorten them, and the
-    #: ceiling does not count them. Empty in results saved before.
-    engine_wake_s: list[float] = field(default_factory=list)
-    engine_sleep_s: list[float] = field(default_factory=list)
-    #: per cycle, the seconds of each switch's release of the cache it freed (its
-    #: ``release`` stage; 0 for strategies without one): the need target allows them
-    #: beside the copies. Empty in results saved before.
-    release_to_rollout_s: list[float] = field(default_factory=list)
-    release_to_trainer_s: list[float] = field(default_factory=list)
-    #: per cycle, the seconds the trainer's GPU took to finish the training step's
-    #: queued work once the host had queued it all: waited for before each switch to
-    #: rollout is timed, since no strategy can start its copies before that work
-    #:. Before, that wait was inside the to-rollout seconds. Empty in
-    #: results saved before.
-    train_drain_s: list[float] = field(default_factory=list)
-    #: what packing the engine's weights into one segment did at their last making
-    #: (the ``hybridmem`` strategy: a ``SegmentReport`` of :func:`hybridmem.one_segment`
-    #: as text); empty where nothing was packed, and in results saved before.
-    engine_packed: str = ""
-    #: ``--need`` runs: the need asked for (:attr:`BenchPlan.need`), what the rollout
-    #: was short with the whole state on the device (:func:`need_kv_target`), and per
-    #: cycle the bytes each switch to rollout copied to the host (0 where nothing was
-    #: short), which are then the ceiling's bytes. None, 0 and empty otherwise.
-    need: float | None = None
-    deficit_bytes: int = 0
-    copied_bytes: list[int] = field(default_factory=list)
-
-    def summary(self) -> dict[str, Any]:
-        """Medians and the drift slope, JSON-ready."""
-
-        def median(values: list[float]) -> float | None:
-            ordered = sorted(values)
-            return ordered[len(ordered) // 2] if ordered else None
-
-        ratios = [r / a for r, a in zip(self.peak_reserved, self.peak_allocated, strict=True) if a]
-        # One direction's bytes at the pinned copy rate measured in the same process:
-        # with --need, the bytes this strategy copied (each moves its own share).
-        copied = median([float(b) for b in self.copied_bytes])  # per switch to rollout
-        moved = self.moved_bytes if self.need is None else int(copied or 0)
-        ceiling = moved / (self.pinned_gbps * 1e9) if moved and self.pinned_gbps else None
-        ratio = median(ratios)
-        steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
-        return {
-            "strategy": self.strategy,
-            "model": self.model,
-            "engine": self.engine,
-            "cycles": self.cycles,
-            "kv_obtained_gib": (median([float(k) for k in self.kv_obtained]) or 0) / GiB,
-            "kv_target_gib": self.kv_target / GiB,
-            "handback": median(self.handback),
-            "to_rollout_s": median(self.to_rollout_s),
-            "to_trainer_s": median(self.to_trainer_s),
-            "offload_gbps": median(self.offload_gbps),
-            "offload_of_pinned": (median(self.offload_gbps) or 0) / self.pinned_gbps
-            if self.pinned_gbps
-            else None,
-            "peak_reserved_over_allocated": ratio,
-            "peak_reserved_over_allocated_max": max(ratios) if ratios else None,
-            "drift_mib_per_cycle": -slope([float(f) for f in steady]) / 2**20 + 0.0  # no -0.0
-            if len(steady) >= 2
-            else None,
-            "overhead_s": median(self.overhead_s),
-            "state_gib": self.state_bytes / GiB,
-            "moved_gib": self.moved_bytes / GiB,
-            "ceiling_s": ceiling,
-            "to_rollout_over_ceiling": _over(median(self.to_rollout_s), ceiling),
-            "to_trainer_over_ceiling": _over(median(self.to_trainer_s), ceiling),
-            "engine_wake_s": median(self.engine_wake_s),
-            "engine_sleep_s": median(self.engine_sleep_s),
-            "train_drain_s": median(self.train_drain_s),
-            # The cycles after the first (which pays one-time allocations), shown beside
-            # the figure the target is judged by: with four cycles that figure, the
-            # upper middle, is the slowest of the steady three.
-            "to_rollout_over_ceiling_steady": _over(median(self.to_rollout_s[1:]), ceiling),
-            "to_trainer_over_ceiling_steady": _over(median(self.to_trainer_s[1:]), ceiling),
-            # The switch less the engine's own calls, cycle by cycle: the part a
-            # trainer-side strategy decides.
-            "to_rollout_over_ceiling_engine_aside": _over(
-                median(_less(self.to_rollout_s, self.engine_wake_s)), ceiling
-            ),
-            "to_trainer_over_ceiling_engine_aside": _over(
-                median(_less(self.to_trainer_s, self.engine_sleep_s)), ceiling
-            ),
-            "release_to_rollout_s": median(self.release_to_rollout_s),
-            "release_to_trainer_s": median(self.release_to_trainer_s),
-            # The same less the switch's release too, cycle by cycle: what the need
-            # target judges (its copies within 1.1x of the ceiling, plus the release).
-            "to_rollout_over_ceiling_engine_and_release_aside": _over(
-                median(
-                    _less(_less(self.to_rollout_s, self.engine_wake_s), self.release_to_rollout_s)
-                ),
-                ceiling,
-            ),
-            "to_trainer_over_ceiling_engine_and_release_aside": _over(
-                median(
-                    _less(_less(self.to_trainer_s, self.engine_sleep_s), self.release_to_trainer_s)
-                ),
-                ceiling,
-            ),
-            "trainer_cached_mib": (
-                median([float(m["trainer_cached"]) for m in self.missing]) or 0.0
-            )
-            / 2**20
-            if self.missing
-            else None,
-            "engine_cached_after_sleep_mib": (
-                median([float(v) for v in self.engine_cached_after_sleep]) or 0.0
-            )
-            / 2**20
-            if self.engine_cached_after_sleep
-            else None,
-            "missing_mib": {
-                key: (median([float(m[key]) for m in self.missing]) or 0.0) / 2**20
-                for key in (self.missing[0] if self.missing else {})
-            },
-            "deficit_gib": self.deficit_bytes / GiB,
-            "copied_gib": None if copied is None else copied / GiB,
-            "errors": self.errors,
-        }
-
-
-def moved_bytes_of(raw: dict[str, Any], plan: dict[str, Any] | None) -> int:
-    """The ceiling's bytes of saved raw figures, also of results saved without them.
-
-    Results saved before :attr:`Figures.moved_bytes` existed (the scale runs of
-    2026-12-02) hold ``state_bytes``, parameters and optimizer state; the bench's
-    parameters are fp32, so the optimizer state is ``state_bytes - 4 * params``.
-
-    Args:
-        raw: a strategy's ``"raw"`` figures as saved.
-        plan: the plan saved beside them (its ``params``), or None.
-
-    Returns:
-        The bytes, or 0 when they cannot be known.
-
-    Example:
-        >>> moved_bytes_of({"state_bytes": 12_000}, {"params": 1_000})
-        8000
-    """
-    moved = int(raw.get("moved_bytes") or 0)
-    if moved:
-        return moved
-    state, params = int(raw.get("state_bytes") or 0), int((plan or {}).get("params") or 0)
-    return max(0, state - 4 * params) if state and params else 0
-
-
-def resummarise(result: dict[str, Any], plan: dict[str, Any] | None) -> dict[str, Any]:
-    """A saved strategy result with its summary computed again from its raw figures.
-
-    So that results saved by an older bench are judged by today's definitions (the
-    ceiling's bytes above all). A result without (complete) raw figures is returned
-    as saved.
-
-    Example:
-        >>> resummarise({"summary": {"strategy": "naive"}}, None)["summary"]
-        {'strategy': 'naive'}
-    """
-    raw = result.get("raw")
-    every = fields(Figures)
-    needed = {f.name for f in every if f.default is MISSING and f.default_factory is MISSING}
-    if not (isinstance(raw, dict) and needed <= raw.keys()):
-        return result
-    figures = Figures(**{f.name: raw[f.name] for f in every if f.name in raw})
-    figures.moved_bytes = moved_bytes_of(raw, plan)
-    return {**result, "summary": figures.summary()}
-
-
-def _less(totals: list[float], parts: list[float]) -> list[float]:
-    """``totals`` less ``parts``, cycle by cycle (none where the cycles do not pair up)."""
-    return [t - p for t, p in zip(totals, parts, strict=True)] if len(totals) == len(parts) else []
-
-
-def _over(seconds: float | None, ceiling: float | None) -> float | None:
-    return seconds / ceiling if seconds is not None and ceiling else None

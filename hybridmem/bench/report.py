@@ -82,6 +82,7 @@ TABLE_KEYS = (
     "peak_reserved_over_allocated_max",
     "drift_mib_per_cycle",
     "overhead_s",
+    "sync_s",
     "trainer_cached_mib",
     "engine_cached_after_sleep_mib",
     "engine_wake_s",

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hybridmem.bench.figures import Figures
 from hybridmem.bench.outputs import (
     NO_MATPLOTLIB,
     has_matplotlib,
@@ -28,7 +29,6 @@ from hybridmem.bench.peers import run_child
 from hybridmem.bench.plan import (
     ALL_STRATEGIES,
     BenchPlan,
-    Figures,
     check_rollout_s,
     choose_strategies,
     need_kv_target,
@@ -313,6 +313,10 @@ def _cycle(
         figures.release_to_rollout_s.append(out.release_s)
         figures.release_to_trainer_s.append(back.release_s)
         figures.copied_bytes.append(out.copy_bytes)
+        figures.sync_s.append(out.sync_s)
+        if out.stages or back.stages:
+            figures.stages_to_rollout_s.append(_with_outside(out.stages, to_rollout))
+            figures.stages_to_trainer_s.append(_with_outside(back.stages, to_trainer))
         if out.copy_s > 0 and out.copy_bytes:
             figures.offload_gbps.append(out.copy_bytes / out.copy_s / 1e9)
         work = out.copy_s + back.copy_s + out.sync_s + engine.engine_seconds - generate
@@ -322,6 +326,16 @@ def _cycle(
     except torch.OutOfMemoryError as exc:
         figures.errors.append(f"cycle {cycle}: {str(exc).splitlines()[0]}")
         torch.cuda.empty_cache()
+
+
+#: A switch's seconds in none of its stages: its bookkeeping between them (memory
+#: readings, reports) and the strategy's own calls around it.
+OUTSIDE_STAGES = "outside stages"
+
+
+def _with_outside(stages: dict[str, float], seconds: float) -> dict[str, float]:
+    """``stages`` and the rest of a switch's ``seconds`` (:data:`OUTSIDE_STAGES`)."""
+    return {**stages, OUTSIDE_STAGES: max(0.0, seconds - sum(stages.values()))}
 
 
 def _pinned_ceiling(nbytes: int) -> float:

@@ -31,7 +31,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from hybridmem import _torch
 from hybridmem.bench.engine import EngineClient
 from hybridmem.bench.engine_memory import memory_saver
 from hybridmem.bench.plan import FIXED_FRACTION, BenchPlan
+from hybridmem.engine.reports import SwitchReport
 from hybridmem.engine.switch import HybridSwitch
 from hybridmem.engine.switch_offload import RolloutNeed
 from hybridmem.ipc._plan import plan_batches
@@ -64,6 +65,9 @@ class Moved:
     #: :func:`~hybridmem.scopes.release.release_cache` of this direction; 0 where a
     #: strategy does not say): the need target allows them beside the copies.
     release_s: float = 0.0
+    #: seconds of each stage of the switch, by stage name, in its order (empty where
+    #: the strategy is not a :class:`~hybridmem.HybridSwitch`): where its time went.
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict[str, Any], str]]:
@@ -305,7 +309,13 @@ class Hybridmem(Strategy):
         else:
             copy_s, nbytes = report.stage("offload").seconds, self.offloader.host_bytes
         self._moved = nbytes
-        return Moved(copy_s=copy_s, copy_bytes=nbytes, sync_s=self._sync_s, release_s=release)
+        return Moved(
+            copy_s=copy_s,
+            copy_bytes=nbytes,
+            sync_s=self._sync_s,
+            release_s=release,
+            stages=_stage_seconds(report),
+        )
 
     def to_trainer(self) -> Moved:
         released = release_seconds()
@@ -314,7 +324,16 @@ class Hybridmem(Strategy):
             copy_s=report.stage("reload").seconds,
             copy_bytes=self._moved,
             release_s=release_seconds() - released,
+            stages=_stage_seconds(report),
         )
+
+
+def _stage_seconds(report: SwitchReport) -> dict[str, float]:
+    """Each stage's seconds of one switch, by name in its order (repeats summed)."""
+    seconds: dict[str, float] = {}
+    for stage in report.stages:
+        seconds[stage.name] = seconds.get(stage.name, 0.0) + stage.seconds
+    return seconds
 
 
 class Planned(Hybridmem):
