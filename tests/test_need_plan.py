@@ -136,6 +136,75 @@ def test_a_partial_offload_frees_only_the_optimizer_state_and_reloads_bit_for_bi
     assert_bitwise_equal(before, snapshot(model, optimizer))
 
 
+def _count_walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the Offloader's walks of its targets (one entry per walk)."""
+    from hybridmem.memory import offload as offload_module
+    from hybridmem.memory import targets
+
+    walks: list[int] = []
+    real = targets.device_storages
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        walks.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(offload_module, "device_storages", counted)
+    return walks
+
+
+def test_a_kept_walk_is_the_next_partial_offloads_and_moves_the_same(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    state = optimizer_bytes(off)
+    plain = off.offload(max_bytes=state)
+    off.reload()
+    walks = _count_walks(monkeypatch)
+    resident = off.resident(keep_walk=True)
+    kept = off.offload(max_bytes=state)
+    assert len(walks) == 1  # the offload took resident()'s walk
+    assert (kept.nbytes, off.offloaded_groups) == (plain.nbytes, frozenset({"optimizer"}))
+    assert sum(size for _, size in resident) - kept.nbytes == sum(s for _, s in off.resident())
+    off.reload()
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    walks.clear()
+    off.offload(max_bytes=state)  # the kept walk was taken once: this one walks
+    off.reload()
+    assert len(walks) == 1
+
+
+def test_a_kept_walk_is_dropped_by_any_other_call_and_by_a_resize(
+    cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = make_model()
+    before = snapshot(model, optimizer)
+    off = hm.Offloader(model, optimizer)
+    state = optimizer_bytes(off)
+    walks = _count_walks(monkeypatch)
+    off.resident(keep_walk=True)
+    off.resident()  # another call between: the offload walks again
+    off.offload(max_bytes=state)
+    assert len(walks) == 3
+    off.reload()
+    # A storage resized since the walk: the kept sizes are stale, the offload walks
+    # and moves what is there now.
+    off.resident(keep_walk=True)
+    grown = next(iter(optimizer.state.values()))["exp_avg"]
+    old = grown.detach().clone()
+    grown.untyped_storage().resize_(grown.untyped_storage().nbytes() + 512)
+    walks.clear()
+    report = off.offload(max_bytes=state + 512)
+    assert len(walks) == 1
+    off.reload()
+    assert torch.equal(grown, old)
+    assert report.nbytes >= state + 512
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+    with pytest.raises(TypeError, match="keep_walk must be True or False"):
+        off.resident(keep_walk=1)  # type: ignore[arg-type]
+
+
 def test_max_bytes_zero_moves_nothing_and_bad_values_are_refused(
     cpu_as_device: list[int],
 ) -> None:
@@ -166,6 +235,7 @@ def test_a_partial_offload_in_flight_frees_only_its_storages(cpu_as_device: list
     fraction=st.floats(0.0, 1.2),
     frees=st.sets(st.integers(1, 12), max_size=2),
     allocations=st.sets(st.integers(1, 12), max_size=2),
+    keep_walk=st.booleans(),
 )
 def test_a_partial_offload_under_injected_faults_loses_nothing(
     cpu_as_device: list[int],
@@ -173,11 +243,12 @@ def test_a_partial_offload_under_injected_faults_loses_nothing(
     fraction: float,
     frees: set[int],
     allocations: set[int],
+    keep_walk: bool,
 ) -> None:
     model, optimizer = make_model()
     before = snapshot(model, optimizer)
     off = hm.Offloader(model, optimizer)
-    total = sum(size for _, size in off.resident())
+    total = sum(size for _, size in off.resident(keep_walk=keep_walk))
     with monkeypatch.context() as patched:
         fail_resizes(patched, frees=tuple(frees), allocations=tuple(allocations))
         with contextlib.suppress(hm.OffloadError, RuntimeError):

@@ -86,6 +86,26 @@ def test_a_deficit_moves_the_optimizer_state_first_and_comes_back_bit_for_bit(
         assert_bitwise_equal(before, snapshot(model, optimizer))
 
 
+def test_a_planned_switch_walks_the_targets_once_each_way_to_rollout(
+    fake_gpu: FakeTorch, cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's walk is the offload's: the walk's Python work grows with the tensors."""
+    from tests.test_need_plan import _count_walks
+
+    model, optimizer = make_model()
+    state = sizes(hm.Offloader(model, optimizer), "optimizer")
+    switch, offloader, model, optimizer, _ = switch_for(fake_gpu, FREE - NEED_MARGIN_BYTES + state)
+    before = snapshot(model, optimizer)
+    walks = _count_walks(monkeypatch)
+    for cycle in range(3):
+        switch.to_rollout()
+        assert len(walks) == cycle + 1
+        assert offloader.offloaded_groups == {"optimizer"}
+        switch.to_trainer()
+        assert len(walks) == cycle + 1  # the reload walks nothing
+    assert_bitwise_equal(before, snapshot(model, optimizer))
+
+
 def test_a_need_the_state_cannot_cover_fails_before_anything_moves(
     fake_gpu: FakeTorch, cpu_as_device: list[int]
 ) -> None:

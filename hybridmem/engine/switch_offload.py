@@ -304,7 +304,8 @@ class Offloading:
         if plan is None or not deficits or max(deficits) <= plan.deficit:
             return
         agreed = max(deficits)
-        self.plan = plan.moving(self.offloader.resident() if self.offloader else [], agreed)
+        resident = self.offloader.resident(keep_walk=True) if self.offloader else []
+        self.plan = plan.moving(resident, agreed)
         logger.info(
             "HybridSwitch: rank %d moves %s, the largest deficit of the ranks (its own: %s)",
             self.rank,
@@ -358,7 +359,9 @@ class Offloading:
                 "offloading everything",
             )
             return None
-        plan = plan_by_need(self.offloader.resident(), need, free, NEED_MARGIN_BYTES)
+        # The offload stage takes this walk: the targets are walked once per switch.
+        resident = self.offloader.resident(keep_walk=True)
+        plan = plan_by_need(resident, need, free, NEED_MARGIN_BYTES)
         _timeline.end(span, **plan.as_dict())
         logger.info("HybridSwitch: offload planned by need: %s", plan)
         if plan.short:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import torch
 
@@ -81,6 +81,9 @@ from hybridmem.observe import timeline as _timeline
 __all__ = ["GROUPS", "RELOAD_WAYS", "OffloadInFlight", "OffloadReport", "Offloader"]
 
 _ALIGN = 512  # bytes; each storage starts on this boundary in the pinned pool
+
+#: One walk of the targets: a slot per storage, and the device they are on.
+Walk: TypeAlias = tuple[list[Slot], torch.device | None]
 
 
 def _place_bytes(nbytes: int) -> int:
@@ -157,6 +160,8 @@ class Offloader:
         self.max_host_bytes = max_host_bytes
         self._device = self._parse_device(device)
         self._slots: list[Slot] = []
+        # resident(keep_walk=True)'s walk, for the next offload to take (None: walk)
+        self._kept_walk: Walk | None = None
         self._host = HostPool(pin_memory)
         self._stream: Any = None
         self._stream_device: torch.device | None = None
@@ -212,11 +217,19 @@ class Offloader:
         """Each distinct device storage of the targets (:func:`~.targets.device_storages`)."""
         return device_storages(self._targets, gradients=self.grads == "keep")
 
-    def _collect(self) -> list[Slot]:
-        slots, self._device = collect_slots(self._storages(), self._device)
+    def _collect(self, kept: Walk | None = None) -> list[Slot]:
+        """A fresh slot per storage of the targets, or ``kept``'s where its sizes still hold.
+
+        ``kept``: a walk :meth:`resident` kept for this offload; a storage resized
+        since makes it stale, and the targets are walked again.
+        """
+        if kept is not None and all(s.storage.nbytes() == s.nbytes for s in kept[0]):
+            slots, self._device = kept
+        else:
+            slots, self._device = collect_slots(self._storages(), self._device)
         return slots
 
-    def _plan(self, *, whole: bool = True) -> None:
+    def _plan(self, *, whole: bool = True, kept: Walk | None = None) -> None:
         """Collect the storages and give each a place in the pool (nothing offloaded).
 
         Places go in :data:`~hybridmem.memory.need_plan.NEED_ORDER`, cheapest to move
@@ -224,7 +237,7 @@ class Offloader:
         need only be that long (``whole=False``: sized by the caller,
         :meth:`_size_pool`); ``whole``: as long as every storage needs.
         """
-        slots = self._collect()
+        slots = self._collect(kept)
         layout = [(s.key, s.nbytes, s.group) for s in slots]
         if layout != [(s.key, s.nbytes, s.group) for s in self._slots]:
             offset = 0
@@ -261,20 +274,33 @@ class Offloader:
     # ------------------------------------------------------------------ #
     # Offload / reload
     # ------------------------------------------------------------------ #
-    def resident(self, groups: str | Iterable[str] | None = None) -> list[tuple[str, int]]:
+    def resident(
+        self, groups: str | Iterable[str] | None = None, *, keep_walk: bool = False
+    ) -> list[tuple[str, int]]:
         """Each device storage of ``groups`` still on the device, as ``(group, bytes)``.
 
         In the targets' order, each storage once (what an offload would move): the
         input of :func:`~hybridmem.memory.need_plan.plan_by_need`. Walks the targets;
         moves nothing.
 
+        Args:
+            groups: None for all, or some of the groups.
+            keep_walk: the next :meth:`offload` / :meth:`start_offload` with
+                ``max_bytes`` takes this walk instead of walking the targets again
+                (a planned switch plans, then offloads: the walk's Python work grows
+                with the tensor count, ~3 µs a storage). Any other call of this
+                Offloader drops it; a storage resized meanwhile makes the offload walk
+                again. Add no tensor to the targets in between: it would not be seen.
+
         Example:
             >>> off.resident()                         # doctest: +SKIP
             [('parameters', 4194304), ('optimizer', 8388608), ...]
         """
         self._check_idle("resident")
+        check_bool("keep_walk", keep_walk)
         wanted = select_groups(groups)
-        slots, _ = collect_slots(self._storages(), self._device)
+        slots, device = collect_slots(self._storages(), self._device)
+        self._kept_walk = (slots, device) if keep_walk else None
         return [(s.group, s.nbytes) for s in slots if s.group in wanted and s.nbytes]
 
     @_timeline.traced("offload", lambda r: {"nbytes": r.nbytes, "gbps": r.gbps})
@@ -346,6 +372,7 @@ class Offloader:
             >>> flight = off.start_offload()           # doctest: +SKIP
             >>> push_weights(); flight.finish()
         """
+        kept = self._kept_walk  # resident(keep_walk=True)'s, made for this offload
         self._check_idle("start_offload")
         wanted = select_groups(groups)
         check_bool("release_cache", release_cache)
@@ -365,7 +392,7 @@ class Offloader:
             todo, side = streamed
         else:
             if not self.offloaded_groups:
-                self._plan(whole=max_bytes is None)
+                self._plan(whole=max_bytes is None, kept=kept)
             todo = [s for s in self._slots if s.group in wanted and not s.offloaded]
             if max_bytes is not None:
                 todo = choose(todo, [s.nbytes for s in todo], [s.group for s in todo], max_bytes)
@@ -406,7 +433,12 @@ class Offloader:
         return self._in_flight
 
     def _check_idle(self, call: str) -> None:
-        """Refuse ``call`` while a :meth:`start_offload` or :meth:`start_reload` is in flight."""
+        """Refuse ``call`` while a :meth:`start_offload` or :meth:`start_reload` is in flight.
+
+        Every call passes here: a walk :meth:`resident` kept is dropped (its next call
+        alone may take it).
+        """
+        self._kept_walk = None
         if self._in_flight is not None and self._in_flight.pending:
             started, ends = (
                 ("a reload", "finish() or stop() on what start_reload()")

@@ -85,14 +85,15 @@ def tensors(
     for index, target in enumerate(targets):
         for path, item in flatten(target, f"targets[{index}]"):
             if isinstance(item, torch.nn.Module):
+                grads: list[tuple[str, torch.Tensor]] = []  # after the buffers, one walk
                 for name, param in item.named_parameters():
                     yield f"{path}.{name}", param, "parameters"
+                    if gradients and param.grad is not None:
+                        grads.append((f"{path}.{name}.grad", param.grad))
                 for name, buf in item.named_buffers():
                     yield f"{path}.{name}", buf, "buffers"
-                if gradients:
-                    for name, param in item.named_parameters():
-                        if param.grad is not None:
-                            yield f"{path}.{name}.grad", param.grad, "gradients"
+                for name, grad in grads:
+                    yield name, grad, "gradients"
             elif isinstance(item, torch.optim.Optimizer):
                 for number, state in enumerate(item.state.values()):
                     for key, value in state.items():
