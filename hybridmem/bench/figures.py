@@ -87,9 +87,10 @@ class Figures:
     #: as text); empty where nothing was packed, and in results saved before.
     engine_packed: str = ""
     #: ``--need`` runs: the need asked for (:attr:`BenchPlan.need`), what the rollout
-    #: was short with the whole state on the device (:func:`~hybridmem.bench.plan.need_kv_target`), and per
-    #: cycle the bytes each switch to rollout copied to the host (0 where nothing was
-    #: short), which are then the ceiling's bytes. None, 0 and empty otherwise.
+    #: was short with the whole state on the device
+    #: (:func:`~hybridmem.bench.plan.need_kv_target`), and per cycle the bytes each
+    #: switch to rollout copied to the host (0 where nothing was short), which are
+    #: then the ceiling's bytes. None, 0 and empty otherwise.
     need: float | None = None
     deficit_bytes: int = 0
     copied_bytes: list[int] = field(default_factory=list)
