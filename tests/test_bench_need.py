@@ -195,6 +195,37 @@ def test_the_verdict_allows_the_releases_where_they_were_timed() -> None:
     assert old.endswith("NOT met")
 
 
+def test_the_to_rollout_verdict_shows_the_figure_with_the_weight_sync_aside() -> None:
+    # 0.25 GiB copied in 1.05x its time at the pinned rate, then 6 ms of weight sync:
+    # over the target with it, within 1.1x without (what the owner weighs).
+    copies = 0.25 * GiB / 54e9 * 1.05
+    row = figures(
+        "planned",
+        need=0.25,
+        deficit_bytes=GiB // 50,
+        copied_bytes=[GiB // 4] * 4,
+        to_rollout_s=[copies + 0.02 + 0.001 + 0.006] * 4,
+        to_trainer_s=[copies + 0.03] * 4,
+        engine_wake_s=[0.02] * 4,
+        engine_sleep_s=[0.03] * 4,
+        release_to_rollout_s=[0.001] * 4,
+        release_to_trainer_s=[0.0] * 4,
+        sync_s=[0.006] * 4,
+        kv_target=40 * GiB,
+        kv_obtained=[40 * GiB] * 4,
+        handback=[0.9999] * 4,
+    ).summary()
+    assert row["to_rollout_over_ceiling_engine_release_and_sync_aside"] == pytest.approx(1.05)
+    assert row["sync_s"] == pytest.approx(0.006)
+    point = {"state_gib": 8, "need": 0.25, "plan": {}, "results": {"planned": {"summary": row}}}
+    to_rollout, to_trainer, _ = need_verdicts([point])
+    assert "; 1.05x with the weight sync aside too (6.0 ms)" in to_rollout
+    assert to_rollout.endswith("NOT met")  # judged with it, as the target says
+    assert "weight sync" not in to_trainer  # the way back runs none
+    old = figures("planned", to_rollout_s=[0.1] * 4, engine_wake_s=[0.0] * 4).summary()
+    assert old["to_rollout_over_ceiling_engine_release_and_sync_aside"] is None  # not timed
+
+
 def test_a_verdict_not_met_names_the_switchs_longest_stages() -> None:
     point = _point(64, 1.0, 32.0, slow=1.3)
     planned = point["results"]["planned"]["summary"]

@@ -118,6 +118,7 @@ class Figures:
         moved = self.moved_bytes if self.need is None else int(copied or 0)
         ceiling = moved / (self.pinned_gbps * 1e9) if moved and self.pinned_gbps else None
         ratio = median(ratios)
+        rolled = _less(self.to_rollout_s, self.engine_wake_s)  # the engine's calls aside
         steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
         return {
             "strategy": self.strategy,
@@ -175,6 +176,12 @@ class Figures:
                     _less(_less(self.to_trainer_s, self.engine_sleep_s), self.release_to_trainer_s)
                 ),
                 ceiling,
+            ),
+            # And the weight sync too (the switch to rollout runs it; it does not shrink
+            # with the bytes moved and has a ceiling of its own): what is left is the
+            # copies and hybridmem's own work around them.
+            "to_rollout_over_ceiling_engine_release_and_sync_aside": _over(
+                median(_less(_less(rolled, self.release_to_rollout_s), self.sync_s)), ceiling
             ),
             "trainer_cached_mib": (
                 median([float(m["trainer_cached"]) for m in self.missing]) or 0.0
