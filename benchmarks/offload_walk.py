@@ -74,8 +74,9 @@ def hand_written(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
     sizes: list[int] = []
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    kind = tensors[0].device.type
     for tensor in tensors:
-        if tensor.dim() == 0 and tensor.device.type != next(model.parameters()).device.type:
+        if tensor.dim() == 0 and tensor.device.type != kind:
             continue  # AdamW's step counters stay on the host
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:
