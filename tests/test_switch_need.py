@@ -306,15 +306,21 @@ def _two_ranks(
 
 
 def test_every_rank_moves_the_largest_deficit_of_the_ranks(
-    fake_gpu: FakeTorch, cpu_as_device: list[int]
+    fake_gpu: FakeTorch, cpu_as_device: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from tests.test_need_plan import _count_walks
+
     model, optimizer = make_model()
     state = sizes(hm.Offloader(model, optimizer), "optimizer")
+    walks = _count_walks(monkeypatch)
     # rank 0 lacks nothing, rank 1 lacks its optimizer state: both move it
     outcomes, seen, ranks = _two_ranks(
         fake_gpu, {0: FREE - NEED_MARGIN_BYTES, 1: FREE - NEED_MARGIN_BYTES + state}, cycles=2
     )
     assert outcomes == {0: ["ok", "ok"], 1: ["ok", "ok"]}
+    # One walk a rank a switch to rollout, the agreed plan made from the plan's walk
+    # (and one a rank where _two_ranks reads the optimizer state's size).
+    assert len(walks) == 2 * 2 + 2
     for r in (0, 1):
         assert seen[r]["groups"] == [{"optimizer"}] * 2
         plan = seen[r]["plans"][-1]

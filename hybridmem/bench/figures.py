@@ -155,9 +155,7 @@ class Figures:
             "to_trainer_over_ceiling_steady": _over(median(self.to_trainer_s[1:]), ceiling),
             # The switch less the engine's own calls, cycle by cycle: the part a
             # trainer-side strategy decides.
-            "to_rollout_over_ceiling_engine_aside": _over(
-                median(_less(self.to_rollout_s, self.engine_wake_s)), ceiling
-            ),
+            "to_rollout_over_ceiling_engine_aside": _over(median(rolled), ceiling),
             "to_trainer_over_ceiling_engine_aside": _over(
                 median(_less(self.to_trainer_s, self.engine_sleep_s)), ceiling
             ),
@@ -166,10 +164,7 @@ class Figures:
             # The same less the switch's release too, cycle by cycle: what the need
             # target judges (its copies within 1.1x of the ceiling, plus the release).
             "to_rollout_over_ceiling_engine_and_release_aside": _over(
-                median(
-                    _less(_less(self.to_rollout_s, self.engine_wake_s), self.release_to_rollout_s)
-                ),
-                ceiling,
+                median(_less(rolled, self.release_to_rollout_s)), ceiling
             ),
             "to_trainer_over_ceiling_engine_and_release_aside": _over(
                 median(

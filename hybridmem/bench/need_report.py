@@ -138,7 +138,7 @@ def need_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
                     left_out = "engine calls and the releases aside"
                     beside = f"{aside:.2f}x with the releases, {_cell(raw, '.2f')}x raw"
                     bare = row.get(f"{key}_over_ceiling_engine_release_and_sync_aside")
-                    if isinstance(bare, float | int):  # the weight sync runs in this way
+                    if isinstance(bare, float | int):  # the way the weight sync runs in
                         beside += (
                             f"; {bare:.2f}x with the weight sync aside too "
                             f"({_cell((row.get('sync_s') or 0) * 1e3, '.1f')} ms)"

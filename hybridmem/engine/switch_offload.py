@@ -208,6 +208,8 @@ class Offloading:
         self.rollout_need = check_rollout_need(rollout_need)
         #: the last switch to rollout's plan (None: not planned, everything offloaded)
         self.plan: NeedPlan | None = None
+        #: the resident storages that plan was made from (the offload takes their walk)
+        self._resident: list[tuple[str, int]] = []
         self.weights_under_offload = check_bool("weights_under_offload", weights_under_offload)
         self.kv_under_offload = check_bool("kv_under_offload", kv_under_offload)
         self._flight: OffloadInFlight | None = None  # an offload whose copies still run
@@ -304,8 +306,7 @@ class Offloading:
         if plan is None or not deficits or max(deficits) <= plan.deficit:
             return
         agreed = max(deficits)
-        resident = self.offloader.resident(keep_walk=True) if self.offloader else []
-        self.plan = plan.moving(resident, agreed)
+        self.plan = plan.moving(self._resident, agreed)  # no walk: the offload takes the plan's
         logger.info(
             "HybridSwitch: rank %d moves %s, the largest deficit of the ranks (its own: %s)",
             self.rank,
@@ -360,8 +361,8 @@ class Offloading:
             )
             return None
         # The offload stage takes this walk: the targets are walked once per switch.
-        resident = self.offloader.resident(keep_walk=True)
-        plan = plan_by_need(resident, need, free, NEED_MARGIN_BYTES)
+        self._resident = self.offloader.resident(keep_walk=True)
+        plan = plan_by_need(self._resident, need, free, NEED_MARGIN_BYTES)
         _timeline.end(span, **plan.as_dict())
         logger.info("HybridSwitch: offload planned by need: %s", plan)
         if plan.short:
