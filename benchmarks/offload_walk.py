@@ -39,16 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import hybridmem as hm
-from hybridmem import _torch
 
 LAYERS = (8, 32, 80)
-
-
-def _cpu_stands_in() -> None:
-    """Without CUDA: CPU tensors count as device tensors, and the pool is not pinned."""
-    _torch.is_device_tensor = lambda t: t.device.type == "cpu"  # type: ignore[assignment]
-    _torch.pin_host_tensor = lambda tensor, *, mapped=False: True
-    _torch.unpin_host_tensor = lambda ptr: None  # type: ignore[assignment]
 
 
 def llama_like(layers: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -147,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        _cpu_stands_in()
+    if device == "cpu":  # CPU tensors count as device tensors; the pool is not pinned
+        from tests.conftest import treat_cpu_as_device
+
+        treat_cpu_as_device()
     print(f"torch {torch.__version__}, tensors on {device}")
     print(
         f"{'layers':>6} {'params':>6} {'storages':>8} {'walk ms':>8} {'us/stor':>8} "
