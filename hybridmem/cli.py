@@ -409,6 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the bench's own takes about 18 ms), untimed, before the switch back",
     )
     bench.add_argument(
+        "--train-s",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="let each cycle's training last this much longer (a real step computes for "
+        "seconds), untimed, before the switch to the rollout",
+    )
+    bench.add_argument(
         "--from-json",
         nargs="+",
         metavar="FILE",
@@ -436,7 +444,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("--quick", args.quick),
                 ("--from-json", args.from_json),
                 ("--timeline", args.timeline),
-                ("--anatomy", args.anatomy),
             )
             if given
         ]
@@ -460,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("strategies planned and fraction run with --scale SIZES --need SHARES")
     if args.command == "bench" and not 0 <= args.rollout_s <= 600:
         parser.error(f"--rollout-s must be seconds from 0 to 600, got {args.rollout_s:g}")
+    if args.command == "bench" and not 0 <= args.train_s <= 600:
+        parser.error(f"--train-s must be seconds from 0 to 600, got {args.train_s:g}")
     if args.command == "bench" and args.cycles is not None and args.cycles < 2:
         parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
     problem = timeline_env_problem()
@@ -492,7 +501,9 @@ def _run(args: argparse.Namespace) -> int:
                 model=args.model,
                 engine=args.engine,
                 rollout_s=args.rollout_s,
+                train_s=args.train_s,
                 needs=args.need,
+                anatomy=args.anatomy,
             )
         return run_bench(
             quick=args.quick,
@@ -505,6 +516,7 @@ def _run(args: argparse.Namespace) -> int:
             engine=args.engine,
             anatomy=args.anatomy,
             rollout_s=args.rollout_s,
+            train_s=args.train_s,
         )
     if args.command == "plot":
         return _plot(args.timeline, args.output, args.title, args.trace)

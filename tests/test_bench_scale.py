@@ -131,11 +131,15 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
 
     ran: list[tuple[str, float]] = []
     rollouts: list[float] = []
+    trainings: list[float] = []
+    anatomies: list[bool] = []
 
     def child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
         assert timeline is None
         ran.append((name, round(p.state_bytes / GiB)))
         rollouts.append(p.rollout_s)
+        trainings.append(p.train_s)
+        anatomies.append(p.anatomy)
         return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
 
     monkeypatch.setattr(_torch, "cuda_available", lambda: True)
@@ -148,19 +152,36 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
     monkeypatch.setattr(bench_run, "child_run", child)
     out = tmp_path / "scale.json"
     code = main(
-        ["bench", "--scale", "8", "32", "--json", str(out), "--cycles", "3", "--rollout-s", "1.5"]
+        [
+            "bench",
+            "--scale",
+            "8",
+            "32",
+            "--json",
+            str(out),
+            "--cycles",
+            "3",
+            "--rollout-s",
+            "1.5",
+            "--train-s",
+            "0.5",
+            "--anatomy",
+        ]
     )
     assert code == 0
     assert set(rollouts) == {1.5}  # every plan's rollout lasts 1.5 s more
+    assert set(trainings) == {0.5}  # and its training 0.5 s
+    assert set(anatomies) == {True}  # each records its caches' anatomy
     assert ran == [(n, g) for g in (8, 32) for n in ("naive", "handrolled", "hybridmem")]
     saved = json.loads(out.read_text())
     assert [s["state_gib"] for s in saved["scale"]] == [8, 32]
     assert saved["scale"][0]["plan"]["cycles"] == 3
     assert saved["scale"][1]["plan"]["rollout_s"] == 1.5
+    assert saved["scale"][1]["plan"]["train_s"] == 0.5
     assert any("8 GiB to rollout" in v for v in saved["verdicts"])
     printed = capsys.readouterr()
     assert "== 32 GiB of trainer state" in printed.out
-    assert "rollouts of 1.5 s more" in printed.out
+    assert "rollouts of 1.5 s more, training 0.5 s longer" in printed.out
     assert "strategy tms skipped" in printed.err
     # a size that cannot fit is refused before anything runs
     ran.clear()
@@ -177,6 +198,8 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
         (["--scale", "-1"], "--scale sizes are GiB of trainer state (> 0), got -1"),
         (["--rollout-s", "-1"], "--rollout-s must be seconds from 0 to 600, got -1"),
         (["--scale", "--rollout-s", "601"], "--rollout-s must be seconds from 0 to 600, got 601"),
+        (["--train-s", "-2"], "--train-s must be seconds from 0 to 600, got -2"),
+        (["--scale", "--train-s", "700"], "--train-s must be seconds from 0 to 600, got 700"),
         (["--need", "0.5"], "--need sizes the rollout at model scale: pass --scale too"),
         (["--scale", "8", "--need", "1.5"], "--need shares are from 0 to 1, got 1.5"),
         (
@@ -535,6 +558,58 @@ def test_the_training_steps_queued_work_is_waited_for_before_the_switch_is_timed
     assert got.summary()["train_drain_s"] == pytest.approx(0.5)
 
 
+def test_the_longer_training_and_rollout_are_waited_untimed_in_their_places(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--train-s`` waits after the step, before the switch; ``--rollout-s`` after generating."""
+    import dataclasses
+
+    from hybridmem.bench.strategies import Moved
+
+    engine = _cycle_fakes(monkeypatch)
+    now = [100.0]
+    calls: list[str] = []
+
+    def sleep(seconds: float) -> None:
+        calls.append(f"wait {seconds:g}")
+        now[0] += seconds
+
+    def advance(seconds: float, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(name)
+            now[0] += seconds
+            return Moved() if name.startswith("to_") else ("ok", 0, 0)
+
+        return call
+
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "sleep", sleep)
+    engine.call = lambda *command: advance(0.0, command[0])()
+    strategy = SimpleNamespace(
+        train_scope=contextlib.nullcontext,
+        to_rollout=advance(0.25, "to_rollout"),
+        to_trainer=advance(0.125, "to_trainer"),
+    )
+    p = dataclasses.replace(tiny("torch"), train_s=1.5, rollout_s=2.0)
+    got = figures("hybridmem", to_rollout_s=[], to_trainer_s=[])
+    bench_run._cycle(0, p, strategy, engine, lambda: calls.append("train"), got)
+    assert got.errors == []
+    assert calls[: calls.index("to_trainer") + 1] == [
+        "train",
+        "wait 1.5",
+        "to_rollout",
+        "generate",
+        "wait 2",
+        "to_trainer",
+    ]
+    assert got.to_rollout_s == [pytest.approx(0.25)]  # neither wait is the switch's
+    assert got.to_trainer_s == [pytest.approx(0.125)]
+    assert got.train_drain_s == [0.0]
+    calls.clear()
+    bench_run._cycle(1, tiny("torch"), strategy, engine, lambda: calls.append("train"), got)
+    assert not [c for c in calls if c.startswith("wait")]  # none by default
+
+
 def _client_on(fake: Any, conn_answers: dict[str, tuple[Any, ...]]) -> Any:
     from hybridmem.bench import engine as bench_engine
 
@@ -595,13 +670,18 @@ def test_the_hand_back_is_read_after_the_switch_with_the_kv_wake_given_back(
     assert client.last_handback == before
 
 
-def test_a_rollout_length_is_checked_where_it_is_given() -> None:
-    from hybridmem.bench.plan import check_rollout_s
+def test_the_rollout_and_training_lengths_are_checked_where_they_are_given() -> None:
+    from hybridmem.bench.plan import with_phase_lengths
 
-    assert check_rollout_s(0) == 0.0
-    assert check_rollout_s(2) == 2.0
+    p = scale_plan(H200, 8)
+    longer = with_phase_lengths(p, rollout_s=2, train_s=1)
+    assert (longer.rollout_s, longer.train_s) == (2.0, 1.0)
+    assert longer.layers == p.layers  # the rest of the plan as it was
     with pytest.raises(ValueError, match="rollout_s must be seconds from 0 to 600"):
-        check_rollout_s(-0.5)
+        with_phase_lengths(p, rollout_s=-0.5, train_s=0)
     with pytest.raises(TypeError, match="rollout_s must be seconds"):
-        check_rollout_s("1s")
+        with_phase_lengths(p, rollout_s="1s", train_s=0)
+    with pytest.raises(ValueError, match="train_s must be seconds from 0 to 600"):
+        with_phase_lengths(p, rollout_s=0, train_s=601)
     assert scale_plan(H200, 8).rollout_s == 0.0  # the bench's own rollout by default
+    assert scale_plan(H200, 8).train_s == 0.0  # and its own training

@@ -5,7 +5,7 @@ What a run measured is :mod:`hybridmem.bench.figures`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from hybridmem._checks import check_number
@@ -75,6 +75,14 @@ class BenchPlan:
     #: real rollout generates for seconds, and the switch back starts that much later
     #: after the KV cache's wake and the offload's frees (``--rollout-s``).
     rollout_s: float = 0.0
+    #: seconds each cycle's training lasts beyond the bench's own steps: a real step
+    #: computes for seconds, and the switch to the rollout starts that much later
+    #: after the engine's sleep freed its KV cache (``--train-s``). An allocation
+    #: soon after a free waits on the driver: on an H100, 70 GiB of ``cudaMalloc``
+    #: took 138-162 ms right after its free, 19-31 ms 300 ms later, 3 ms the first
+    #: time (``benchmarks/alloc_scatter.py``); with milliseconds of training the KV
+    #: wake, an engine call, pays it inside the switch to the rollout.
+    train_s: float = 0.0
     #: ``--need``: what the rollout lacks with the whole trainer state on the device,
     #: as a share of the optimizer state (0 to 1): the KV cache is sized to it at
     #: start (:func:`need_kv_target`). None: the KV cache is ``kv_fraction`` of the
@@ -96,28 +104,51 @@ class BenchPlan:
         return {**asdict(self), "params": self.params, "state_bytes": self.state_bytes}
 
 
-#: The longest rollout ``--rollout-s`` takes, in seconds (a cycle waits that long).
-MAX_ROLLOUT_S = 600.0
+#: The longest ``--rollout-s`` or ``--train-s`` the bench takes, in seconds (a cycle
+#: waits that long).
+MAX_PHASE_S = 600.0
 
 
-def check_rollout_s(seconds: object) -> float:
-    """``seconds`` if it is a rollout length the bench takes (0 to 600 s).
+def check_extra_seconds(name: str, seconds: object) -> float:
+    """``seconds`` if it is a phase length the bench takes (0 to 600 s), as a float.
+
+    Args:
+        name: what the seconds are, for the error (``"rollout_s"``, ``"train_s"``).
+        seconds: the value given.
 
     Raises:
-        TypeError, ValueError: not a number of seconds in that range.
+        TypeError, ValueError: not a number of seconds in that range (the error
+        names ``name``).
 
     Example:
-        >>> check_rollout_s(1)
+        >>> check_extra_seconds("train_s", 1)
         1.0
     """
     return float(
         check_number(
-            "rollout_s",
+            name,
             seconds,
             minimum=0,
-            maximum=MAX_ROLLOUT_S,
-            expected=f"seconds from 0 to {MAX_ROLLOUT_S:g}",
+            maximum=MAX_PHASE_S,
+            expected=f"seconds from 0 to {MAX_PHASE_S:g}",
         )
+    )
+
+
+def with_phase_lengths(p: BenchPlan, *, rollout_s: object, train_s: object) -> BenchPlan:
+    """``p`` with ``--rollout-s`` and ``--train-s``, each checked (0 to 600 s).
+
+    Raises:
+        TypeError, ValueError: either is not seconds from 0 to 600 (the error names it).
+
+    Example:
+        >>> with_phase_lengths(p, rollout_s=2, train_s=1).train_s  # doctest: +SKIP
+        1.0
+    """
+    return replace(
+        p,
+        rollout_s=check_extra_seconds("rollout_s", rollout_s),
+        train_s=check_extra_seconds("train_s", train_s),
     )
 
 

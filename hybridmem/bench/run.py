@@ -29,10 +29,10 @@ from hybridmem.bench.peers import run_child
 from hybridmem.bench.plan import (
     ALL_STRATEGIES,
     BenchPlan,
-    check_rollout_s,
     choose_strategies,
     need_kv_target,
     plan,
+    with_phase_lengths,
 )
 from hybridmem.bench.report import format_table, plot_results, verdicts
 from hybridmem.observe import timeline as _timeline
@@ -275,6 +275,8 @@ def _cycle(
         torch.cuda.reset_peak_memory_stats()
         with _step("train"), strategy.train_scope():
             train()
+            if p.train_s:  # the rest of a real training phase's length, untimed
+                time.sleep(p.train_s)
         figures.peak_reserved.append(torch.cuda.max_memory_reserved())
         figures.peak_allocated.append(torch.cuda.max_memory_allocated())
         engine.engine_seconds = engine.memory_seconds = 0.0
@@ -472,6 +474,7 @@ def bench(
     engine: str = "auto",
     anatomy: bool = False,
     rollout_s: float = 0.0,
+    train_s: float = 0.0,
 ) -> int:
     """``hybridmem bench``: run the strategies, print the table and verdicts; exit code.
 
@@ -490,6 +493,7 @@ def bench(
             where installed).
         anatomy: record what each process's cache is made of at every KV wake.
         rollout_s: seconds each rollout lasts beyond the bench's generation.
+        train_s: seconds each cycle's training lasts beyond the bench's own steps.
     """
     setup = prepare(
         json_path=json_path,
@@ -502,13 +506,15 @@ def bench(
         return 2
     total, engine_kind, strategies = setup.total, setup.engine, setup.strategies
     p = plan(int(total), quick=quick, cycles=cycles, model=model, engine=engine_kind)
-    p = dataclasses.replace(p, anatomy=anatomy, rollout_s=check_rollout_s(rollout_s))
+    p = dataclasses.replace(p, anatomy=anatomy)
+    p = with_phase_lengths(p, rollout_s=rollout_s, train_s=train_s)
     print(
         f"bench plan: {p.params / 1e6:.0f} M parameters "
         f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
         f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps, "
         f"model {p.model}, engine {engine_kind}"
         + (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
+        + (f", training {p.train_s:g} s longer" if p.train_s else "")
     )
     started = time.perf_counter()
     results = {name: child_run(name, p, timeline) for name in strategies}

@@ -27,8 +27,8 @@ from hybridmem.bench.plan import (
     NEED_STRATEGIES,
     SCALE_GIB,
     check_need,
-    check_rollout_s,
     scale_plan,
+    with_phase_lengths,
 )
 
 __all__ = ["bench_scale"]
@@ -46,7 +46,9 @@ def bench_scale(
     model: str = "auto",
     engine: str = "auto",
     rollout_s: float = 0.0,
+    train_s: float = 0.0,
     needs: list[float] | None = None,
+    anatomy: bool = False,
 ) -> int:
     """Run the strategies at each trainer-state size; print the table and verdicts; exit code.
 
@@ -54,11 +56,13 @@ def bench_scale(
         sizes: trainer states in GiB (None: ``SCALE_GIB``, 8, 32 and 64).
         json_path: write ``{"scale": [{"state_gib", "plan", "results"}...], "verdicts"}``.
         plot_path: seconds per switch against size, a line per strategy (matplotlib).
-        strategies, cycles, model, engine, rollout_s: as for
+        strategies, cycles, model, engine, rollout_s, train_s: as for
             :func:`hybridmem.bench.run.bench` (cycles default to 4 per size).
         needs: ``--need``: at each size, each of these shortfalls (shares of the
             optimizer state, :attr:`~hybridmem.bench.plan.BenchPlan.need`) with the
             ``NEED_STRATEGIES`` (or ``strategies``); None: one run per size.
+        anatomy: record what each process's cache is made of at every KV wake (into
+            ``--json``; slower: a diagnosis, not a timing).
 
     Returns:
         0, or 2 for misuse (no GPU, a size the device cannot hold, a bad path),
@@ -83,15 +87,18 @@ def bench_scale(
         return 2
     engine_kind, chosen = setup.engine, setup.strategies
     try:
-        rollout = check_rollout_s(rollout_s)
         shares: list[float | None] = [check_need(n) for n in needs] if needs else [None]
         plans = [
             (
                 g,
-                replace(
-                    scale_plan(setup.total, g, cycles=cycles, model=model, engine=engine_kind),
-                    rollout_s=rollout,
-                    need=share,
+                with_phase_lengths(
+                    replace(
+                        scale_plan(setup.total, g, cycles=cycles, model=model, engine=engine_kind),
+                        need=share,
+                        anatomy=anatomy,
+                    ),
+                    rollout_s=rollout_s,
+                    train_s=train_s,
                 ),
             )
             for g in (sizes or list(SCALE_GIB))
@@ -107,6 +114,7 @@ def bench_scale(
             f"bench --scale: {gib:g} GiB of trainer state ({p.params / 1e9:.2f} B parameters, "
             f"d_model {p.d_model} x {p.layers} layers), {p.cycles} cycles, engine {engine_kind}"
             + (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
+            + (f", training {p.train_s:g} s longer" if p.train_s else "")
             + (f", the rollout {p.need:.0%} of the optimizer state short" if p.need else "")
         )
         results = {name: child_run(name, p, None) for name in chosen}
