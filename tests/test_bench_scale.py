@@ -122,12 +122,46 @@ def test_the_scale_plot_is_a_non_trivial_png(tmp_path: Path) -> None:
     assert len(data) > 20_000
 
 
-def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
+def _an_h200_running(monkeypatch: pytest.MonkeyPatch, child: Any) -> None:
+    """A CPU machine that says it has an H200, whose strategy runs ``child`` answers."""
     import torch
 
     from hybridmem.bench import engine_memory
+
+    monkeypatch.setattr(_torch, "cuda_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=H200)
+    )
+    monkeypatch.setattr("hybridmem._devices.device_index", lambda device: 0)
+    monkeypatch.setattr(engine_memory, "resolve", lambda engine: "handmade")
+    monkeypatch.setattr(engine_memory, "available", lambda: False)
+    monkeypatch.setattr(bench_run, "child_run", child)
+
+
+def test_a_plain_bench_with_anatomy_says_its_seconds_are_no_figures(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plans: list[BenchPlan] = []
+
+    def child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
+        plans.append(p)
+        return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
+
+    _an_h200_running(monkeypatch, child)
+    main(["bench", "--quick", "--strategies", "hybridmem", "--anatomy", "--train-s", "0.25"])
+    assert [(p.anatomy, p.train_s) for p in plans] == [(True, 0.25)]
+    out = capsys.readouterr().out
+    assert "training 0.25 s longer" in out
+    assert "this run's seconds diagnose; they are not figures" in out
+    plans.clear()
+    main(["bench", "--quick", "--strategies", "hybridmem"])
+    assert [(p.anatomy, p.train_s) for p in plans] == [(False, 0.0)]
+    assert "not figures" not in capsys.readouterr().out
+
+
+def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
 
     ran: list[tuple[str, float]] = []
     rollouts: list[float] = []
@@ -142,14 +176,7 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
         anatomies.append(p.anatomy)
         return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
 
-    monkeypatch.setattr(_torch, "cuda_available", lambda: True)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=H200)
-    )
-    monkeypatch.setattr("hybridmem._devices.device_index", lambda device: 0)
-    monkeypatch.setattr(engine_memory, "resolve", lambda engine: "handmade")
-    monkeypatch.setattr(engine_memory, "available", lambda: False)
-    monkeypatch.setattr(bench_run, "child_run", child)
+    _an_h200_running(monkeypatch, child)
     out = tmp_path / "scale.json"
     code = main(
         [
@@ -182,6 +209,7 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
     printed = capsys.readouterr()
     assert "== 32 GiB of trainer state" in printed.out
     assert "rollouts of 1.5 s more, training 0.5 s longer" in printed.out
+    assert "this run's seconds diagnose; they are not figures" in printed.out  # --anatomy
     assert "strategy tms skipped" in printed.err
     # a size that cannot fit is refused before anything runs
     ran.clear()

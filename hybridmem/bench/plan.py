@@ -104,6 +104,12 @@ class BenchPlan:
         return {**asdict(self), "params": self.params, "state_bytes": self.state_bytes}
 
 
+#: Printed before a run with ``--anatomy``: its verdicts' seconds are no figures.
+ANATOMY_NOTE = (
+    "--anatomy: every allocation's stack is recorded, so this run's seconds diagnose; "
+    "they are not figures"
+)
+
 #: The longest ``--rollout-s`` or ``--train-s`` the bench takes, in seconds (a cycle
 #: waits that long).
 MAX_PHASE_S = 600.0

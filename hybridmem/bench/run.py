@@ -28,6 +28,7 @@ from hybridmem.bench.outputs import (
 from hybridmem.bench.peers import run_child
 from hybridmem.bench.plan import (
     ALL_STRATEGIES,
+    ANATOMY_NOTE,
     BenchPlan,
     choose_strategies,
     need_kv_target,
@@ -516,6 +517,8 @@ def bench(
         + (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
         + (f", training {p.train_s:g} s longer" if p.train_s else "")
     )
+    if p.anatomy:
+        print(ANATOMY_NOTE)
     started = time.perf_counter()
     results = {name: child_run(name, p, timeline) for name in strategies}
     rows = {name: r["summary"] for name, r in results.items()}

@@ -24,6 +24,7 @@ from typing import Any
 
 from hybridmem.bench.outputs import write_scale
 from hybridmem.bench.plan import (
+    ANATOMY_NOTE,
     NEED_STRATEGIES,
     SCALE_GIB,
     check_need,
@@ -107,6 +108,8 @@ def bench_scale(
     except ValueError as exc:  # before a run of many minutes, not after
         print(f"hybridmem bench: {exc}", file=sys.stderr)
         return 2
+    if anatomy:
+        print(ANATOMY_NOTE)
     started = time.perf_counter()
     measured: list[dict[str, Any]] = []
     for gib, p in plans:
