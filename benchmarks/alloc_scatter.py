@@ -2,7 +2,7 @@
 
 The bench's KV wake (the engine's own call: torch_memory_saver's resume, or plain
 ``cudaMalloc`` with the handmade engine) took 4-92 ms a cycle at 8 GiB / need 0.25 on
-an H100 when the bench's training lasted milliseconds, and 3.5-5 ms when each cycle
+an H100 when the bench's training lasted milliseconds, and 3.5-6.6 ms when each cycle
 trained 1 s longer (``hybridmem bench --train-s 1``). This asks the driver alone,
 without hybridmem, what an allocation costs by the time since the last free and by
 the layout of what is held beside it:
