@@ -465,10 +465,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     elif args.command == "bench" and {"planned", "fraction"} & set(args.strategies or []):
         parser.error("strategies planned and fraction run with --scale SIZES --need SHARES")
-    if args.command == "bench" and not 0 <= args.rollout_s <= 600:
-        parser.error(f"--rollout-s must be seconds from 0 to 600, got {args.rollout_s:g}")
-    if args.command == "bench" and not 0 <= args.train_s <= 600:
-        parser.error(f"--train-s must be seconds from 0 to 600, got {args.train_s:g}")
+    if args.command == "bench":
+        from hybridmem.bench.plan import MAX_PHASE_S
+
+        for flag, seconds in (("--rollout-s", args.rollout_s), ("--train-s", args.train_s)):
+            if not 0 <= seconds <= MAX_PHASE_S:
+                parser.error(f"{flag} must be seconds from 0 to {MAX_PHASE_S:g}, got {seconds:g}")
     if args.command == "bench" and args.cycles is not None and args.cycles < 2:
         parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
     problem = timeline_env_problem()

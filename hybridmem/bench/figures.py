@@ -78,9 +78,9 @@ class Figures:
     release_to_trainer_s: list[float] = field(default_factory=list)
     #: per cycle, the seconds the trainer's GPU took to finish the training step's
     #: queued work once the host had queued it all: waited for before each switch to
-    #: rollout is timed, since no strategy can start its copies before that work
-    #:. Before, that wait was inside the to-rollout seconds. Empty in
-    #: results saved before.
+    #: rollout is timed, since no strategy can start its copies before that work is
+    #: done (inside the to-rollout seconds in results saved before, where this is
+    #: empty).
     train_drain_s: list[float] = field(default_factory=list)
     #: what packing the engine's weights into one segment did at their last making
     #: (the ``hybridmem`` strategy: a ``SegmentReport`` of :func:`hybridmem.one_segment`
@@ -106,10 +106,6 @@ class Figures:
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
-
-        def median(values: list[float]) -> float | None:
-            ordered = sorted(values)
-            return ordered[len(ordered) // 2] if ordered else None
 
         ratios = [r / a for r, a in zip(self.peak_reserved, self.peak_allocated, strict=True) if a]
         # One direction's bytes at the pinned copy rate measured in the same process:
@@ -217,11 +213,9 @@ def stage_medians_ms(cycles: list[dict[str, float]]) -> dict[str, float]:
     names: dict[str, None] = {}
     for cycle in steady:
         names.update(dict.fromkeys(cycle))
-    medians: dict[str, float] = {}
-    for name in names:
-        values = sorted(cycle.get(name, 0.0) for cycle in steady)
-        medians[name] = values[len(values) // 2] * 1e3
-    return medians
+    return {
+        name: (median([cycle.get(name, 0.0) for cycle in steady]) or 0.0) * 1e3 for name in names
+    }
 
 
 def moved_bytes_of(raw: dict[str, Any], plan: dict[str, Any] | None) -> int:
@@ -268,6 +262,17 @@ def resummarise(result: dict[str, Any], plan: dict[str, Any] | None) -> dict[str
     figures = Figures(**{f.name: raw[f.name] for f in every if f.name in raw})
     figures.moved_bytes = moved_bytes_of(raw, plan)
     return {**result, "summary": figures.summary()}
+
+
+def median(values: list[float]) -> float | None:
+    """The upper middle of ``values`` (None for none): with four cycles, the third.
+
+    Example:
+        >>> median([4.0, 1.0, 3.0, 2.0])
+        3.0
+    """
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
 
 
 def _less(totals: list[float], parts: list[float]) -> list[float]:

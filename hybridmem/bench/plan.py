@@ -158,6 +158,18 @@ def with_phase_lengths(p: BenchPlan, *, rollout_s: object, train_s: object) -> B
     )
 
 
+def phase_lengths_said(p: BenchPlan) -> str:
+    """What a run's header says of ``--rollout-s`` and ``--train-s`` ("" when neither).
+
+    Example:
+        >>> phase_lengths_said(with_phase_lengths(p, rollout_s=2, train_s=1))  # doctest: +SKIP
+        ', rollouts of 2 s more, training 1 s longer'
+    """
+    return (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "") + (
+        f", training {p.train_s:g} s longer" if p.train_s else ""
+    )
+
+
 def plan(
     total_bytes: int,
     *,

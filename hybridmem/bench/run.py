@@ -32,6 +32,7 @@ from hybridmem.bench.plan import (
     BenchPlan,
     choose_strategies,
     need_kv_target,
+    phase_lengths_said,
     plan,
     with_phase_lengths,
 )
@@ -513,9 +514,7 @@ def bench(
         f"bench plan: {p.params / 1e6:.0f} M parameters "
         f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
         f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps, "
-        f"model {p.model}, engine {engine_kind}"
-        + (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
-        + (f", training {p.train_s:g} s longer" if p.train_s else "")
+        f"model {p.model}, engine {engine_kind}" + phase_lengths_said(p)
     )
     if p.anatomy:
         print(ANATOMY_NOTE)

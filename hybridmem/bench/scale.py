@@ -28,6 +28,7 @@ from hybridmem.bench.plan import (
     NEED_STRATEGIES,
     SCALE_GIB,
     check_need,
+    phase_lengths_said,
     scale_plan,
     with_phase_lengths,
 )
@@ -116,8 +117,7 @@ def bench_scale(
         print(
             f"bench --scale: {gib:g} GiB of trainer state ({p.params / 1e9:.2f} B parameters, "
             f"d_model {p.d_model} x {p.layers} layers), {p.cycles} cycles, engine {engine_kind}"
-            + (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
-            + (f", training {p.train_s:g} s longer" if p.train_s else "")
+            + phase_lengths_said(p)
             + (f", the rollout {p.need:.0%} of the optimizer state short" if p.need else "")
         )
         results = {name: child_run(name, p, None) for name in chosen}
