@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridmem.bench.figures import median
+
 __all__ = [
     "HANDBACK_TARGET",
     "NEED_TARGET",
@@ -45,8 +47,7 @@ def _cell(value: Any, fmt: str) -> str:
 def _deficit_gib(size: dict[str, Any]) -> float | None:
     """What the rollout lacked at this point (the same in every strategy's process, about)."""
     found = [r.get("deficit_gib") for r in _rows(size).values()]
-    numbers = sorted(d for d in found if isinstance(d, float | int))
-    return numbers[len(numbers) // 2] if numbers else None
+    return median([float(d) for d in found if isinstance(d, float | int)])
 
 
 def format_need_table(sizes: list[dict[str, Any]]) -> list[str]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hybridmem.bench.figures import median
+
 __all__ = [
     "BASELINES",
     "SCALE_TARGET",
@@ -262,8 +264,7 @@ def _scale_rows(size: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _size_ceiling(size: dict[str, Any]) -> float | None:
     """The median of the strategies' ceilings at one size (each measured its own)."""
-    ceilings = sorted(r["ceiling_s"] for r in _scale_rows(size).values() if r.get("ceiling_s"))
-    return ceilings[len(ceilings) // 2] if ceilings else None
+    return median([r["ceiling_s"] for r in _scale_rows(size).values() if r.get("ceiling_s")])
 
 
 def format_scale_table(sizes: list[dict[str, Any]]) -> list[str]:
