@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from hybridmem import _torch
-from hybridmem.bench import run as bench_run
 from hybridmem.bench.need_report import (
     format_need_table,
     is_need_run,
@@ -34,6 +31,7 @@ from hybridmem.bench.plan import (
 from hybridmem.bench.strategies import fixed_share, strategy_classes
 from hybridmem.cli import main
 from tests.test_bench import figures
+from tests.test_bench_scale import an_h200_running
 
 GiB = 2**30
 MiB = 2**20
@@ -282,8 +280,6 @@ def test_merged_need_runs_keep_one_entry_per_size_and_share() -> None:
 def test_bench_scale_need_runs_each_share_with_the_need_strategies(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from hybridmem.bench import engine_memory
-
     ran: list[tuple[str, int, float | None]] = []
 
     def child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
@@ -296,14 +292,7 @@ def test_bench_scale_need_runs_each_share_with_the_need_strategies(
             ).summary()
         }
 
-    monkeypatch.setattr(_torch, "cuda_available", lambda: True)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=H200)
-    )
-    monkeypatch.setattr("hybridmem._devices.device_index", lambda device: 0)
-    monkeypatch.setattr(engine_memory, "resolve", lambda engine: "handmade")
-    monkeypatch.setattr(engine_memory, "available", lambda: False)
-    monkeypatch.setattr(bench_run, "child_run", child)
+    an_h200_running(monkeypatch, child)
     out = tmp_path / "need.json"
     code = main(["bench", "--scale", "8", "32", "--need", "0", "0.5", "--json", str(out)])
     assert code == 0

@@ -122,7 +122,7 @@ def test_the_scale_plot_is_a_non_trivial_png(tmp_path: Path) -> None:
     assert len(data) > 20_000
 
 
-def _an_h200_running(monkeypatch: pytest.MonkeyPatch, child: Any) -> None:
+def an_h200_running(monkeypatch: pytest.MonkeyPatch, child: Any) -> None:
     """A CPU machine that says it has an H200, whose strategy runs ``child`` answers."""
     import torch
 
@@ -147,7 +147,7 @@ def test_a_plain_bench_with_anatomy_says_its_seconds_are_no_figures(
         plans.append(p)
         return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
 
-    _an_h200_running(monkeypatch, child)
+    an_h200_running(monkeypatch, child)
     main(["bench", "--quick", "--strategies", "hybridmem", "--anatomy", "--train-s", "0.25"])
     assert [(p.anatomy, p.train_s) for p in plans] == [(True, 0.25)]
     out = capsys.readouterr().out
@@ -176,7 +176,7 @@ def test_bench_scale_runs_every_strategy_at_every_size_and_saves_it(
         anatomies.append(p.anatomy)
         return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
 
-    _an_h200_running(monkeypatch, child)
+    an_h200_running(monkeypatch, child)
     out = tmp_path / "scale.json"
     code = main(
         [
@@ -469,6 +469,27 @@ def _cycle_fakes(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     return engine
 
 
+class _Script:
+    """A clock the cycle reads and the order of what ran: each step logs its name and
+    moves the clock by its seconds."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 100.0
+        self.calls: list[str] = []
+        monkeypatch.setattr(time, "perf_counter", lambda: self.now)
+
+    def step(self, seconds: float, name: str, answer: Any = None) -> Any:
+        """A call that takes ``seconds`` and answers ``answer`` (a ``Moved()`` by default)."""
+        from hybridmem.bench.strategies import Moved
+
+        def call(*args: Any) -> Any:
+            self.calls.append(name)
+            self.now += seconds
+            return Moved() if answer is None else answer
+
+        return call
+
+
 def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -503,26 +524,17 @@ def test_each_cycle_records_the_engines_wake_and_sleep_seconds(
 def test_each_cycle_records_the_switchs_stages_and_what_ran_outside_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import time
-
     from hybridmem.bench.strategies import Moved
 
     engine = _cycle_fakes(monkeypatch)
     engine.last_missing = {"trainer_cached": 0}
-    now = [100.0]
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-
-    def switch(seconds: float, stages: dict[str, float], sync_s: float = 0.0) -> Any:
-        def call() -> Moved:
-            now[0] += seconds
-            return Moved(sync_s=sync_s, stages=stages)
-
-        return call
-
+    script = _Script(monkeypatch)
+    out = Moved(sync_s=0.12, stages={"plan": 0.01, "weight_sync": 0.125})
+    back = Moved(stages={"reload": 0.25, "release": 0.125})
     strategy = SimpleNamespace(
         train_scope=contextlib.nullcontext,
-        to_rollout=switch(0.25, {"plan": 0.01, "weight_sync": 0.125}, sync_s=0.12),
-        to_trainer=switch(0.5, {"reload": 0.25, "release": 0.125}),
+        to_rollout=script.step(0.25, "to_rollout", out),
+        to_trainer=script.step(0.5, "to_trainer", back),
     )
     got = figures("planned", to_rollout_s=[], to_trainer_s=[])
     for cycle in range(2):
@@ -545,35 +557,24 @@ def test_each_cycle_records_the_switchs_stages_and_what_ran_outside_them(
 def test_the_training_steps_queued_work_is_waited_for_before_the_switch_is_timed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Decision 91: the GPU's backlog of the step is drained, and counted apart."""
+    """The GPU's backlog of the step is drained before the switch, and counted apart."""
     import torch
-
-    from hybridmem.bench.strategies import Moved
 
     engine = _cycle_fakes(monkeypatch)
     engine.last_missing = {"trainer_cached": 0}
-    now = [100.0]
-    calls: list[str] = []
+    script = _Script(monkeypatch)
+    calls = script.calls
 
     def synchronize(*args: Any) -> None:
         calls.append("synchronize")
         if calls[-2:-1] == ["train"]:  # the step's kernels finish 0.5 s after its host part
-            now[0] += 0.5
-
-    def advance(seconds: float, name: str) -> Any:
-        def call(*args: Any) -> Moved:
-            calls.append(name)
-            now[0] += seconds
-            return Moved()
-
-        return call
+            script.now += 0.5
 
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     strategy = SimpleNamespace(
         train_scope=contextlib.nullcontext,
-        to_rollout=advance(0.25, "to_rollout"),
-        to_trainer=advance(0.125, "to_trainer"),
+        to_rollout=script.step(0.25, "to_rollout"),
+        to_trainer=script.step(0.125, "to_trainer"),
     )
     got = figures("hybridmem", to_rollout_s=[], to_trainer_s=[])
     bench_run._cycle(0, tiny("torch"), strategy, engine, lambda: calls.append("train"), got)
@@ -592,31 +593,20 @@ def test_the_longer_training_and_rollout_are_waited_untimed_in_their_places(
     """``--train-s`` waits after the step, before the switch; ``--rollout-s`` after generating."""
     import dataclasses
 
-    from hybridmem.bench.strategies import Moved
-
     engine = _cycle_fakes(monkeypatch)
-    now = [100.0]
-    calls: list[str] = []
+    script = _Script(monkeypatch)
+    calls = script.calls
 
     def sleep(seconds: float) -> None:
         calls.append(f"wait {seconds:g}")
-        now[0] += seconds
+        script.now += seconds
 
-    def advance(seconds: float, name: str) -> Any:
-        def call(*args: Any) -> Any:
-            calls.append(name)
-            now[0] += seconds
-            return Moved() if name.startswith("to_") else ("ok", 0, 0)
-
-        return call
-
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(time, "sleep", sleep)
-    engine.call = lambda *command: advance(0.0, command[0])()
+    engine.call = lambda *command: script.step(0.0, command[0], ("ok", 0, 0))()
     strategy = SimpleNamespace(
         train_scope=contextlib.nullcontext,
-        to_rollout=advance(0.25, "to_rollout"),
-        to_trainer=advance(0.125, "to_trainer"),
+        to_rollout=script.step(0.25, "to_rollout"),
+        to_trainer=script.step(0.125, "to_trainer"),
     )
     p = dataclasses.replace(tiny("torch"), train_s=1.5, rollout_s=2.0)
     got = figures("hybridmem", to_rollout_s=[], to_trainer_s=[])
