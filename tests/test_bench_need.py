@@ -22,6 +22,7 @@ from hybridmem.bench.need_report import (
 from hybridmem.bench.outputs import merge_scale
 from hybridmem.bench.plan import (
     FIXED_FRACTION,
+    NEED_SPARE_BYTES,
     NEED_STRATEGIES,
     BenchPlan,
     check_need,
@@ -40,15 +41,40 @@ MARGIN = 256 * MiB
 
 
 @pytest.mark.parametrize("need", [0.0, 0.25, 0.5, 1.0])
-def test_the_kv_cache_leaves_the_rollout_that_share_short(need: float) -> None:
-    free, weights, optimizer = 90 * GiB, 16 * GiB, 32 * GiB
-    kv, deficit = need_kv_target(free, weights, optimizer, need, MARGIN)
-    assert kv % GiB == 0  # whole GiB, as the bench's engine allocates its cache
+@pytest.mark.parametrize("step", [GiB, 32 * MiB, 2 * MiB])
+@pytest.mark.parametrize("odd", [0, 13 * MiB + 512])  # free memory is no round number
+def test_the_kv_cache_leaves_the_rollout_that_share_short(need: float, step: int, odd: int) -> None:
+    free, weights, optimizer = 90 * GiB + odd, 16 * GiB, 32 * GiB
+    kv, deficit = need_kv_target(free, weights, optimizer, need, MARGIN, step=step)
+    assert kv % step == 0  # whole steps, as the bench's engine allocates its cache
     assert deficit == max(0, weights + kv + MARGIN - free)
-    # what is short is the share asked for, less the cut to whole GiB (< 1 GiB)
-    assert need * optimizer - GiB < deficit <= max(0.0, need * optimizer)
-    # with the whole optimizer state offloaded, the rollout fits
-    assert weights + kv + MARGIN <= free + optimizer
+    # what is short is the share asked for, less the cut to whole steps (< 1 step),
+    # and never all of the optimizer state: some of it is spare
+    asked = min(need * optimizer, optimizer - NEED_SPARE_BYTES)
+    assert asked - step < deficit <= asked
+    # with the optimizer state offloaded but its spare, the rollout fits
+    assert weights + kv + MARGIN <= free + optimizer - NEED_SPARE_BYTES
+
+
+def test_a_small_state_is_short_by_its_share_not_by_a_gib_cut() -> None:
+    # An 8 GiB trainer state: 4 GiB of optimizer state, 2 GiB of weights. Cut to whole
+    # GiB, "25% short" (1 GiB) lost up to a GiB to the cut (0.02 GiB was left on an
+    # H100); cut to the engine's 32 MiB unit (16 pieces of 2 MiB pages), under 32 MiB.
+    free, weights, optimizer = 70 * GiB + 13 * MiB, 2 * GiB, 4 * GiB
+    coarse = need_kv_target(free, weights, optimizer, 0.25, MARGIN, step=GiB)[1]
+    fine = need_kv_target(free, weights, optimizer, 0.25, MARGIN, step=32 * MiB)[1]
+    assert coarse < 0.25 * GiB
+    assert GiB - 32 * MiB < fine <= GiB
+    # "all of it short" keeps the spare: the planned switch can still cover the need
+    # once the contexts grew between the sizing and the switch
+    whole = need_kv_target(free, weights, optimizer, 1.0, MARGIN, step=32 * MiB)[1]
+    assert optimizer - NEED_SPARE_BYTES - 32 * MiB < whole <= optimizer - NEED_SPARE_BYTES
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises((TypeError, ValueError), match="step"):
+            need_kv_target(free, weights, optimizer, 0.25, MARGIN, step=bad)  # type: ignore[arg-type]
+    for bad in (-1, 0.5, False):
+        with pytest.raises((TypeError, ValueError), match="spare"):
+            need_kv_target(free, weights, optimizer, 0.25, MARGIN, spare=bad)  # type: ignore[arg-type]
 
 
 def test_a_need_with_nothing_short_copies_nothing_and_bad_needs_are_refused() -> None:

@@ -19,6 +19,7 @@ from hybridmem.bench.engine_memory import (
     HandmadeMemory,
     SaverMemory,
     kv_pieces,
+    kv_unit,
     make_engine_memory,
     preload_env,
     resolve,
@@ -361,6 +362,18 @@ def test_an_uneven_kv_cache_is_cut_to_whole_pages(cpu_cuda: FakeCuda) -> None:
     assert made == 6 * ((1 << 30) // 6 // KV_ALIGN * KV_ALIGN)
     assert made <= 1 << 30
     assert sum(part.nbytes for part in memory.kv_parts) == made
+
+
+def test_a_kv_cache_of_whole_units_is_made_to_the_byte(cpu_cuda: FakeCuda) -> None:
+    unit = kv_unit(LAYERED)
+    assert unit == 6 * KV_ALIGN  # a page per piece
+    target = 90 * unit  # 1080 MiB: not a whole GiB
+    memory = HandmadeMemory(LAYERED, target, 0)
+    assert memory.wake(["kv_cache"]) == target
+    assert [part.nbytes for part in memory.kv_parts] == [target // 6] * 6
+    memory.sleep()
+    memory = HandmadeMemory(LAYERED, target + 7 * MiB, 0)  # cut to whole units
+    assert memory.wake(["kv_cache"]) == target
 
 
 def test_an_oom_in_any_piece_makes_the_whole_cache_1_gib_smaller(

@@ -42,6 +42,7 @@ __all__ = [
     "SaverMemory",
     "available",
     "kv_pieces",
+    "kv_unit",
     "make_engine_memory",
     "memory_saver",
     "not_preloaded",
@@ -193,6 +194,20 @@ def kv_pieces(shapes: Shapes) -> int:
     return 2 * len(layers) if layers else 1
 
 
+def kv_unit(shapes: Shapes) -> int:
+    """The bytes the KV cache is made in multiples of: one :data:`KV_ALIGN` page per piece.
+
+    A cache of whole units splits into :func:`kv_pieces` equal tensors of whole pages,
+    so it is exactly its target (32 MiB steps for a model of 8 layers, not whole GiB).
+
+    Example:
+        >>> one = ((4, 4), "float32")
+        >>> kv_unit({"model.layers.0.w": one, "model.layers.1.w": one}) >> 20
+        8
+    """
+    return kv_pieces(shapes) * KV_ALIGN
+
+
 class EngineMemory:
     """An engine's weights and KV cache: wake by tags, sleep, say what is held."""
 
@@ -231,10 +246,12 @@ class EngineMemory:
     def _new_kv(self, target: int) -> list[torch.Tensor]:
         """Up to ``target`` bytes in :func:`kv_pieces` tensors (1 GiB less on OOM; [] if none).
 
-        Each piece is a whole number of :data:`KV_ALIGN` pages; a cache too small to
-        cut into that many pages is one tensor.
+        The target is cut to whole :func:`kv_unit`: each piece is a whole number of
+        :data:`KV_ALIGN` pages; a cache too small to cut into that many pages is one
+        tensor.
         """
-        size = target // GiB * GiB
+        unit = kv_unit(self.shapes)
+        size = target // unit * unit
         pieces = kv_pieces(self.shapes)
         while size > 0:
             each = size // pieces // KV_ALIGN * KV_ALIGN

@@ -83,6 +83,7 @@ class LinePeer:
         ...                 'for l in sys.stdin: print(l.strip(), flush=True)')
         >>> peer.ask("hello", expect="hello")
         >>> peer.close()
+        0
 
     Scope: one process; not thread-safe. Raises :class:`PeerError` naming the process
     and what was awaited when an answer does not come within ``timeout_s``, when the

@@ -38,6 +38,11 @@ NEED_STRATEGIES = ("hybridmem", "planned", "fraction")
 ALL_STRATEGIES = tuple(dict.fromkeys(STRATEGIES + NEED_STRATEGIES))
 #: The share of the optimizer state the ``fraction`` strategy offloads, whatever is short.
 FIXED_FRACTION = 0.5
+#: The optimizer state ``--need`` never asks for, even at 1: between the sizing and
+#: a switch the processes' contexts grow (lazily loaded kernels: 144-176 MiB over a
+#: run on an H100), and a need that the whole state cannot cover fails the planned
+#: switch before it moves anything.
+NEED_SPARE_BYTES = 256 << 20
 #: Which trainer model to build (see :class:`BenchPlan`).
 MODELS = ("auto", "torch", "transformers")
 #: Where the rollout engine keeps its memory (``hybridmem.bench.engine_memory``).
@@ -99,6 +104,15 @@ class BenchPlan:
     def state_bytes(self) -> int:
         """Trainer state: parameters, gradients and AdamW moments, fp32."""
         return self.params * _STATE_BYTES_PER_PARAM
+
+    def default_kv(self, total: int) -> int:
+        """The KV cache without ``--need``: ``kv_fraction`` of ``total`` bytes, whole GiB.
+
+        Example:
+            >>> plan(141 * GiB, quick=False).default_kv(141 * GiB) // GiB
+            70
+        """
+        return int(total * self.kv_fraction) // GiB * GiB
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "params": self.params, "state_bytes": self.state_bytes}
@@ -255,8 +269,8 @@ def scale_plan(
         ValueError: a size the device cannot hold beside the KV cache.
 
     Example:
-        >>> scale_plan(141 << 30, 8).state_bytes / 2**30  # doctest: +ELLIPSIS
-        7.9...
+        >>> round(scale_plan(141 << 30, 8).state_bytes / 2**30, 1)
+        8.0
     """
     check_number("total_bytes", total_bytes, above=0)
     check_number("state_gib", state_gib, above=0)
@@ -339,14 +353,25 @@ def check_need(need: object) -> float:
 
 
 def need_kv_target(
-    free: int, weights: int, optimizer: int, need: float, margin: int
+    free: int,
+    weights: int,
+    optimizer: int,
+    need: float,
+    margin: int,
+    step: int = GiB,
+    spare: int = NEED_SPARE_BYTES,
 ) -> tuple[int, int]:
     """The KV cache that leaves a rollout ``need`` x ``optimizer`` bytes short: (KV, deficit).
 
     With the trainer's state on the device, ``free`` bytes are free; the rollout wakes
     ``weights`` and then its KV cache, and a planned switch keeps ``margin`` beyond
-    them. The KV cache is cut to whole GiB (as the bench's engine allocates it), so the
-    deficit is what that cache really lacks: ``weights + KV + margin - free``, at least 0.
+    them. The KV cache is cut to a whole number of ``step`` bytes (the unit the
+    bench's engine allocates it in, :func:`hybridmem.bench.engine_memory.kv_unit`), so
+    the deficit is what that cache really lacks, ``weights + KV + margin - free`` (at
+    least 0): the share asked for, less under one ``step``, and never more than the
+    optimizer state less ``spare`` (:data:`NEED_SPARE_BYTES`). A coarse step distorts
+    small states: cut to whole GiB, an 8 GiB state's "25% short" (1 GiB) left the
+    rollout 0.02 GiB short.
 
     Raises:
         ValueError: the device cannot hold that cache even with the whole optimizer
@@ -355,9 +380,16 @@ def need_kv_target(
     Example:
         >>> [n // GiB for n in need_kv_target(100 * GiB, 10 * GiB, 40 * GiB, 0.5, 0)]
         [110, 20]
+        >>> kv, short = need_kv_target(
+        ...     70 * GiB + (13 << 20), 2 * GiB, 4 * GiB, 0.25, 256 << 20, step=32 << 20)
+        >>> (short >> 20, kv % (32 << 20))  # a quarter of 4 GiB, less 13 MiB; whole steps
+        (1011, 0)
     """
     check_need(need)
-    kv = (free - weights - margin + int(need * optimizer)) // GiB * GiB
+    check_number("step", step, integer=True, minimum=1, expected="an int >= 1 (bytes)")
+    check_number("spare", spare, integer=True, minimum=0, expected="an int >= 0 (bytes)")
+    short = max(0, min(int(need * optimizer), optimizer - spare))
+    kv = (free - weights - margin + short) // step * step
     if kv <= 0 or weights + kv + margin > free + optimizer:
         raise ValueError(
             f"no KV cache fits a need of {need:.0%} of the optimizer state: "

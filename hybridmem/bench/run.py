@@ -131,7 +131,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     import torch.multiprocessing as mp
 
     from hybridmem.bench.engine import BoundedConn, EngineClient, serve
-    from hybridmem.bench.engine_memory import preload_env, resolve
+    from hybridmem.bench.engine_memory import kv_unit, preload_env, resolve
     from hybridmem.bench.strategies import make_strategy, strategy_classes
 
     torch.manual_seed(0)
@@ -160,7 +160,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
         args=(
             child,
             device,
-            int(total * p.kv_fraction),
+            p.default_kv(total),
             shapes,
             memory_kind,
             p.anatomy,
@@ -216,7 +216,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
         if isinstance(t, torch.Tensor)
     )
     strategy = make_strategy(name, p, model, optimizer, engine)
-    kv_target, deficit = int(total * p.kv_fraction), 0
+    kv_target, deficit = p.default_kv(total), 0
     if p.need is not None:  # a KV cache the rollout lacks p.need of the optimizer state for
         from hybridmem.engine.switch_offload import NEED_MARGIN_BYTES
 
@@ -225,8 +225,9 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         weights = sum(t.nbytes for t in model.state_dict().values())
+        free = torch.cuda.mem_get_info()[0]
         kv_target, deficit = need_kv_target(
-            torch.cuda.mem_get_info()[0], weights, optimizer_bytes, p.need, NEED_MARGIN_BYTES
+            free, weights, optimizer_bytes, p.need, NEED_MARGIN_BYTES, step=kv_unit(shapes)
         )
         engine.call("kv_target", kv_target)
         engine.rollout_need = weights + kv_target  # what the planned strategy is told
