@@ -116,6 +116,7 @@ class AllocatorState:
             :meth:`shown` puts it first, with the raw value beside it.
 
     Example:
+        >>> import hybridmem as hm
         >>> cfg = hm.allocator_state()
         >>> cfg.expandable_segments, cfg.source("max_split_size_mb")   # doctest: +SKIP
         (False, 'env')
@@ -171,7 +172,8 @@ class AllocatorState:
         """``key``'s value as torch reads it; a misread raw value beside it.
 
         Example:
-            >>> cfg.shown("max_split_size_mb")   # env max_split_size_mb:-3  # doctest: +SKIP
+            >>> # PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:-3 in the environment
+            >>> cfg.shown("max_split_size_mb")  # doctest: +SKIP
             'unlimited (written -3)'
         """
         value = self.get(key).value

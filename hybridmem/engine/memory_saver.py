@@ -104,7 +104,7 @@ def memory_saver_facts(
 
     Example:
         >>> facts = memory_saver_facts(expandable_effective=False)   # doctest: +SKIP
-        >>> facts.hook_mode if facts else "not installed"
+        >>> facts.hook_mode if facts else "not installed"            # doctest: +SKIP
         'preload'
     """
     environ = os.environ if env is None else env

@@ -149,7 +149,8 @@ class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
     (``torch.distributed`` rank, else ``RANK``, else 0).
 
     Example:
-        >>> switch = hm.HybridSwitch(hm.VLLMEngine(llm), "vllm", offloader, sync_weights=push)
+        >>> engine = hm.VLLMEngine(llm)                                        # doctest: +SKIP
+        >>> switch = hm.HybridSwitch(engine, "vllm", offloader, sync_weights=push)  # doctest: +SKIP
         >>> with switch.rollout():                   # doctest: +SKIP
         ...     outputs = llm.generate(prompts)
     """

@@ -117,8 +117,9 @@ class WeightBucket(ClosesOnExit):
 
     Example:
         >>> bucket = hm.WeightBucket(256 << 20)        # doctest: +SKIP
-        >>> conn.send(bucket.handle)                   # once
-        >>> for step in range(steps):
+        >>> # once, before training
+        >>> conn.send(bucket.handle)  # doctest: +SKIP
+        >>> for step in range(steps):                  # doctest: +SKIP
         ...     train_step()
         ...     bucket.send(model.state_dict(), conn)  # every step, no new memory
     """
@@ -234,8 +235,9 @@ class WeightBucket(ClosesOnExit):
 
         Example:
             >>> conn.send(bucket.handle)           # doctest: +SKIP
-            >>> assert conn.recv() == "opened"     # the receiver attached
-            >>> bucket.unlink_shared_names()
+            >>> # wait until the receiver attached
+            >>> assert conn.recv() == "opened"  # doctest: +SKIP
+            >>> bucket.unlink_shared_names()       # doctest: +SKIP
         """
         removed = sum(unlink_shared_memory(shm) for shm in self._held.shms)
         if removed:
@@ -278,7 +280,7 @@ class WeightBucket(ClosesOnExit):
 
         Example:
             >>> bucket = hm.WeightBucket.for_tensors(model.state_dict())  # doctest: +SKIP
-            >>> conn.send(bucket.handle)
+            >>> conn.send(bucket.handle)                                  # doctest: +SKIP
         """
         how = "pass model.state_dict() or a list of its items()"
         if isinstance(named_tensors, Mapping):
@@ -347,7 +349,7 @@ class WeightBucket(ClosesOnExit):
 
         Example:
             >>> items = bucket.check(model.state_dict())   # doctest: +SKIP
-            >>> bucket.send(items, conn)
+            >>> bucket.send(items, conn)                   # doctest: +SKIP
         """
         return Checked(validate(named_tensors, self.device))
 
@@ -646,7 +648,7 @@ class WeightBucket(ClosesOnExit):
             >>> def layers():                                         # doctest: +SKIP
             ...     for i, layer in enumerate(model.layers):
             ...         yield dict(layer.named_parameters()), i
-            >>> bucket.send_groups(layers(), conn)
+            >>> bucket.send_groups(layers(), conn)                    # doctest: +SKIP
 
         Scope: as :meth:`send`; each group's copies come after the work queued on the
         current stream before it was read, and work queued after it comes after them.

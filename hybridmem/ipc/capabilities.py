@@ -264,7 +264,7 @@ def ipc_capabilities(device: DeviceArg = None, *, refresh: bool = False) -> IpcC
 
     Example:
         >>> caps = hm.ipc_capabilities()          # doctest: +SKIP
-        >>> if not caps.expandable_ipc:
+        >>> if not caps.expandable_ipc:           # doctest: +SKIP
         ...     print(caps.reason, caps.advice)
     """
     check_bool("refresh", refresh)

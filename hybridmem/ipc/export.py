@@ -226,7 +226,8 @@ def ipc_export(
     Example:
         >>> with hm.expandable_segments(True):          # doctest: +SKIP
         ...     weight = torch.randn(1 << 26, device="cuda")
-        >>> conn.send(hm.ipc_export(weight))            # consumer: conn.recv().open()
+        >>> # the consumer opens it with conn.recv().open()
+        >>> conn.send(hm.ipc_export(weight))  # doctest: +SKIP
     """
     if consumer_pid is not None:  # the arguments first: each error names its own
         check_number("consumer_pid", consumer_pid, integer=True, minimum=1, maximum=2**31 - 1)

@@ -119,8 +119,10 @@ class Offloader:
 
     Example:
         >>> off = hm.Offloader(model, optimizer)           # doctest: +SKIP
-        >>> off.offload()                                  # before rollout
-        >>> off.reload("parameters"); off.reload("optimizer")   # when each is needed
+        >>> # before rollout
+        >>> off.offload()  # doctest: +SKIP
+        >>> # when each is needed
+        >>> off.reload("parameters"); off.reload("optimizer")  # doctest: +SKIP
 
     Scope: the device of the targets; not thread-safe. Touching an offloaded tensor
     before reloading it is an error torch does not catch (its storage is empty:
@@ -370,7 +372,7 @@ class Offloader:
 
         Example:
             >>> flight = off.start_offload()           # doctest: +SKIP
-            >>> push_weights(); flight.finish()
+            >>> push_weights(); flight.finish()        # doctest: +SKIP
         """
         kept = self._kept_walk  # resident(keep_walk=True)'s, made for this offload
         self._check_idle("start_offload")
@@ -560,7 +562,7 @@ class Offloader:
 
         Example:
             >>> feed = off.start_reload()             # doctest: +SKIP
-            >>> engine.sleep(); feed.finish(by="kernel")
+            >>> engine.sleep(); feed.finish(by="kernel")  # doctest: +SKIP
         """
         self._check_idle("start_reload")
         start = time.perf_counter()

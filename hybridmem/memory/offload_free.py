@@ -211,7 +211,7 @@ class OffloadInFlight:
 
     Example:
         >>> flight = off.start_offload()   # doctest: +SKIP
-        >>> sync_weights(); report = flight.finish()
+        >>> sync_weights(); report = flight.finish()  # doctest: +SKIP
 
     Scope: the Offloader's device; not thread-safe.
     """

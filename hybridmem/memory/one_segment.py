@@ -213,7 +213,7 @@ def one_segment(sizes: Sizes, *, device: DeviceArg = None) -> OneSegment:
 
     Example:
         >>> shapes = meta_model.state_dict()                 # doctest: +SKIP
-        >>> with saver.region("weights"), hm.one_segment(shapes) as packed:
+        >>> with saver.region("weights"), hm.one_segment(shapes) as packed:  # doctest: +SKIP
         ...     model = build_model(device="cuda")
         >>> print(packed.report)                             # doctest: +SKIP
     """

@@ -66,8 +66,10 @@ class ReloadFeed:
 
     Example:
         >>> feed = off.start_reload()       # doctest: +SKIP
-        >>> engine.sleep()                  # the copy engines work meanwhile
-        >>> feed.finish(by="kernel")        # the rest, after the sleep
+        >>> # the copy engines work meanwhile
+        >>> engine.sleep()  # doctest: +SKIP
+        >>> # the rest, after the sleep
+        >>> feed.finish(by="kernel")  # doctest: +SKIP
 
     Scope: the Offloader's device. :meth:`stop` and :meth:`finish` from the thread
     that started it; the Offloader refuses every other call until one of them ends

@@ -8,7 +8,7 @@
 
 Example:
     >>> from hybridmem.packing import pack, unpack              # doctest: +SKIP
-    >>> packed = pack(input_ids, attention_mask, lengths=lengths, align=tp)
+    >>> packed = pack(input_ids, attention_mask, lengths=lengths, align=tp)  # doctest: +SKIP
 """
 
 from hybridmem.packing._layout import fp8_alignment

@@ -23,7 +23,8 @@ with a ``group`` is a collective over that group.
 
 Example:
     >>> packed = pack(input_ids, attention_mask, lengths=lengths, align=8)  # doctest: +SKIP
-    >>> out = model(packed.tensor, packed_seq_params=PackedSeqParams(**packed.seq_params()))
+    >>> seq = PackedSeqParams(**packed.seq_params())                        # doctest: +SKIP
+    >>> out = model(packed.tensor, packed_seq_params=seq)                   # doctest: +SKIP
     >>> logits = unpack(out, packed, seq_len=input_ids.shape[1])            # doctest: +SKIP
 """
 
@@ -382,8 +383,12 @@ def plan(
             valid tokens, or not a multiple of ``2 * cp_size``.
 
     Example:
-        >>> layout = plan(mask, lengths=[3, 5], align=4)    # doctest: +SKIP
-        >>> logits = unpack(output, layout, seq_len=mask.shape[1])
+        >>> import torch
+        >>> mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+        >>> layout = plan(mask, lengths=[3, 5], align=4)
+        >>> output = torch.arange(12).reshape(1, 12)  # what the model gave, packed
+        >>> unpack(output, layout, seq_len=mask.shape[1]).tolist()
+        [[0, 1, 2, 0, 0], [4, 5, 6, 7, 8]]
     """
     return _build(
         attention_mask,
@@ -438,7 +443,10 @@ def pack(
             ``cp_rank`` outside ``[0, cp_size)``.
 
     Example:
-        >>> packed = pack(ids, mask, lengths=[3, 5], align=4)   # doctest: +SKIP
+        >>> import torch
+        >>> mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+        >>> ids = torch.arange(10).reshape(2, 5)
+        >>> packed = pack(ids, mask, lengths=[3, 5], align=4)
         >>> packed.tensor.shape, packed.cu_seqlens_padded.tolist()
         (torch.Size([1, 12]), [0, 4, 12])
     """

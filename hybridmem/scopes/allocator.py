@@ -186,6 +186,7 @@ def allocator_settings(*bare: object, **settings: object) -> AllocatorSettings:
         TypeError: a value of the wrong type, or a setting given by position.
 
     Example:
+        >>> import hybridmem as hm
         >>> with hm.allocator_settings(max_split_size_mb=512, garbage_collection_threshold=0.8):
         ...     pass
     """

@@ -173,7 +173,8 @@ class VLLMEngine(_StagedWake):
 
     Example:
         >>> adapter = hm.VLLMEngine(llm, level=1)   # doctest: +SKIP
-        >>> adapter.sleep(); adapter.wake_up(["weights"]); adapter.wake_up(["kv_cache"])
+        >>> adapter.sleep()                          # doctest: +SKIP
+        >>> adapter.wake_up(["weights"]); adapter.wake_up(["kv_cache"])  # doctest: +SKIP
     """
 
     name = "vllm"

@@ -151,7 +151,7 @@ def install() -> list[str]:
 
     Example:
         >>> import hybridmem.integrations.verl as hv   # doctest: +SKIP
-        >>> hv.install()
+        >>> hv.install()                               # doctest: +SKIP
         ['verl.workers.rollout.vllm_rollout.bucketed_weight_transfer.BucketedWeightSender', ...]
     """
     global _hook

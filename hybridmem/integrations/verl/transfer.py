@@ -159,7 +159,7 @@ class BucketedWeightSender:
 
     Example:
         >>> sender = BucketedWeightSender(handle, bucket_size_mb=512)  # doctest: +SKIP
-        >>> await sender.async_send_weights(model.named_parameters())
+        >>> await sender.async_send_weights(model.named_parameters())  # doctest: +SKIP
     """
 
     def __init__(self, zmq_handle: str, bucket_size_mb: int = 512, use_shm: bool = False) -> None:

@@ -48,7 +48,8 @@ class EngineLink:
 
     Example:
         >>> link = EngineLink(init_info, torch.device("cuda", 0), schema)  # doctest: +SKIP
-        >>> link.update(model.load_weights)   # one whole sync, checked, then applied
+        >>> # one whole sync, checked, then applied
+        >>> link.update(model.load_weights)  # doctest: +SKIP
     """
 
     def __init__(

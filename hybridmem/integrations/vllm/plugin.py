@@ -31,7 +31,8 @@ def register() -> bool:
 
     Example:
         >>> from hybridmem.integrations.vllm.plugin import register   # doctest: +SKIP
-        >>> register()   # vLLM does this itself in every process it starts
+        >>> # vLLM does this itself in every process it starts
+        >>> register()  # doctest: +SKIP
         True
     """
     from hybridmem.integrations.verl.install import install_from_env

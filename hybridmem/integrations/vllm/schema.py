@@ -41,7 +41,7 @@ def checkpoint_schema(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int,
 
     Example:
         >>> schema = checkpoint_schema("/models/llama")   # doctest: +SKIP
-        >>> schema["lm_head.weight"]
+        >>> schema["lm_head.weight"]                      # doctest: +SKIP
         (1024, 128)
     """
     path = Path(model_dir)

@@ -136,8 +136,10 @@ class TrainerLink(ClosesOnExit):
 
     Example:
         >>> link = TrainerLink(256 << 20)                        # doctest: +SKIP
-        >>> link.connect(lambda info: llm.init_weight_transfer_engine({"init_info": info}))
-        >>> link.sync(model.state_dict(), lambda info: llm.update_weights({"update_info": info}))
+        >>> link.connect(  # doctest: +SKIP
+        ...     lambda info: llm.init_weight_transfer_engine({"init_info": info}))
+        >>> link.sync(  # doctest: +SKIP
+        ...     model.state_dict(), lambda info: llm.update_weights({"update_info": info}))
     """
 
     def __init__(

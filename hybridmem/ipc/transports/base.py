@@ -89,9 +89,9 @@ class Transport(ABC):
 
     Example:
         >>> transport = transport_named("host")   # doctest: +SKIP
-        >>> held = Buffers()
-        >>> transport.allocate(1 << 20, 2, 0, held)
-        >>> handle_exports = transport.exports(held)
+        >>> held = Buffers()                      # doctest: +SKIP
+        >>> transport.allocate(1 << 20, 2, 0, held)  # doctest: +SKIP
+        >>> handle_exports = transport.exports(held)  # doctest: +SKIP
     """
 
     #: What the handle carries to the receiver.

@@ -1,0 +1,66 @@
+"""Every docstring example runs, or says it cannot (``# doctest: +SKIP`` on each of its lines).
+
+A docstring's ``>>>`` lines are a promise to the reader: pasted, they work and print
+what the docstring shows. Examples that need a GPU, an engine or another process carry
+``# doctest: +SKIP`` on every ``>>>`` line (a directive covers one example, not the
+lines after it). The rest run here, as ``python -m pytest --doctest-modules hybridmem``
+would run them, in one fresh interpreter (examples change process-global allocator
+settings), with only the names each module defines: an example imports what else it
+uses, as a reader's paste must.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import run_python
+
+#: Modules that cannot be imported without an optional package (the package named).
+OPTIONAL = {"hybridmem.integrations.vllm.backend": "vllm"}
+
+_RUNNER = """
+import doctest, importlib, json, pkgutil, sys
+import hybridmem
+
+found = {"failures": [], "ran": [], "unimported": {}}
+flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+finder = doctest.DocTestFinder(exclude_empty=True)
+for info in pkgutil.walk_packages(hybridmem.__path__, "hybridmem."):
+    try:
+        module = importlib.import_module(info.name)
+    except ImportError as exc:
+        found["unimported"][info.name] = str(exc)
+        continue
+    for test in finder.find(module, info.name):
+        said = []
+        runner = doctest.DocTestRunner(optionflags=flags, verbose=False)
+        result = runner.run(test, out=said.append, clear_globs=True)
+        if result.attempted:
+            found["ran"].append(test.name)
+        if result.failed:
+            found["failures"].append(f"{test.filename}:{test.lineno}: {''.join(said)}")
+print(json.dumps(found))
+"""
+
+
+def _run() -> dict[str, list[str] | dict[str, str]]:
+    done = run_python("-c", _RUNNER, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found: dict[str, list[str] | dict[str, str]] = json.loads(done.stdout.splitlines()[-1])
+    return found
+
+
+def test_every_docstring_example_runs_or_is_skipped_line_by_line() -> None:
+    found = _run()
+    failures = found["failures"]
+    assert not failures, "docstring examples that fail:\n" + "\n".join(failures)
+    # Only the modules of an optional package are left unread, each for that package.
+    unimported = found["unimported"]
+    assert isinstance(unimported, dict)
+    assert set(unimported) <= set(OPTIONAL), unimported
+    for module, message in unimported.items():
+        assert OPTIONAL[module] in message, message
+    # The examples did run: one that computes, and one that packs on the CPU.
+    ran = found["ran"]
+    assert "hybridmem.bench.plan.need_kv_target" in ran
+    assert "hybridmem.packing.core.pack" in ran
