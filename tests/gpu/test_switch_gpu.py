@@ -76,6 +76,31 @@ def _check_fifty(facts: dict[str, Any]) -> None:
         assert abs(value) <= 64 * MiB, (stage, value / MiB, facts["off_the_median"])
 
 
+def test_a_partial_plan_under_real_faults_loses_nothing() -> None:
+    """Planned by need, about half the optimizer state moves; faults bring back that part.
+
+    The engine's KV wake fails after the partial offload: the switch puts the engine
+    to sleep and reloads what moved. The reload finds the device taken: the error says
+    the state is still offloaded and intact, and a reload once the memory is free puts
+    it back bit for bit. Then a cycle runs as before.
+    """
+    facts = run_scenario("partial_plan_faults", "tests.gpu.need_scenarios")
+    print(f"\npartial plan under faults: {facts}")
+    total = facts["optimizer_bytes"]
+    for key in ("kv_fault_moved", "reload_fault_moved", "after_moved"):
+        assert 0 < facts[key] < total, (key, facts[key], total)
+    assert facts["kv_fault"] == "RuntimeError: the engine could not take its KV cache (injected)"
+    assert facts["kv_fault_offloaded"] == []
+    assert facts["kv_fault_intact"]
+    assert facts["reload_fault"].startswith("HybridSwitchError"), facts["reload_fault"]
+    assert "still offloaded and intact" in facts["reload_fault"]
+    assert facts["reload_fault_offloaded"] == ["optimizer"]  # only the part that moved
+    assert facts["reload_fault_intact"]
+    assert facts["after_intact"]
+    assert facts["engine_saw_the_weights"]
+    assert facts["engine_exit"] == 0
+
+
 @pytest.mark.multi_gpu
 def test_no_rank_wakes_its_kv_cache_while_another_offloads() -> None:
     facts = run_scenario("ranks", MODULE)
