@@ -370,8 +370,19 @@ def need_kv_target(
     the deficit is what that cache really lacks, ``weights + KV + margin - free`` (at
     least 0): the share asked for, less under one ``step``, and never more than the
     optimizer state less ``spare`` (:data:`NEED_SPARE_BYTES`). A coarse step distorts
-    small states: cut to whole GiB, an 8 GiB state's "25% short" (1 GiB) left the
-    rollout 0.02 GiB short.
+    small states: cut to whole GiB, a quarter of a 4 GiB optimizer state comes out
+    anywhere from 0 to 1 GiB short.
+
+    Args:
+        free, weights, optimizer: bytes free, of the engine's weights, of the optimizer
+            state.
+        need: the share of ``optimizer`` the rollout lacks (:func:`check_need`).
+        margin: what a planned switch keeps free beyond the need.
+        step: the unit the KV cache is cut to (whole GiB by default).
+        spare: optimizer bytes never asked for (the share is capped below them).
+
+    Returns:
+        ``(KV cache bytes, deficit bytes)``.
 
     Raises:
         ValueError: the device cannot hold that cache even with the whole optimizer
