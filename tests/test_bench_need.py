@@ -48,10 +48,12 @@ def test_the_kv_cache_leaves_the_rollout_that_share_short(need: float, step: int
     kv, deficit = need_kv_target(free, weights, optimizer, need, MARGIN, step=step)
     assert kv % step == 0  # whole steps, as the bench's engine allocates its cache
     assert deficit == max(0, weights + kv + MARGIN - free)
-    # what is short is the share asked for, less the cut to whole steps (< 1 step),
-    # and never all of the optimizer state: some of it is spare
-    asked = min(need * optimizer, optimizer - NEED_SPARE_BYTES)
-    assert asked - step < deficit <= asked
+    if need == 0:  # nothing short, with room for the contexts to grow
+        assert deficit == 0
+        assert weights + kv + MARGIN + NEED_SPARE_BYTES <= free
+    else:  # the share asked for, less the cut to whole steps, and never all of it
+        asked = min(need * optimizer, optimizer - NEED_SPARE_BYTES)
+        assert asked - step < deficit <= asked
     # with the optimizer state offloaded but its spare, the rollout fits
     assert weights + kv + MARGIN <= free + optimizer - NEED_SPARE_BYTES
 
@@ -65,10 +67,13 @@ def test_a_small_state_is_short_by_its_share_not_by_a_gib_cut() -> None:
     fine = need_kv_target(free, weights, optimizer, 0.25, MARGIN, step=32 * MiB)[1]
     assert coarse < 0.25 * GiB
     assert GiB - 32 * MiB < fine <= GiB
-    # "all of it short" keeps the spare: the planned switch can still cover the need
-    # once the contexts grew between the sizing and the switch
+    # Both ends keep the spare, for the contexts' growth between the sizing and the
+    # switch: "all of it short" stays coverable, "nothing short" stays so.
     whole = need_kv_target(free, weights, optimizer, 1.0, MARGIN, step=32 * MiB)[1]
     assert optimizer - NEED_SPARE_BYTES - 32 * MiB < whole <= optimizer - NEED_SPARE_BYTES
+    kv, none = need_kv_target(free, weights, optimizer, 0.0, MARGIN, step=32 * MiB)
+    assert none == 0
+    assert NEED_SPARE_BYTES <= free - (weights + kv + MARGIN) < NEED_SPARE_BYTES + 32 * MiB
     for bad in (0, -1, 1.5, True):
         with pytest.raises((TypeError, ValueError), match="step"):
             need_kv_target(free, weights, optimizer, 0.25, MARGIN, step=bad)  # type: ignore[arg-type]

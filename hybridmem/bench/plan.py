@@ -38,10 +38,11 @@ NEED_STRATEGIES = ("hybridmem", "planned", "fraction")
 ALL_STRATEGIES = tuple(dict.fromkeys(STRATEGIES + NEED_STRATEGIES))
 #: The share of the optimizer state the ``fraction`` strategy offloads, whatever is short.
 FIXED_FRACTION = 0.5
-#: The optimizer state ``--need`` never asks for, even at 1: between the sizing and
-#: a switch the processes' contexts grow (lazily loaded kernels: 144-176 MiB over a
-#: run on an H100), and a need that the whole state cannot cover fails the planned
-#: switch before it moves anything.
+#: The room ``--need`` leaves at its two ends for the processes' contexts, which grow
+#: between the sizing and a switch (lazily loaded kernels: 144-176 MiB over a run on
+#: an H100): at 0 the rollout lacks nothing with this much to spare (else the growth
+#: makes the planned switch move a storage), at 1 it lacks all of the optimizer state
+#: but this (else the planned switch fails: a need the whole state cannot cover).
 NEED_SPARE_BYTES = 256 << 20
 #: Which trainer model to build (see :class:`BenchPlan`).
 MODELS = ("auto", "torch", "transformers")
@@ -368,8 +369,9 @@ def need_kv_target(
     them. The KV cache is cut to a whole number of ``step`` bytes (the unit the
     bench's engine allocates it in, :func:`hybridmem.bench.engine_memory.kv_unit`), so
     the deficit is what that cache really lacks, ``weights + KV + margin - free`` (at
-    least 0): the share asked for, less under one ``step``, and never more than the
-    optimizer state less ``spare`` (:data:`NEED_SPARE_BYTES`). A coarse step distorts
+    least 0): the share asked for, less under one ``step``; at a share of 0, nothing,
+    with ``spare`` bytes free besides; never more than the optimizer state less
+    ``spare`` (:data:`NEED_SPARE_BYTES`). A coarse step distorts
     small states: cut to whole GiB, a quarter of a 4 GiB optimizer state comes out
     anywhere from 0 to 1 GiB short.
 
@@ -379,7 +381,7 @@ def need_kv_target(
         need: the share of ``optimizer`` the rollout lacks (:func:`check_need`).
         margin: what a planned switch keeps free beyond the need.
         step: the unit the KV cache is cut to (whole GiB by default).
-        spare: optimizer bytes never asked for (the share is capped below them).
+        spare: the room left for the contexts' growth at a share of 0 and of 1.
 
     Returns:
         ``(KV cache bytes, deficit bytes)``.
@@ -399,7 +401,7 @@ def need_kv_target(
     check_need(need)
     check_number("step", step, integer=True, minimum=1, expected="an int >= 1 (bytes)")
     check_number("spare", spare, integer=True, minimum=0, expected="an int >= 0 (bytes)")
-    short = max(0, min(int(need * optimizer), optimizer - spare))
+    short = min(int(need * optimizer), optimizer - spare) if need else -spare
     kv = (free - weights - margin + short) // step * step
     if kv <= 0 or weights + kv + margin > free + optimizer:
         raise ValueError(
