@@ -21,6 +21,7 @@ from hybridmem.bench.need_report import (
 )
 from hybridmem.bench.outputs import merge_scale
 from hybridmem.bench.plan import (
+    ANATOMY_NOTE,
     FIXED_FRACTION,
     NEED_SPARE_BYTES,
     NEED_STRATEGIES,
@@ -29,6 +30,7 @@ from hybridmem.bench.plan import (
     choose_strategies,
     need_kv_target,
 )
+from hybridmem.bench.report import scale_verdicts, verdicts
 from hybridmem.bench.strategies import fixed_share, strategy_classes
 from hybridmem.cli import main
 from tests.test_bench import figures
@@ -186,6 +188,30 @@ def test_the_need_table_and_verdicts_follow_the_deficit() -> None:
     # a planned switch that copied where nothing was short fails its verdict
     wrong = _point(8, 0.0, 2.0)
     assert need_verdicts([wrong])[0].endswith("2.00 GiB copied: NOT met")
+
+
+def test_verdicts_of_a_run_under_anatomy_say_their_seconds_diagnose(tmp_path: Path) -> None:
+    point = _point(8, 0.5, 2.0)
+    plain = need_verdicts([point])
+    assert ANATOMY_NOTE not in plain
+    point["results"]["planned"]["raw"] = {"anatomy": [{"trainer": {}, "engine": {}}]}
+    judged = need_verdicts([point])
+    assert judged == [ANATOMY_NOTE, *plain]  # first, once, nothing else changed
+    # read back (--from-json), the saved run still says it
+    saved = tmp_path / "need.json"
+    saved.write_text(json.dumps({"scale": [point], "verdicts": judged}))
+    out = tmp_path / "again.json"
+    assert main(["bench", "--from-json", str(saved), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["verdicts"][0] == ANATOMY_NOTE
+    # the plain and the scale verdicts alike
+    rows = {"hybridmem": figures("hybridmem").summary()}
+    assert verdicts(rows, {"hybridmem": {"anatomy": [{}]}})[0] == ANATOMY_NOTE
+    assert ANATOMY_NOTE not in verdicts(rows, {"hybridmem": {"anatomy": []}})
+    result: dict[str, Any] = {"summary": rows["hybridmem"]}
+    size = {"state_gib": 8, "plan": {}, "results": {"hybridmem": result}}
+    assert ANATOMY_NOTE not in scale_verdicts([size])
+    result["raw"] = {"anatomy": [{}]}
+    assert scale_verdicts([size])[0] == ANATOMY_NOTE
 
 
 def test_the_verdict_allows_the_releases_where_they_were_timed() -> None:

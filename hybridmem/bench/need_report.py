@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridmem.bench.figures import median
+from hybridmem.bench.plan import anatomy_note
 
 __all__ = [
     "HANDBACK_TARGET",
@@ -113,7 +114,7 @@ def need_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
         >>> need_verdicts([])
         []
     """
-    judged: list[str] = []
+    judged = anatomy_note(r.get("raw") for size in sizes for r in size["results"].values())
     for size in sizes:
         row = _rows(size).get("planned")
         if row is None:

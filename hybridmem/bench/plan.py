@@ -5,6 +5,7 @@ What a run measured is :mod:`hybridmem.bench.figures`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -12,12 +13,15 @@ from hybridmem._checks import check_number
 
 __all__ = [
     "ALL_STRATEGIES",
+    "ANATOMY_NOTE",
     "ENGINES",
     "FIXED_FRACTION",
     "MODELS",
+    "NEED_SPARE_BYTES",
     "NEED_STRATEGIES",
     "STRATEGIES",
     "BenchPlan",
+    "anatomy_note",
     "check_need",
     "choose_strategies",
     "need_kv_target",
@@ -124,6 +128,19 @@ ANATOMY_NOTE = (
     "--anatomy: every allocation's stack is recorded, so this run's seconds diagnose; "
     "they are not figures"
 )
+
+
+def anatomy_note(raws: Iterable[Any]) -> list[str]:
+    """``[ANATOMY_NOTE]`` where any of these saved runs recorded the anatomy, else ``[]``.
+
+    Verdicts start with it, so that results read back with ``--from-json`` say it too.
+
+    Example:
+        >>> anatomy_note([{"anatomy": []}, None]), len(anatomy_note([{"anatomy": [{}]}]))
+        ([], 1)
+    """
+    return [ANATOMY_NOTE] if any(isinstance(r, dict) and r.get("anatomy") for r in raws) else []
+
 
 #: The longest ``--rollout-s`` or ``--train-s`` the bench takes, in seconds (a cycle
 #: waits that long).

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridmem.bench.figures import median
+from hybridmem.bench.plan import anatomy_note
 
 __all__ = [
     "BASELINES",
@@ -152,7 +153,7 @@ def verdicts(rows: dict[str, dict[str, Any]], raws: dict[str, Any] | None = None
         return ["no verdicts: hybridmem was not run (combine saved runs with --from-json)"]
     raws = raws or {}
     ours = rows["hybridmem"]
-    lines = []
+    lines = anatomy_note(raws.values())
     for key, (op, target) in TARGETS.items():
         value = ours.get(key)
         if value is None:  # results saved before this figure existed
@@ -311,7 +312,7 @@ def format_scale_table(sizes: list[dict[str, Any]]) -> list[str]:
 
 def scale_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
     """hybridmem's switch against :data:`SCALE_TARGET` x its ceiling, at every size."""
-    judged: list[str] = []
+    judged = anatomy_note(r.get("raw") for size in sizes for r in size["results"].values())
     for size in sizes:
         row = _scale_rows(size).get("hybridmem")
         if row is None:
