@@ -386,11 +386,10 @@ def need_kv_target(
     them. The KV cache is cut to a whole number of ``step`` bytes (the unit the
     bench's engine allocates it in, :func:`hybridmem.bench.engine_memory.kv_unit`), so
     the deficit is what that cache really lacks, ``weights + KV + margin - free`` (at
-    least 0): the share asked for, less under one ``step``; at a share of 0, nothing,
+    least 0): the share asked for, less under one ``step``; at a share of 0 nothing,
     with ``spare`` bytes free besides; never more than the optimizer state less
-    ``spare`` (:data:`NEED_SPARE_BYTES`). A coarse step distorts
-    small states: cut to whole GiB, a quarter of a 4 GiB optimizer state comes out
-    anywhere from 0 to 1 GiB short.
+    ``spare`` (:data:`NEED_SPARE_BYTES`). A coarse step distorts small states: cut to
+    whole GiB, a quarter of a 4 GiB optimizer state comes out 0 to 1 GiB short.
 
     Args:
         free, weights, optimizer: bytes free, of the engine's weights, of the optimizer
