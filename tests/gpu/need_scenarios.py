@@ -37,7 +37,7 @@ class FailingEngine(ToyEngineClient):
 
 
 class TakenOffloader(hm.Offloader):
-    """Its next reload finds the device taken (``take_next``): free memory less half the pool."""
+    """Its next reload finds the device taken (``take_next``): all but a quarter of the pool."""
 
     take_next = False
     hog: torch.Tensor | None = None
@@ -48,7 +48,7 @@ class TakenOffloader(hm.Offloader):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info()[0]
-            room = free - self.host_bytes // 2
+            room = free - self.host_bytes // 4
             self.hog = torch.empty(room, dtype=torch.uint8, device="cuda")
         return super().reload(*args, **kwargs)
 
