@@ -53,6 +53,12 @@ def test_expandable_sharing_example_explains_itself_without_a_gpu() -> None:
     assert "needs a CUDA GPU" in result.stdout
 
 
+def test_planned_handback_example_explains_itself_without_a_gpu() -> None:
+    result = run_python(str(REPO / "examples" / "planned_handback.py"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "needs a CUDA GPU: the plan is made from device memory" in result.stdout
+
+
 def test_compact_example_explains_itself_without_a_gpu() -> None:
     result = run_python(str(REPO / "examples" / "compact_resident.py"))
     assert result.returncode == 0, result.stderr

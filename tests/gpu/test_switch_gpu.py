@@ -6,13 +6,15 @@ does; the hand-made engine is the fallback, tested on its own.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
 from hybridmem.bench.engine_memory import available, preload_library
 from tests.gpu import TMS_REASON
-from tests.gpu.runner import run_scenario
+from tests.gpu.runner import run_alone, run_scenario
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -99,6 +101,17 @@ def test_a_partial_plan_under_real_faults_loses_nothing() -> None:
     assert facts["after_intact"]
     assert facts["engine_saw_the_weights"]
     assert facts["engine_exit"] == 0
+
+
+def test_the_planned_handback_example_moves_part_of_the_optimizer_state() -> None:
+    """examples/planned_handback.py: each of its three steps moves some, never all."""
+    result = run_alone(str(REPO / "examples" / "planned_handback.py"))
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    moved = re.findall(r"moved (\d+) of (\d+) MiB", result.stdout)
+    assert len(moved) == 3, result.stdout
+    for part, whole in moved:
+        assert 0 < int(part) < int(whole), (part, whole)
 
 
 @pytest.mark.multi_gpu
