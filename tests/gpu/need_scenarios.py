@@ -19,6 +19,7 @@ import torch
 
 import hybridmem as hm
 from hybridmem.engine.switch_offload import NEED_MARGIN_BYTES
+from tests.gpu.scenarios import _state
 from tests.gpu.switch_scenarios import KV_FRACTION, ToyEngineClient, _ctx, _engine, _model
 
 MiB = 1 << 20
@@ -53,20 +54,6 @@ class TakenOffloader(hm.Offloader):
         return super().reload(*args, **kwargs)
 
 
-def _moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's device state (AdamW's ``step`` counts stay on the host)."""
-    return [
-        t
-        for per in optimizer.state.values()
-        for t in per.values()
-        if isinstance(t, torch.Tensor) and t.is_cuda
-    ]
-
-
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p.detach() for p in model.parameters()] + _moments(optimizer)
-
-
 def _same(reference: list[torch.Tensor], now: list[torch.Tensor]) -> bool:
     """Bit for bit, and every tensor back on the device."""
     return len(reference) == len(now) and all(
@@ -99,7 +86,9 @@ def partial_plan_faults() -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
 
     train()
-    optimizer_bytes = sum(t.nbytes for t in _moments(optimizer))
+    optimizer_bytes = sum(
+        v.nbytes for state in optimizer.state.values() for v in state.values() if v.is_cuda
+    )
 
     def need() -> int:  # about half of the optimizer state short of what is free now
         return int(torch.cuda.mem_get_info()[0] + optimizer_bytes // 2 - NEED_MARGIN_BYTES)
