@@ -123,7 +123,8 @@ class BenchPlan:
         return {**asdict(self), "params": self.params, "state_bytes": self.state_bytes}
 
 
-#: Printed before a run with ``--anatomy``: its verdicts' seconds are no figures.
+#: Printed before a run with ``--anatomy`` and first among its verdicts
+#: (:func:`anatomy_note`): its seconds are no figures.
 ANATOMY_NOTE = (
     "--anatomy: every allocation's stack is recorded, so this run's seconds diagnose; "
     "they are not figures"
@@ -180,7 +181,8 @@ def with_phase_lengths(p: BenchPlan, *, rollout_s: object, train_s: object) -> B
         TypeError, ValueError: either is not seconds from 0 to 600 (the error names it).
 
     Example:
-        >>> with_phase_lengths(p, rollout_s=2, train_s=1).train_s  # doctest: +SKIP
+        >>> p = plan(141 * GiB, quick=True)
+        >>> with_phase_lengths(p, rollout_s=2, train_s=1).train_s
         1.0
     """
     return replace(
@@ -194,7 +196,8 @@ def phase_lengths_said(p: BenchPlan) -> str:
     """What a run's header says of ``--rollout-s`` and ``--train-s`` ("" when neither).
 
     Example:
-        >>> phase_lengths_said(with_phase_lengths(p, rollout_s=2, train_s=1))  # doctest: +SKIP
+        >>> p = with_phase_lengths(plan(141 * GiB, quick=True), rollout_s=2, train_s=1)
+        >>> phase_lengths_said(p)
         ', rollouts of 2 s more, training 1 s longer'
     """
     return (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "") + (
