@@ -225,9 +225,9 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         weights = sum(t.nbytes for t in model.state_dict().values())
-        free = torch.cuda.mem_get_info()[0]
+        free_now = torch.cuda.mem_get_info()[0]
         kv_target, deficit = need_kv_target(
-            free, weights, optimizer_bytes, p.need, NEED_MARGIN_BYTES, step=kv_unit(shapes)
+            free_now, weights, optimizer_bytes, p.need, NEED_MARGIN_BYTES, step=kv_unit(shapes)
         )
         engine.call("kv_target", kv_target)
         engine.rollout_need = weights + kv_target  # what the planned strategy is told
