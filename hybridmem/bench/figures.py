@@ -13,7 +13,14 @@ from typing import Any
 
 from hybridmem.observe.leakwatch import slope
 
-__all__ = ["Figures", "handback_ratio", "moved_bytes_of", "resummarise", "stage_medians_ms"]
+__all__ = [
+    "Figures",
+    "handback_ratio",
+    "kernel_rate_note",
+    "moved_bytes_of",
+    "resummarise",
+    "stage_medians_ms",
+]
 
 GiB = 2**30
 
@@ -103,6 +110,12 @@ class Figures:
     #: results saved before.
     stages_to_rollout_s: list[dict[str, float]] = field(default_factory=list)
     stages_to_trainer_s: list[dict[str, float]] = field(default_factory=list)
+    #: host-to-device GB/s of a copy by kernels that read mapped pinned memory,
+    #: measured in the same process (:func:`~hybridmem.bench.ceilings.kernel_ceiling`):
+    #: the fastest a reload that starts after the engine's sleep copies, since the copy
+    #: engines slow down after a large free and kernels do not. None where the memory
+    #: could not be mapped, and in results saved before.
+    kernel_gbps: float | None = None
 
     def summary(self) -> dict[str, Any]:
         """Medians and the drift slope, JSON-ready."""
@@ -113,6 +126,10 @@ class Figures:
         copied = median([float(b) for b in self.copied_bytes])  # per switch to rollout
         moved = self.moved_bytes if self.need is None else int(copied or 0)
         ceiling = moved / (self.pinned_gbps * 1e9) if moved and self.pinned_gbps else None
+        by_kernel = moved / (self.kernel_gbps * 1e9) if moved and self.kernel_gbps else None
+        back = median(
+            _less(_less(self.to_trainer_s, self.engine_sleep_s), self.release_to_trainer_s)
+        )
         ratio = median(ratios)
         rolled = _less(self.to_rollout_s, self.engine_wake_s)  # the engine's calls aside
         steady = self.free_at_train[1:]  # the first cycle pays one-time allocations
@@ -162,12 +179,13 @@ class Figures:
             "to_rollout_over_ceiling_engine_and_release_aside": _over(
                 median(_less(rolled, self.release_to_rollout_s)), ceiling
             ),
-            "to_trainer_over_ceiling_engine_and_release_aside": _over(
-                median(
-                    _less(_less(self.to_trainer_s, self.engine_sleep_s), self.release_to_trainer_s)
-                ),
-                ceiling,
-            ),
+            "to_trainer_over_ceiling_engine_and_release_aside": _over(back, ceiling),
+            # The same over the bytes at the kernels' rate: how near the return comes
+            # to the fastest a reload after the engine's free can copy here.
+            "kernel_of_pinned": self.kernel_gbps / self.pinned_gbps
+            if self.kernel_gbps and self.pinned_gbps
+            else None,
+            "to_trainer_over_kernel_ceiling_engine_and_release_aside": _over(back, by_kernel),
             # And the weight sync too (the switch to rollout runs it; it does not shrink
             # with the bytes moved and has a ceiling of its own): what is left is the
             # copies and hybridmem's own work around them.
@@ -273,6 +291,32 @@ def median(values: list[float]) -> float | None:
     """
     ordered = sorted(values)
     return ordered[len(ordered) // 2] if ordered else None
+
+
+def kernel_rate_note(row: dict[str, Any]) -> str | None:
+    """The switch to the trainer against its bytes at the kernels' rate, said; None if unmeasured.
+
+    Said beside the target's figure, which is over the pinned copy rate: a reload
+    that starts after the engine's sleep copies no faster than kernels do there
+    (:func:`~hybridmem.bench.ceilings.kernel_ceiling`), so this says how much of the
+    return's excess over its target that rate leaves to hybridmem.
+
+    Example:
+        >>> row = {"to_trainer_over_kernel_ceiling_engine_and_release_aside": 1.04,
+        ...        "kernel_of_pinned": 0.81}
+        >>> print(kernel_rate_note(row))
+        1.04x at the kernels' copy rate (0.81 of the pinned), engine calls and releases aside
+        >>> kernel_rate_note({}) is None
+        True
+    """
+    ratio = row.get("to_trainer_over_kernel_ceiling_engine_and_release_aside")
+    share = row.get("kernel_of_pinned")
+    if not isinstance(ratio, float | int) or not isinstance(share, float | int):
+        return None
+    return (
+        f"{ratio:.2f}x at the kernels' copy rate ({share:.2f} of the pinned), "
+        "engine calls and releases aside"
+    )
 
 
 def _less(totals: list[float], parts: list[float]) -> list[float]:

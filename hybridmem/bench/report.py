@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hybridmem.bench.figures import median
+from hybridmem.bench.figures import kernel_rate_note, median
 from hybridmem.bench.plan import anatomy_note
 
 __all__ = [
@@ -337,6 +337,9 @@ def scale_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
                 )
                 if isinstance(value, float | int)
             ]
+            by_kernel = kernel_rate_note(row) if what == "to trainer" else None
+            if by_kernel:  # the fastest a reload after the engine's sleep copies
+                notes.append(by_kernel)
             judged.append(
                 f"{size['state_gib']:g} GiB {what}: {ratio:.2f}x the ceiling "
                 f"(target <= {SCALE_TARGET}x): {verdict}"

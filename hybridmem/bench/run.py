@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hybridmem.bench.ceilings import kernel_ceiling, pinned_ceiling
 from hybridmem.bench.figures import Figures
 from hybridmem.bench.outputs import (
     NO_MATPLOTLIB,
@@ -237,7 +238,8 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     figures.engine = engine_name
     figures.state_bytes = optimizer_bytes + sum(t.nbytes for t in model.parameters())
     figures.moved_bytes = optimizer_bytes  # what every strategy offloads and reloads
-    figures.pinned_gbps = _pinned_ceiling(optimizer_bytes)
+    figures.pinned_gbps = pinned_ceiling(optimizer_bytes)
+    figures.kernel_gbps = kernel_ceiling(optimizer_bytes)
     recording = record(timeline, process="trainer") if timeline else contextlib.nullcontext()
     with recording:
         for cycle in range(p.cycles):
@@ -341,24 +343,6 @@ OUTSIDE_STAGES = "outside stages"
 def _with_outside(stages: dict[str, float], seconds: float) -> dict[str, float]:
     """``stages`` and the rest of a switch's ``seconds`` (:data:`OUTSIDE_STAGES`)."""
     return {**stages, OUTSIDE_STAGES: max(0.0, seconds - sum(stages.values()))}
-
-
-def _pinned_ceiling(nbytes: int) -> float:
-    """Device-to-host GB/s into pinned memory for ``nbytes`` (the offload ceiling)."""
-    import torch
-
-    # A rate, not a size: up to 2 GiB measures it (the copy engine is at speed long
-    # before), and the scale plan's 32 GiB of moments would pin as much host memory.
-    nbytes = min(max(nbytes, 1 << 20), 2 << 30)
-    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.copy_(device)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(3):
-        host.copy_(device, non_blocking=True)
-    torch.cuda.synchronize()
-    return 3 * nbytes / (time.perf_counter() - started) / 1e9
 
 
 def _bar(name: str, done: int, total: int) -> str:

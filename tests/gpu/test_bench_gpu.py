@@ -60,6 +60,9 @@ def test_quick_bench_runs_every_strategy(tmp_path: Path) -> None:
         later = raw["engine_cached_after_sleep"][1:]
         assert max(later) < 16 * MiB, (name, [m / MiB for m in later])
     assert rows["hybridmem"]["offload_of_pinned"] > 0.5
+    # the return beside its bytes at the kernels' rate, measured in the same run
+    assert rows["hybridmem"]["kernel_of_pinned"] > 0
+    assert rows["hybridmem"]["to_trainer_over_kernel_ceiling_engine_and_release_aside"] > 0
     # hm.compact moved the resident weights out of classic segments (issue #12)
     assert rows["hybridmem"]["trainer_cached_mib"] <= 64, rows["hybridmem"]["missing_mib"]
     assert any(line.startswith("handback:") for line in saved["verdicts"])
@@ -109,3 +112,25 @@ def test_a_bench_planned_by_need_copies_what_is_short(tmp_path: Path) -> None:
         else:
             assert 0 < planned["copied_gib"] < everything["copied_gib"]
             assert planned["copied_gib"] >= planned["deficit_gib"]
+
+
+_CEILINGS = """
+import json, torch
+from hybridmem.bench.ceilings import kernel_ceiling, pinned_ceiling
+torch.zeros(1, device="cuda")
+before = torch.cuda.memory_allocated()
+rates = {"pinned": pinned_ceiling(256 << 20), "kernel": kernel_ceiling(256 << 20)}
+print(json.dumps({**rates, "left": torch.cuda.memory_allocated() - before}))
+"""
+
+
+def test_the_bench_measures_both_copy_rates_and_keeps_nothing() -> None:
+    """The kernels' rate is measured (the pool maps here) and neither probe keeps memory."""
+    done = run_alone("-c", _CEILINGS, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    print(facts)
+    assert facts["pinned"] > 0
+    assert facts["kernel"] is not None, "pinned memory did not map for kernels"
+    assert facts["kernel"] > 0
+    assert facts["left"] == 0
