@@ -79,12 +79,18 @@ def kernel_ceiling(nbytes: int) -> float | None:
     import torch
 
     from hybridmem import _torch
+    from hybridmem._platform.host_memory import huge_page_region
 
     index = _torch.current_device()
     if index is None:  # no CUDA context in this process: no device to map for
         return None
     nbytes = rate_bytes(nbytes)
-    host = torch.empty(nbytes, dtype=torch.uint8)
+    region = huge_page_region(nbytes)  # host memory made as the Offloader's pool is
+    host = (
+        torch.frombuffer(region, dtype=torch.uint8)
+        if region is not None
+        else torch.empty(nbytes, dtype=torch.uint8)
+    )
     if not _torch.pin_host_tensor(host, mapped=True):
         return None
     try:
