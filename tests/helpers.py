@@ -73,7 +73,7 @@ class LoopTicker:
 
     >>> async with LoopTicker() as ticker:   # doctest: +SKIP
     ...     await something()
-    >>> assert ticker.ticks > 0
+    >>> assert ticker.ticks > 0   # doctest: +SKIP
     """
 
     def __init__(self) -> None:

@@ -12,8 +12,12 @@ uses, as a reader's paste must.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from tests.helpers import run_python
+
+REPO = Path(__file__).resolve().parents[1]
 
 #: Modules that cannot be imported without an optional package (the package named).
 OPTIONAL = {"hybridmem.integrations.vllm.backend": "vllm"}
@@ -42,6 +46,33 @@ for info in pkgutil.walk_packages(hybridmem.__path__, "hybridmem."):
 print(json.dumps(found))
 """
 
+#: The same for scripts and helpers outside the package, each loaded from its file.
+_SCRIPTS_RUNNER = """
+import doctest, importlib.util, json, os, sys
+
+found = {"failures": [], "ran": []}
+flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+finder = doctest.DocTestFinder(exclude_empty=True)
+for path in sys.argv[1:]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python PATH` has it
+    name = "docstring_example_" + path.replace("/", "_").removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    for test in finder.find(module, name):
+        said = []
+        runner = doctest.DocTestRunner(optionflags=flags, verbose=False)
+        result = runner.run(test, out=said.append, clear_globs=True)
+        if result.attempted:
+            found["ran"].append(f"{path}:{test.name}")
+        if result.failed:
+            found["failures"].append(f"{path}:{test.lineno}: {''.join(said)}")
+print(json.dumps(found))
+"""
+
+_EXAMPLE_LINE = re.compile(r"^\s*>>> ", re.MULTILINE)
+
 
 def _run() -> dict[str, list[str] | dict[str, str]]:
     done = run_python("-c", _RUNNER, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)
@@ -64,3 +95,19 @@ def test_every_docstring_example_runs_or_is_skipped_line_by_line() -> None:
     ran = found["ran"]
     assert "hybridmem.bench.plan.need_kv_target" in ran
     assert "hybridmem.packing.core.pack" in ran
+
+
+def test_the_examples_in_benchmarks_examples_and_tests_run_too() -> None:
+    # Scripts a reader runs and helpers a test reads: the same promise as the package's.
+    files = sorted(
+        str(path.relative_to(REPO))
+        for folder in ("benchmarks", "examples", "tests")
+        for path in (REPO / folder).rglob("*.py")
+        if _EXAMPLE_LINE.search(path.read_text()) and path != Path(__file__).resolve()
+    )
+    assert "benchmarks/alloc_scatter.py" in files  # found by the same rule as the rest
+    done = run_python("-c", _SCRIPTS_RUNNER, *files, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert not found["failures"], "examples that fail:\n" + "\n".join(found["failures"])
+    assert any(name.endswith("kept_indices") for name in found["ran"]), found["ran"]
