@@ -8,11 +8,12 @@ that neither pays an allocation or a free:
 - :func:`kernel_ceiling`: pinned host memory to the device by elementwise kernels that
   read it through its device mapping, the way hybridmem reloads after the engine's
   sleep. Right after another process frees much device memory the copy engines run
-  at about half the pinned rate for a while, and kernels keep about 0.8 of it before
-  and after such a free (H200, ``benchmarks/reload_rate.py``,
-  ``benchmarks/reload_by_kernel.py``), so no reload that starts after the engine's
-  sleep can beat its bytes at this rate: the switch to the trainer is shown against
-  it beside its target's figure.
+  at about half the pinned rate for a while, and kernels keep their own rate before
+  and after such a free (0.80-0.82 of the pinned rate on an H200,
+  ``benchmarks/reload_rate.py``, ``benchmarks/reload_by_kernel.py``; 0.54-0.62 on an
+  H100 host, which is why it is measured and not assumed), so no reload that starts
+  after the engine's sleep can beat its bytes at this rate: the switch to the trainer
+  is shown against it beside its target's figure.
 
 Scope: the current CUDA device, this process; each call allocates and frees its own
 buffers (at most 2 GiB on the device and as much pinned host memory).
