@@ -1,6 +1,6 @@
 """The bench's copy-rate ceilings: the kernels' rate beside the pinned one, and where it is said.
 
-The rates themselves need a GPU (tests/gpu/test_bench_ceilings_gpu.py); here the seam
+The rates themselves need a GPU (tests/gpu/test_bench_gpu.py); here the seam
 is faked for the probe's refusals, and the figures, table and verdicts are real.
 """
 

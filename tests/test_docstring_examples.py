@@ -15,44 +15,53 @@ import json
 import re
 from pathlib import Path
 
-from tests.helpers import run_python
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, run_python
 
 #: Modules that cannot be imported without an optional package (the package named).
 OPTIONAL = {"hybridmem.integrations.vllm.backend": "vllm"}
 
-_RUNNER = """
-import doctest, importlib, json, pkgutil, sys
-import hybridmem
+#: What both runners share: every example of a module run in one fresh namespace each.
+_RUN_EXAMPLES = """
+import doctest, json, sys
 
 found = {"failures": [], "ran": [], "unimported": {}}
 flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 finder = doctest.DocTestFinder(exclude_empty=True)
+
+def run_examples(module, name, label=""):
+    for test in finder.find(module, name):
+        said = []
+        runner = doctest.DocTestRunner(optionflags=flags, verbose=False)
+        result = runner.run(test, out=said.append, clear_globs=True)
+        if result.attempted:
+            found["ran"].append(label + test.name)
+        if result.failed:
+            found["failures"].append(f"{test.filename}:{test.lineno}: {''.join(said)}")
+"""
+
+_RUNNER = (
+    _RUN_EXAMPLES
+    + """
+import importlib, pkgutil
+import hybridmem
+
 for info in pkgutil.walk_packages(hybridmem.__path__, "hybridmem."):
     try:
         module = importlib.import_module(info.name)
     except ImportError as exc:
         found["unimported"][info.name] = str(exc)
         continue
-    for test in finder.find(module, info.name):
-        said = []
-        runner = doctest.DocTestRunner(optionflags=flags, verbose=False)
-        result = runner.run(test, out=said.append, clear_globs=True)
-        if result.attempted:
-            found["ran"].append(test.name)
-        if result.failed:
-            found["failures"].append(f"{test.filename}:{test.lineno}: {''.join(said)}")
+    run_examples(module, info.name)
 print(json.dumps(found))
 """
+)
 
 #: The same for scripts and helpers outside the package, each loaded from its file.
-_SCRIPTS_RUNNER = """
-import doctest, importlib.util, json, os, sys
+_SCRIPTS_RUNNER = (
+    _RUN_EXAMPLES
+    + """
+import importlib.util, os
 
-found = {"failures": [], "ran": []}
-flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-finder = doctest.DocTestFinder(exclude_empty=True)
 for path in sys.argv[1:]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python PATH` has it
     name = "docstring_example_" + path.replace("/", "_").removesuffix(".py")
@@ -60,16 +69,10 @@ for path in sys.argv[1:]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    for test in finder.find(module, name):
-        said = []
-        runner = doctest.DocTestRunner(optionflags=flags, verbose=False)
-        result = runner.run(test, out=said.append, clear_globs=True)
-        if result.attempted:
-            found["ran"].append(f"{path}:{test.name}")
-        if result.failed:
-            found["failures"].append(f"{path}:{test.lineno}: {''.join(said)}")
+    run_examples(module, name, label=f"{path}:")
 print(json.dumps(found))
 """
+)
 
 _EXAMPLE_LINE = re.compile(r"^\s*>>> ", re.MULTILINE)
 
