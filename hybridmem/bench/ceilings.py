@@ -22,6 +22,7 @@ buffers (at most 2 GiB on the device and as much pinned host memory).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 GiB = 2**30
 
@@ -42,6 +43,17 @@ def rate_bytes(nbytes: int) -> int:
     return min(max(int(nbytes), _RATE_BYTES_MIN), RATE_BYTES_MAX) // 8 * 8
 
 
+def _rate(nbytes: int, copy: Callable[[], object], wait: Callable[[], object]) -> float:
+    """GB/s of ``copy`` (``nbytes`` each time): once untimed, then ``_ROUNDS`` timed."""
+    copy()  # the first copy's launch and any lazy set-up are not the rate
+    wait()
+    started = time.perf_counter()
+    for _ in range(_ROUNDS):
+        copy()
+    wait()
+    return _ROUNDS * nbytes / (time.perf_counter() - started) / 1e9
+
+
 def pinned_ceiling(nbytes: int) -> float:
     """Device-to-host GB/s into pinned memory for ``nbytes`` (the offload ceiling).
 
@@ -53,13 +65,7 @@ def pinned_ceiling(nbytes: int) -> float:
     nbytes = rate_bytes(nbytes)
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.copy_(device)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(_ROUNDS):
-        host.copy_(device, non_blocking=True)
-    torch.cuda.synchronize()
-    return _ROUNDS * nbytes / (time.perf_counter() - started) / 1e9
+    return _rate(nbytes, lambda: host.copy_(device, non_blocking=True), torch.cuda.synchronize)
 
 
 def kernel_ceiling(nbytes: int) -> float | None:
@@ -99,13 +105,9 @@ def kernel_ceiling(nbytes: int) -> float | None:
         if view is None:
             return None
         device = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
-        _torch.copy_by_kernel(device, view)  # the kernels' first launch is not the rate
-        _torch.synchronize(index)
-        started = time.perf_counter()
-        for _ in range(_ROUNDS):
-            _torch.copy_by_kernel(device, view)
-        _torch.synchronize(index)
-        return _ROUNDS * nbytes / (time.perf_counter() - started) / 1e9
+        return _rate(
+            nbytes, lambda: _torch.copy_by_kernel(device, view), lambda: _torch.synchronize(index)
+        )
     finally:
         _torch.synchronize(index)  # no kernel may read the memory once unregistered
         _torch.unpin_host_tensor(host.data_ptr())
