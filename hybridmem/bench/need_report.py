@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridmem.bench.figures import kernel_rate_note, median
-from hybridmem.bench.plan import anatomy_note
+from hybridmem.bench.plan import sizes_anatomy_note
 
 __all__ = [
     "HANDBACK_TARGET",
@@ -114,7 +114,7 @@ def need_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
         >>> need_verdicts([])
         []
     """
-    judged = anatomy_note(r.get("raw") for size in sizes for r in size["results"].values())
+    judged = sizes_anatomy_note(sizes)
     for size in sizes:
         row = _rows(size).get("planned")
         if row is None:

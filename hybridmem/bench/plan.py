@@ -27,6 +27,7 @@ __all__ = [
     "need_kv_target",
     "plan",
     "scale_plan",
+    "sizes_anatomy_note",
 ]
 
 #: ``hybridmem bench --scale``'s trainer states (GiB of model + grads + AdamW).
@@ -141,6 +142,16 @@ def anatomy_note(raws: Iterable[Any]) -> list[str]:
         ([], 1)
     """
     return [ANATOMY_NOTE] if any(isinstance(r, dict) and r.get("anatomy") for r in raws) else []
+
+
+def sizes_anatomy_note(sizes: Iterable[dict[str, Any]]) -> list[str]:
+    """:func:`anatomy_note` over every strategy's raw run of ``--scale`` entries.
+
+    Example:
+        >>> sizes_anatomy_note([{"results": {"planned": {"raw": {"anatomy": [{}]}}}}])[0][:10]
+        '--anatomy:'
+    """
+    return anatomy_note(r.get("raw") for size in sizes for r in size["results"].values())
 
 
 #: The longest ``--rollout-s`` or ``--train-s`` the bench takes, in seconds (a cycle

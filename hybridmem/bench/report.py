@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridmem.bench.figures import kernel_rate_note, median
-from hybridmem.bench.plan import anatomy_note
+from hybridmem.bench.plan import anatomy_note, sizes_anatomy_note
 
 __all__ = [
     "BASELINES",
@@ -312,7 +312,7 @@ def format_scale_table(sizes: list[dict[str, Any]]) -> list[str]:
 
 def scale_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
     """hybridmem's switch against :data:`SCALE_TARGET` x its ceiling, at every size."""
-    judged = anatomy_note(r.get("raw") for size in sizes for r in size["results"].values())
+    judged = sizes_anatomy_note(sizes)
     for size in sizes:
         row = _scale_rows(size).get("hybridmem")
         if row is None:
