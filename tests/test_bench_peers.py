@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 from dataclasses import replace
 from typing import Any
 
@@ -179,6 +180,16 @@ def test_the_bench_reads_a_strategys_figures_from_its_last_stdout_line(
     assert result == {"summary": {"x": 1}}
     empty = _child_run_with(monkeypatch, ChildOutput(0, ""))
     assert empty["summary"]["errors"] == ["exited 0 but printed no figures"]
+
+
+def test_the_bench_ends_each_strategys_bar_with_its_wall_time(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clock = iter([100.0, 137.4])  # the child's start, its end
+    monkeypatch.setattr(bench_run, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    _child_run_with(monkeypatch, ChildOutput(0, '{"summary": {"x": 1}}\n'))
+    bar = capsys.readouterr().err
+    assert bar.endswith("] 1/4  37 s\n"), bar
 
 
 @pytest.mark.parametrize("name", ALL_STRATEGIES)

@@ -354,8 +354,10 @@ def _bar(name: str, done: int, total: int) -> str:
 def child_run(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
     """Run strategy ``name`` with plan ``p`` in a child process; return its figures.
 
-    A progress bar goes to stderr; a child that fails returns a summary holding
-    its last stderr lines as ``errors`` (the bench goes on with the next one).
+    A progress bar goes to stderr, ending with the child's wall time (its setup
+    included: what a run of many strategies and sizes is planned by); a child that
+    fails returns a summary holding its last stderr lines as ``errors`` (the bench
+    goes on with the next one).
     """
     import os
 
@@ -379,8 +381,9 @@ def child_run(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
 
     # Both pipes read at once, and a child silent for CHILD_SILENCE_S killed: the
     # bench never hangs on one strategy (a child stuck in a driver call, say).
+    started = time.perf_counter()
     child = run_child(command, env=env, on_line=on_line)
-    sys.stderr.write("\n")
+    sys.stderr.write(f"  {time.perf_counter() - started:.0f} s\n")
     if child.silent_s is not None:
         stuck = f"no output for {child.silent_s:.0f} s: killed (stuck?)"
         return {"summary": {"strategy": name, "errors": [stuck, "".join(tail).strip()]}}
