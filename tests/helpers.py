@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,3 +129,15 @@ def shared_mappings() -> Counter[str]:
 def mappings_added_since(before: Counter[str]) -> Counter[str]:
     """Shared-memory mappings made since ``before`` and still held (unmapped ones aside)."""
     return shared_mappings() - before
+
+
+def answer_then_wait(conn: Any) -> None:
+    """A stand-in engine process: says ``"up"``, then waits on its pipe until it closes.
+
+    The target of a ``spawn`` child in tests (importable by name, as spawn needs).
+    """
+    conn.send("up")
+    try:
+        conn.recv()
+    except EOFError:
+        return

@@ -19,6 +19,7 @@ import pytest
 from hybridmem.bench import run as bench_run
 from hybridmem.bench.peers import ChildOutput, LinePeer, PeerError, run_child
 from hybridmem.bench.plan import ALL_STRATEGIES, BenchPlan, plan
+from tests.helpers import run_python
 
 ECHO = (
     "import sys\n"
@@ -228,3 +229,25 @@ def test_every_strategy_reaches_its_run_through_the_child_process(
 def test_the_child_refuses_an_unknown_strategy_before_anything_runs() -> None:
     with pytest.raises(SystemExit, match="unknown strategy 'nope'; strategies are naive, "):
         bench_run.child_main(["nope", "{}"])
+
+
+def test_a_trainer_that_fails_exits_though_its_engine_still_waits() -> None:
+    """The engine process is daemonic: the failing trainer's exit ends it, not waits on it.
+
+    The traceback keeps the trainer's end of the pipe open, so the engine never sees
+    EOF; multiprocessing joins children that are not daemonic at exit, and the
+    strategy would hang until the bench killed it for its silence, its error lost.
+    """
+    script = (
+        "import multiprocessing as mp\n"
+        "from hybridmem.bench.engine import start_engine\n"
+        "from tests.helpers import answer_then_wait\n"
+        "ctx = mp.get_context('spawn')\n"
+        "conn, child = ctx.Pipe()\n"
+        "start_engine(ctx, answer_then_wait, (child,), 'handmade')\n"
+        "assert conn.recv() == 'up'\n"
+        "raise RuntimeError('the trainer failed mid-cycle')\n"
+    )
+    done = run_python("-c", script, timeout=240)  # a hang fails here, by TimeoutExpired
+    assert done.returncode == 1, done.stderr
+    assert "RuntimeError: the trainer failed mid-cycle" in done.stderr

@@ -703,3 +703,91 @@ def test_the_rollout_and_training_lengths_are_checked_where_they_are_given() -> 
         with_phase_lengths(p, rollout_s=0, train_s=601)
     assert scale_plan(H200, 8).rollout_s == 0.0  # the bench's own rollout by default
     assert scale_plan(H200, 8).train_s == 0.0  # and its own training
+
+
+def test_an_engine_out_of_memory_at_generate_is_the_cycles_error_and_the_cycle_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fixed share that leaves the rollout short: said per cycle, the switch back still run.
+
+    On an H100 (2026-12-06, need 1, the fixed half) the engine's generate ran out of
+    memory and the engine process died; the table said only that the engine died.
+    """
+    from hybridmem.bench import engine as bench_engine
+    from hybridmem.bench.strategies import Moved
+
+    engine = _cycle_fakes(monkeypatch)
+    script = _Script(monkeypatch)
+
+    def call(*command: Any) -> tuple[Any, ...]:
+        if command[0] == "generate":
+            raise bench_engine.EngineOutOfMemory(
+                "the engine ran out of device memory in 'generate': CUDA out of memory."
+            )
+        return ("ok", 0, 0)
+
+    engine.call = call
+    strategy = SimpleNamespace(
+        train_scope=contextlib.nullcontext,
+        to_rollout=script.step(0.25, "to_rollout", Moved(copy_bytes=2 * GiB)),
+        to_trainer=script.step(0.125, "to_trainer"),
+    )
+    got = figures("fraction", to_rollout_s=[], to_trainer_s=[])
+    got.need, got.deficit_bytes = 1.0, int(3.75 * GiB)
+    bench_run._cycle(2, tiny("torch"), strategy, engine, lambda: None, got)
+    assert got.errors == [
+        "cycle 2: the engine ran out of device memory in 'generate': CUDA out of memory.; "
+        "the switch moved 2.00 GiB where the rollout lacked 3.75 GiB"
+    ]
+    assert script.calls == ["to_rollout", "to_trainer"]  # the switch back still ran
+    assert got.to_trainer_s == [pytest.approx(0.125)]
+
+
+def test_the_engine_answers_a_failed_command_instead_of_dying(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from hybridmem.bench import engine as bench_engine
+
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    class Engine:
+        def __init__(self, error: BaseException | None) -> None:
+            self.error = error
+
+        def run(self, command: str, args: list[Any]) -> tuple[Any, ...]:
+            if self.error is not None:
+                raise self.error
+            return ("ok", command)
+
+    oom = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+        "79.18 GiB of which 8.62 MiB is free. Process 1674 has 5.23 GiB memory in use."
+    )
+    assert bench_engine.answer(Engine(oom), "generate", []) == (
+        "oom",
+        "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+        "79.18 GiB of which 8.62 MiB is free.",
+    )
+    assert emptied == [True]  # what the failed command left cached goes back
+    assert bench_engine.answer(Engine(AssertionError("no weights")), "sync_bucket", []) == (
+        "error",
+        "AssertionError: no weights",
+    )
+    assert bench_engine.answer(Engine(None), "sleep", []) == ("ok", "sleep")
+    assert emptied == [True]
+
+
+def test_the_engine_client_raises_the_engines_out_of_memory_by_its_type() -> None:
+    from hybridmem.bench import engine as bench_engine
+
+    answers = {"generate": ("oom", "CUDA out of memory."), "sync_tensors": ("error", "x")}
+    conn = ScriptedChannel(answer=lambda command: [answers[command[0]]])
+    client = bench_engine.EngineClient(conn, 0, H200)  # type: ignore[arg-type]
+    with pytest.raises(bench_engine.EngineOutOfMemory, match="in 'generate': CUDA out of memory"):
+        client.call("generate", 128)
+    with pytest.raises(RuntimeError, match=r"engine answered \('error', 'x'\)") as other:
+        client.call("sync_tensors", {})
+    assert not isinstance(other.value, bench_engine.EngineOutOfMemory)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -20,14 +21,21 @@ import torch
 
 from hybridmem import _torch
 from hybridmem.bench.anatomy import cache_anatomy
-from hybridmem.bench.engine_memory import EngineMemory, make_engine_memory
+from hybridmem.bench.engine_memory import EngineMemory, make_engine_memory, preload_env
 from hybridmem.ipc._wire import Peer, recv_within
 from hybridmem.ipc.receiver import BucketReceiver
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import memory_info
 from hybridmem.observe.timeline import record
 
-__all__ = ["BoundedConn", "EngineClient", "serve"]
+__all__ = [
+    "BoundedConn",
+    "EngineClient",
+    "EngineOutOfMemory",
+    "answer",
+    "serve",
+    "start_engine",
+]
 
 #: The longest the trainer waits for one answer of the engine process (seconds).
 ENGINE_TIMEOUT_S = 600.0
@@ -53,6 +61,15 @@ class BoundedConn:
 
     def recv(self) -> Any:
         return recv_within(self.conn, self.timeout, self.peer, "an answer")
+
+
+class EngineOutOfMemory(RuntimeError):
+    """The engine process ran out of device memory in a command, and went on serving.
+
+    A real engine fails the request, not the process: the bench's engine answers
+    ``("oom", message)`` and the trainer records it for the cycle (what a strategy
+    that left the rollout too little memory shows), instead of losing the engine.
+    """
 
 
 GiB = 2**30
@@ -119,6 +136,37 @@ def _warm_up() -> None:
     torch.cuda.empty_cache()
 
 
+def start_engine(
+    ctx: Any, target: Callable[..., None], args: tuple[Any, ...], memory_kind: str
+) -> Any:
+    """Start the engine process, daemonic: it never outlives a trainer that fails.
+
+    A trainer that raises keeps its end of the pipe alive in the traceback it prints,
+    and at exit multiprocessing joins every child that is not daemonic: an engine
+    waiting on that pipe would never end, and the bench would kill the silent
+    strategy :data:`~hybridmem.bench.peers.CHILD_SILENCE_S` later with its error
+    lost. A daemonic child is terminated at that exit instead; a normal run stops it
+    with ``("stop",)`` first. SGLang's engine runs with torch_memory_saver's
+    ``LD_PRELOAD``: ``memory_kind`` ``tms`` starts it so.
+
+    Args:
+        ctx: a ``multiprocessing`` context (the bench's is ``spawn``).
+        target, args: what the process runs (:func:`hybridmem.bench.engine.serve`).
+        memory_kind: the engine's memory (:data:`~hybridmem.bench.plan.ENGINES`).
+
+    Returns:
+        The started process.
+
+    Example:
+        >>> import multiprocessing as mp
+        >>> start_engine(mp.get_context("spawn"), serve, args, "tms")  # doctest: +SKIP
+    """
+    process = ctx.Process(target=target, args=args, daemon=True)
+    with preload_env(memory_kind):
+        process.start()
+    return process
+
+
 def serve(
     conn: Connection,
     device: int,
@@ -163,10 +211,38 @@ def _serve(
             return
         span = _timeline.begin(f"engine:{command}", "phase", backend="bench")
         try:
-            answer = engine.run(command, args)
+            reply = answer(engine, command, args)
         finally:
             _timeline.end(span)
-        conn.send(answer)
+        conn.send(reply)
+
+
+def answer(engine: Any, command: str, args: list[Any]) -> tuple[Any, ...]:
+    """Run one command on ``engine``; its answer, a failure included, never a dead engine.
+
+    Out of device memory: ``("oom", first line)``, the cache the failed command left
+    given back (the engine serves on, as a real one fails a request); any other
+    exception: ``("error", "Type: message")``. The trainer raises either
+    (:meth:`EngineClient.call`), so a failure is said where it happened rather than as
+    an engine that died while the trainer waited.
+
+    Example:
+        >>> class Failing:
+        ...     def run(self, command, args):
+        ...         raise ValueError("no such weight")
+        >>> answer(Failing(), "sync_tensors", [])
+        ('error', 'ValueError: no such weight')
+    """
+    try:
+        reply: tuple[Any, ...] = engine.run(command, args)
+    except torch.OutOfMemoryError as exc:
+        torch.cuda.empty_cache()
+        said = str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
+        # torch's first line runs on through every process's use: up to what was free
+        return ("oom", said[: said.index(" is free.") + 9] if " is free." in said else said)
+    except Exception as exc:
+        return ("error", f"{type(exc).__name__}: {exc}")
+    return reply
 
 
 class _Engine:
@@ -257,14 +333,18 @@ class EngineClient:
     def call(self, *command: Any) -> tuple[Any, ...]:
         started = time.perf_counter()
         self.conn.send(command)
-        answer = self.conn.recv()
+        reply = self.conn.recv()
         seconds = time.perf_counter() - started
         self.engine_seconds += seconds
         if command[0] in ("wake", "sleep"):  # the engine's own memory calls
             self.memory_seconds += seconds
-        if answer[0] != "ok":
-            raise RuntimeError(f"engine answered {answer!r}")
-        return tuple(answer)
+        if reply[0] == "oom":
+            raise EngineOutOfMemory(
+                f"the engine ran out of device memory in {command[0]!r}: {reply[1]}"
+            )
+        if reply[0] != "ok":
+            raise RuntimeError(f"engine answered {reply!r}")
+        return tuple(reply)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Wake ``tags`` (``weights``, ``kv_cache``; None: both); note what the KV wake took.

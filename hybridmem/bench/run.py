@@ -131,8 +131,8 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     import torch
     import torch.multiprocessing as mp
 
-    from hybridmem.bench.engine import BoundedConn, EngineClient, serve
-    from hybridmem.bench.engine_memory import kv_unit, preload_env, resolve
+    from hybridmem.bench.engine import BoundedConn, EngineClient, serve, start_engine
+    from hybridmem.bench.engine_memory import kv_unit, resolve
     from hybridmem.bench.strategies import make_strategy, strategy_classes
 
     torch.manual_seed(0)
@@ -156,20 +156,12 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     engine_timeline = f"{timeline}.engine" if timeline else None
     conn, child = ctx.Pipe()
     memory_kind = resolve(p.engine)
-    engine_process = ctx.Process(
-        target=serve,
-        args=(
-            child,
-            device,
-            p.default_kv(total),
-            shapes,
-            memory_kind,
-            p.anatomy,
-            engine_timeline,
-        ),
+    engine_process = start_engine(
+        ctx,
+        serve,
+        (child, device, p.default_kv(total), shapes, memory_kind, p.anatomy, engine_timeline),
+        memory_kind,
     )
-    with preload_env(memory_kind):  # SGLang's engine runs with TMS's LD_PRELOAD
-        engine_process.start()
     bounded = BoundedConn(conn, engine_process.pid)
     _, engine_reserved, engine_name = bounded.recv()
     torch.cuda.synchronize()
@@ -274,6 +266,8 @@ def _cycle(
     """One train -> rollout -> train cycle, measured into ``figures``."""
     import torch
 
+    from hybridmem.bench.engine import EngineOutOfMemory
+
     try:
         torch.cuda.synchronize()
         figures.free_at_train.append(torch.cuda.mem_get_info()[0])
@@ -304,7 +298,14 @@ def _cycle(
             figures.anatomy.append(engine.last_anatomy)
         engine_before = engine.engine_seconds
         with _step("generate"):
-            engine.call("generate", p.d_model)
+            try:
+                engine.call("generate", p.d_model)
+            except EngineOutOfMemory as exc:  # the strategy left the rollout too little
+                short = f" where the rollout lacked {figures.deficit_bytes / GiB:.2f} GiB"
+                figures.errors.append(
+                    f"cycle {cycle}: {exc}; the switch moved {out.copy_bytes / GiB:.2f} GiB"
+                    + (short if figures.need is not None else "")
+                )
             if p.rollout_s:  # the rest of a real rollout's length, untimed
                 time.sleep(p.rollout_s)
         generate = engine.engine_seconds - engine_before
