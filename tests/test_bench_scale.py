@@ -736,7 +736,7 @@ def test_an_engine_out_of_memory_at_generate_is_the_cycles_error_and_the_cycle_g
     got.need, got.deficit_bytes = 1.0, int(3.75 * GiB)
     bench_run._cycle(2, tiny("torch"), strategy, engine, lambda: None, got)
     assert got.errors == [
-        "cycle 2: the engine ran out of device memory in 'generate': CUDA out of memory.; "
+        "cycle 2: the engine ran out of device memory in 'generate': CUDA out of memory; "
         "the switch moved 2.00 GiB where the rollout lacked 3.75 GiB"
     ]
     assert script.calls == ["to_rollout", "to_trainer"]  # the switch back still ran

@@ -301,11 +301,10 @@ def _cycle(
             try:
                 engine.call("generate", p.d_model)
             except EngineOutOfMemory as exc:  # the strategy left the rollout too little
-                short = f" where the rollout lacked {figures.deficit_bytes / GiB:.2f} GiB"
-                figures.errors.append(
-                    f"cycle {cycle}: {exc}; the switch moved {out.copy_bytes / GiB:.2f} GiB"
-                    + (short if figures.need is not None else "")
-                )
+                moved = f"the switch moved {out.copy_bytes / GiB:.2f} GiB"
+                if figures.need is not None:
+                    moved += f" where the rollout lacked {figures.deficit_bytes / GiB:.2f} GiB"
+                figures.errors.append(f"cycle {cycle}: {str(exc).rstrip('.')}; {moved}")
             if p.rollout_s:  # the rest of a real rollout's length, untimed
                 time.sleep(p.rollout_s)
         generate = engine.engine_seconds - engine_before
