@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hybridmem import _torch
+from hybridmem._format import first_line
 from hybridmem.bench.anatomy import cache_anatomy
 from hybridmem.bench.engine_memory import EngineMemory, make_engine_memory, preload_env
 from hybridmem.ipc._wire import Peer, recv_within
@@ -237,9 +238,9 @@ def answer(engine: Any, command: str, args: list[Any]) -> tuple[Any, ...]:
         reply: tuple[Any, ...] = engine.run(command, args)
     except torch.OutOfMemoryError as exc:
         torch.cuda.empty_cache()
-        said = str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
         # torch's first line runs on through every process's use: up to what was free
-        return ("oom", said[: said.index(" is free.") + 9] if " is free." in said else said)
+        said, free, _ = first_line(exc).partition(" is free.")
+        return ("oom", said + free)
     except Exception as exc:
         return ("error", f"{type(exc).__name__}: {exc}")
     return reply

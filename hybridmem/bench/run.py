@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hybridmem._format import first_line
 from hybridmem.bench.ceilings import kernel_ceiling, pinned_ceiling
 from hybridmem.bench.figures import Figures
 from hybridmem.bench.outputs import (
@@ -331,7 +332,7 @@ def _cycle(
         _, asleep_allocated, asleep_reserved = engine.call("stats")  # untimed: asleep now
         figures.engine_cached_after_sleep.append(asleep_reserved - asleep_allocated)
     except torch.OutOfMemoryError as exc:
-        figures.errors.append(f"cycle {cycle}: {str(exc).splitlines()[0]}")
+        figures.errors.append(f"cycle {cycle}: {first_line(exc)}")
         torch.cuda.empty_cache()
 
 
