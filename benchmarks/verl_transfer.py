@@ -9,9 +9,12 @@ process that copies each received tensor into its own copy of the model (what vL
   ``BucketedWeightReceiver`` (``bucketed_weight_transfer.py`` read from verl's wheel:
   ``HYBRIDMEM_VERL_WHEEL``; real ZMQ and CUDA IPC; verl's device helpers answered by
   a CUDA stand-in, its other dependencies unused), a new pair each sync as verl makes
-  them; ``drop-in``: :mod:`hybridmem.integrations.verl`'s pair, same calls, same
-  bucket size; ``drop-in-fd``: the same with ``HYBRIDMEM_VERL_TRANSPORT=fd`` and an
-  engine denied ``pidfd_getfd`` (seccomp), where verl's only way out is ``use_shm``;
+  them; ``drop-in``: :mod:`hybridmem.integrations.verl`'s pair as it runs by default,
+  same calls, same bucket size, three buffers made and freed each sync (nothing held
+  between syncs, as verl's pair); ``drop-in-kept``: the same with the bucket kept
+  between syncs (``HYBRIDMEM_VERL_KEEP_BUCKET=1``); ``drop-in-fd``: the default with
+  ``HYBRIDMEM_VERL_TRANSPORT=fd`` and an engine denied ``pidfd_getfd`` (seccomp),
+  where verl's only way out is ``use_shm``;
 - SGLang route (SGLang's server does not run here; what it does with each payload is
   done by its own code, ``tensor_bucket.py`` from its wheel: ``HYBRIDMEM_SGLANG_WHEEL``):
   ``per-tensor``: one CUDA IPC handle per tensor, opened and copied (its
@@ -19,22 +22,26 @@ process that copies each received tensor into its own copy of the model (what vL
   (:func:`hybridmem.integrations.sglang.flattened_payload`), one handle per batch of
   512 MiB, rebuilt by SGLang's ``FlattenedTensorBucket`` and copied.
 
-Reported per size and method: seconds per sync (median of the timed syncs, after two
-warm-ups), speed against verl's (vLLM route) or per-tensor's (SGLang route), the share
-of the two-copy ceiling (half the device copy rate, measured in the same run), and
-device memory lost per sync over the timed syncs (100 by default at 1 GiB).
+Reported per size and method: seconds per sync (the first sync is a warm-up and not
+counted; the median of the rest, at least five, with the worst beside), speed against
+verl's (vLLM route) or per-tensor's (SGLang route), the share of the two-copy ceiling
+(half the device copy rate, measured in the same run), and device memory lost per sync
+over the timed syncs (100 by default at 1 GiB). Then the drop-in's targets, judged
+against verl's pair and the hand-written floor measured in the same run
+(:func:`verdicts`).
 
 Run on a GPU: ``python benchmarks/verl_transfer.py [--gib 1 8 15] [--json FILE]``
 (pyzmq installed; the two wheels downloaded with ``pip download --no-deps``).
-``--methods`` runs some of them; ``drop-in-copies`` (not run by default) is the
+``--methods`` runs some of them. ``drop-in-copies`` (not run by default) is the
 drop-in whose receiver copies each batch out of the bucket before the callback, where
 the drop-in hands out views of it as verl's own receiver does: what the views save.
 ``hand-written-2`` and ``hand-written-3`` (not run by default) are the floor of any
 two-process design with verl's bucket size: the trainer copies each batch into one of
 2 (3) device buffers opened once by the engine, which copies each tensor out; device
 events shared once order the two, one pipe message per batch each way, nothing else
-(no checks, no framing). ``drop-in-3`` is the drop-in with a third buffer. They tell
-what the two processes themselves cost against the one-process ceiling.
+(no checks, no framing). ``drop-in-2`` and ``drop-in-kept-2`` are the drop-in with two
+buffers. They tell what the two processes themselves cost against the one-process
+ceiling.
 """
 
 from __future__ import annotations
@@ -58,13 +65,27 @@ sys.path.insert(0, str(REPO))
 from weight_sync import _model, copy_rate  # noqa: E402  (this folder's)
 
 MiB, GiB = 1 << 20, 1 << 30
-WARMUP = 2
+WARMUP = 1  # the first sync of each method and size: not counted
+MIN_TIMED = 5  # at least six syncs a point, the warm-up included
 HANDLE = "ipc:///tmp/hybridmem-bench-verl-{}.sock"
 TRANSFER = "verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py"
 BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
-METHODS = ("verl", "drop-in", "drop-in-fd", "per-tensor", "flattened")
-DROP_INS = ("drop-in", "drop-in-fd", "drop-in-copies", "drop-in-3")
-EXTRA = ("drop-in-copies", "drop-in-3", "hand-written-2", "hand-written-3")
+METHODS = ("verl", "drop-in", "drop-in-kept", "drop-in-fd", "per-tensor", "flattened")
+DROP_INS = (
+    "drop-in",
+    "drop-in-kept",
+    "drop-in-fd",
+    "drop-in-copies",
+    "drop-in-2",
+    "drop-in-kept-2",
+)
+EXTRA = ("drop-in-copies", "drop-in-2", "drop-in-kept-2", "hand-written-2", "hand-written-3")
+#: The drop-in's targets against verl's own pair: (method, GiB, at least x verl's speed).
+SPEED_TARGETS = (("drop-in", 8, 6.0), ("drop-in", 1, 20.0), ("drop-in-kept", 8, 10.0))
+#: The kept bucket's share of the two-copy ceiling at 8 GiB, at least.
+KEPT_SHARE_TARGET = 0.70
+#: Every drop-in within this factor of the hand-written floor with its buffer count.
+FLOOR_TARGET = 1.25
 CEILING_BYTES = 2 * GiB  # what the device copy rate is measured on
 
 
@@ -267,7 +288,8 @@ def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any)
         if hand is not None:
             return hand.sync(tensors)
         if method == "verl" or method in DROP_INS:
-            conn.send(("drop-in" if method in ("drop-in-fd", "drop-in-3") else method, handle))
+            receiving = "drop-in-copies" if method == "drop-in-copies" else "drop-in"
+            conn.send(("verl", handle) if method == "verl" else (receiving, handle))
             kind = verl.BucketedWeightSender if method == "verl" else BucketedWeightSender
             sender = kind(handle, bucket_size_mb=bucket_mb)
             asyncio.run(sender.async_send_weights(iter(tensors.items())))
@@ -287,9 +309,9 @@ def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any)
         return float(conn.recv()[1])
 
     flat_metadata = sys.modules["sglang_tensor_bucket"].FlattenedTensorMetadata
+    free_before = 0.0
     for _ in range(WARMUP):
-        sync()
-    free_before = sync()
+        free_before = sync()
     seconds = []
     for _ in range(syncs):
         torch.cuda.synchronize()
@@ -299,18 +321,94 @@ def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any)
     return {
         "method": method,
         "bucket_mib": bucket_mb,
+        "buffers": buffers_of(method),
         "seconds": statistics.median(seconds),
+        "worst_seconds": max(seconds),
+        "timed_syncs": syncs,
         "engine_growth_mib_per_sync": (free_before - free_after) / MiB / syncs,
     }
+
+
+def buffers_of(method: str) -> int:
+    """How many bucket-sized buffers ``method`` rotates (verl's own pair: one).
+
+    Example:
+        >>> buffers_of("drop-in"), buffers_of("drop-in-kept-2"), buffers_of("verl")
+        (3, 2, 1)
+    """
+    if method == "verl":
+        return 1
+    if method[-1].isdigit():
+        return int(method[-1])
+    return 3 if method.startswith("drop-in") else 1
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """The drop-in's targets, judged on rows of one run (each beside its baselines).
+
+    Speed against verl's own pair at a size (:data:`SPEED_TARGETS`), the kept
+    bucket's share of the two-copy ceiling at 8 GiB (:data:`KEPT_SHARE_TARGET`), and
+    each drop-in within :data:`FLOOR_TARGET` of the hand-written floor with its
+    buffer count, where that floor ran.
+
+    Example:
+        >>> rows = [{"method": "verl", "gib": 1.0, "seconds": 0.16},
+        ...         {"method": "drop-in", "gib": 1.0, "seconds": 0.004, "share": 0.4}]
+        >>> verdicts(rows)[0]
+        'drop-in at 1 GiB: 40.0x verl (target >= 20.0x): met'
+    """
+    lines: list[str] = []
+
+    def at(method: str, gib: float) -> dict[str, Any] | None:
+        found = [r for r in rows if r["method"] == method and round(r["gib"]) == gib]
+        return found[0] if found else None
+
+    for method, gib, target in SPEED_TARGETS:
+        row, verl = at(method, gib), at("verl", gib)
+        if row is None or verl is None:
+            continue
+        speed = verl["seconds"] / row["seconds"]
+        lines.append(
+            f"{method} at {gib:g} GiB: {speed:.1f}x verl (target >= {target:.1f}x): "
+            + ("met" if speed >= target else "NOT met")
+        )
+    kept = at("drop-in-kept", 8)
+    if kept is not None:
+        lines.append(
+            f"drop-in-kept at 8 GiB: {kept['share']:.1%} of the two-copy ceiling "
+            f"(target >= {KEPT_SHARE_TARGET:.0%}): "
+            + ("met" if kept["share"] >= KEPT_SHARE_TARGET else "NOT met")
+        )
+    for row in rows:
+        if not row["method"].startswith("drop-in") or row["method"] == "drop-in-fd":
+            continue
+        floor = at(f"hand-written-{buffers_of(row['method'])}", round(row["gib"]))
+        if floor is None:
+            continue
+        ratio = row["seconds"] / floor["seconds"]
+        lines.append(
+            f"{row['method']} at {row['gib']:.2f} GiB: {ratio:.2f}x the hand-written floor "
+            f"with {buffers_of(row['method'])} buffers (target <= {FLOOR_TARGET}x): "
+            + ("met" if ratio <= FLOOR_TARGET else "NOT met")
+        )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, nargs="+", default=[1, 8, 15])
-    parser.add_argument("--syncs", type=int, nargs="+", default=[100, 8, 5], help="per size")
+    parser.add_argument(
+        "--syncs",
+        type=int,
+        nargs="+",
+        default=[100, 8, 6],
+        help=f"timed syncs per size, at least {MIN_TIMED} (one more runs first, untimed)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--methods", nargs="+", choices=(*METHODS, *EXTRA), default=list(METHODS))
     args = parser.parse_args()
+    if min(args.syncs) < MIN_TIMED:
+        parser.error(f"--syncs: at least {MIN_TIMED} timed syncs a size, got {args.syncs}")
 
     import torch
     import torch.multiprocessing as tmp
@@ -353,7 +451,8 @@ def main() -> None:
                 deny = method == "drop-in-fd"
                 os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
                 link.close_links()  # each method's own link (the fd one: another bucket)
-                os.environ["HYBRIDMEM_VERL_BUFFERS"] = "3" if method == "drop-in-3" else ""
+                os.environ["HYBRIDMEM_VERL_BUFFERS"] = str(buffers_of(method))
+                os.environ["HYBRIDMEM_VERL_KEEP_BUCKET"] = "1" if "-kept" in method else "0"
                 row = _run(method, tensors, engines[deny][0], syncs, verl)
                 row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)
                 rows.append(row)
@@ -364,13 +463,16 @@ def main() -> None:
                 row["speedup"] = ref / row["seconds"] if ref else None
                 times = f"{row['speedup']:6.1f}x" if ref else "     -"
                 print(
-                    f"{row['method']:<12} {row['seconds']:8.4f} s/sync  {times}  "
+                    f"{row['method']:<14} {row['seconds']:8.4f} s/sync "
+                    f"(worst {row['worst_seconds']:.4f})  {times}  "
                     f"{row['share']:6.1%} of ceiling  "
                     f"{row['engine_growth_mib_per_sync']:6.1f} MiB/sync",
                     flush=True,
                 )
             if args.json:  # after each size: a run cut short keeps what it measured
                 args.json.write_text(json.dumps(rows, indent=1))
+        for line in verdicts(rows):
+            print(line, flush=True)
     finally:  # an error (a size that does not fit) must not leave the engines waiting
         link.close_links()
         for conn, process in engines.values():

@@ -28,6 +28,7 @@ from hybridmem import SyncError, _torch
 from hybridmem.integrations.verl import link
 from hybridmem.integrations.verl.batches import VerlBatches
 from hybridmem.integrations.verl.transfer import BucketedWeightReceiver, BucketedWeightSender
+from hybridmem.ipc.bucket import WeightBucket
 from tests import verl_oracle, verl_transfer_oracle
 from tests.conftest import patch_seam
 from tests.helpers import fds_opened_since, mappings_added_since, open_fds, shared_mappings
@@ -352,18 +353,154 @@ def test_a_bad_buffer_count_names_the_allowed_ones(
         asyncio.run(sender.async_send_weights(iter([("w", torch.ones(4))])))
 
 
-@pytest.mark.parametrize(("value", "count"), [("", 2), ("1", 1), ("3", 3)])
+@pytest.mark.parametrize(("value", "count"), [("", 3), ("1", 1), ("2", 2)])
 def test_the_buffer_count_is_the_buckets(
     monkeypatch: pytest.MonkeyPatch, value: str, count: int
 ) -> None:
     monkeypatch.setenv("HYBRIDMEM_VERL_BUFFERS", value)
+    made = _buckets_made(monkeypatch)
     weights = [(f"w{i}", torch.full((200_000,), float(i))) for i in range(5)]  # 5 batches
     callbacks = ours(weights, 1)
     assert [[n for n, _ in batch] for batch, _ in callbacks] == [[f"w{i}"] for i in range(5)]
     assert [last for _, last in callbacks] == [False] * 4 + [True]
     assert all(torch.equal(t, dict(weights)[n]) for batch, _ in callbacks for n, t in batch)
+    assert [bucket.buffers for bucket in made] == [count]
+
+
+def _buckets_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every bucket the sender's link makes from now on, in order."""
+    made: list[Any] = []
+    real = WeightBucket
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(link, "WeightBucket", recorded)
+    return made
+
+
+def _closings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``"receiver"`` and ``"bucket"`` each time either side lets go of a sync's bucket."""
+    from hybridmem.ipc.receiver import BucketReceiver
+
+    order: list[str] = []
+    for cls, name in ((BucketReceiver, "receiver"), (WeightBucket, "bucket")):
+        real = cls.close
+
+        def close(self: Any, _real: Any = real, _name: str = name) -> None:
+            if not getattr(self, "_closed", True):
+                order.append(_name)
+            _real(self)
+
+        monkeypatch.setattr(cls, "close", close)
+    return order
+
+
+def test_by_default_nothing_of_a_sync_stays_after_it_on_either_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As verl's own pair: each sync makes its bucket; the worker lets go of it before it
+    # answers, then the trainer frees it, so nothing is held through the rollout.
+    monkeypatch.delenv("HYBRIDMEM_VERL_KEEP_BUCKET", raising=False)
+    order = _closings(monkeypatch)
+    made = _buckets_made(monkeypatch)
+    weights = [(f"w{i}", torch.full((200_000,), float(i))) for i in range(5)]
+    for step in range(3):
+        callbacks = ours([(n, t + step) for n, t in weights], 1)
+        assert all(torch.equal(t, dict(weights)[n] + step) for b, _ in callbacks for n, t in b)
+        (sender,) = link._senders.values()
+        (receiver,) = link._receivers.values()
+        assert sender.bucket is None
+        assert receiver.receiver is None
+    assert len(made) == 3  # one a sync
+    assert order == ["receiver", "bucket"] * 3  # the worker first, every sync
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_a_kept_bucket_is_made_once_and_held_until_close_links(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    if how == "env":
+        monkeypatch.setenv("HYBRIDMEM_VERL_KEEP_BUCKET", "1")
+    else:
+        monkeypatch.setenv("HYBRIDMEM_VERL_KEEP_BUCKET", "0")
+        monkeypatch.setattr(
+            BucketedWeightSender,
+            "__init__",
+            _with_keep(BucketedWeightSender.__init__),
+        )
+    order = _closings(monkeypatch)
+    made = _buckets_made(monkeypatch)
+    weights = [(f"w{i}", torch.full((200_000,), float(i))) for i in range(5)]
+    for step in range(3):
+        callbacks = ours([(n, t + step) for n, t in weights], 1)
+        assert all(torch.equal(t, dict(weights)[n] + step) for b, _ in callbacks for n, t in b)
     (sender,) = link._senders.values()
-    assert sender.bucket._buffers_count == count
+    (receiver,) = link._receivers.values()
+    assert len(made) == 1
+    assert sender.bucket is made[0]
+    assert receiver.receiver is not None
+    assert order == []
+    link.close_links()
+    assert sorted(order) == ["bucket", "receiver"]
+
+
+def _with_keep(init: Any) -> Any:
+    def keeping(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, keep_bucket=True, **kwargs)
+
+    return keeping
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "keep"])
+def test_a_bad_keep_bucket_value_names_the_allowed_ones(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("HYBRIDMEM_VERL_KEEP_BUCKET", value)
+    with pytest.raises(ValueError, match=r"HYBRIDMEM_VERL_KEEP_BUCKET=.*'1' keeps the bucket"):
+        link.keep_bucket()
+    sender = BucketedWeightSender(f"ipc:///tmp/hybridmem-verl-keep-{os.getpid()}.sock")
+    with pytest.raises(ValueError, match="HYBRIDMEM_VERL_KEEP_BUCKET"):  # before any wait
+        asyncio.run(sender.async_send_weights(iter([("w", torch.ones(4))])))
+    with pytest.raises(TypeError, match="keep_bucket"):
+        BucketedWeightSender("ipc:///tmp/x.sock", keep_bucket="yes")  # type: ignore[arg-type]
+
+
+def test_a_failed_callback_still_frees_both_ends_and_the_next_sync_goes_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("HYBRIDMEM_VERL_KEEP_BUCKET", raising=False)
+    order = _closings(monkeypatch)
+    handle = f"ipc:///tmp/hybridmem-verl-fails-{os.getpid()}.sock"
+    weights = [(f"w{i}", torch.full((200_000,), float(i))) for i in range(5)]
+    failed: list[BaseException] = []
+
+    def receive() -> None:
+        def load(batch: Weights, last: bool) -> None:
+            if batch[0][0] == "w2":
+                raise ValueError("the engine's loader failed")
+
+        try:
+            BucketedWeightReceiver(handle, torch.device("cpu")).receive_weights(load)
+        except BaseException as exc:  # checked below
+            failed.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sender = BucketedWeightSender(handle, bucket_size_mb=1)
+    with pytest.raises(SyncError, match="the engine's loader failed"):
+        asyncio.run(sender.async_send_weights(iter(weights)))
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert [type(e) for e in failed] == [ValueError]
+    (sender_link,) = link._senders.values()
+    (receiver_link,) = link._receivers.values()
+    assert sender_link.bucket is None
+    assert receiver_link.receiver is None
+    assert sorted(order) == ["bucket", "receiver"]
+    callbacks = ours(weights, 1)  # the next sync on the same connection
+    assert [[n for n, _ in batch] for batch, _ in callbacks] == [[f"w{i}"] for i in range(5)]
 
 
 def test_a_trainer_that_frees_its_bucket_between_syncs_syncs_again() -> None:

@@ -67,10 +67,14 @@ def _receive_one(fail_at: int, out: dict[str, torch.Tensor]) -> dict[str, Any]:
 
     calls: list[bool] = []
     viewed: list[bool] = []
+    zero_copy: list[bool] = []  # the bucket is closed once the sync ends: read during it
 
     def load(weights: list[tuple[str, torch.Tensor]], last: bool) -> None:
         calls.append(last)
-        buffers = link._receivers[HANDLE].receiver._buffers
+        receiver = link._receivers[HANDLE].receiver
+        assert receiver is not None  # open during the sync
+        zero_copy.append(receiver.zero_copy)
+        buffers = receiver._buffers
         _spin()  # slow work queued first: the reads below wait for it on the device
         for name, tensor in weights:
             if tensor.numel():
@@ -92,7 +96,7 @@ def _receive_one(fail_at: int, out: dict[str, torch.Tensor]) -> dict[str, Any]:
         "lasts": sum(calls),
         "views": sum(viewed),
         "copies": len(viewed) - sum(viewed),
-        "zero_copy": link._receivers[HANDLE].receiver.zero_copy,
+        "zero_copy": all(zero_copy),
         "checksums": {name: _checksum(t) for name, t in out.items()},
     }
 

@@ -35,3 +35,23 @@ def test_the_engine_gets_views_and_keeps_every_sync_intact_after_a_failed_one() 
     assert "the engine's loader failed" in (failed["engine_error"] or "")
     assert failed["calls"] == 3
     assert rows.index(failed) < len(rows) - 2
+
+
+def test_after_default_syncs_the_drop_in_holds_what_verls_own_pair_holds() -> None:
+    # verl's pair frees its buffer and empties the cache on both sides after every sync;
+    # by default the drop-in leaves the same: read after ten syncs of each, in both
+    # processes and on the device, within one 2 MiB page. The kept bucket (the opt-in)
+    # holds its buffers on the trainer, which the same readings see.
+    facts = run_scenario("verl_holds", "tests.gpu.verl_memory_scenarios")
+    rows = {row["kind"]: row for row in facts["rows"][1:]}  # the second verl round, and the rest
+    first_verl = facts["rows"][0]
+    for row in facts["rows"]:
+        print(f"\nverl_holds: {row}")
+    assert facts["engine_exit"] == 0
+    page = 2 << 20
+    for verl in (first_verl, rows["verl"]):
+        for key in ("trainer_reserved", "engine_reserved", "device_free"):
+            assert abs(rows["drop-in"][key] - verl[key]) <= page, (key, rows["drop-in"], verl)
+    kept = facts["buffers"] * facts["bucket_bytes"]
+    assert rows["drop-in-kept"]["trainer_reserved"] - rows["verl"]["trainer_reserved"] >= kept
+    assert rows["verl"]["device_free"] - rows["drop-in-kept"]["device_free"] >= kept

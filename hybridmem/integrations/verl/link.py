@@ -1,11 +1,21 @@
-"""The drop-in's two ends for one ``zmq_handle``, kept for the life of the process.
+"""The drop-in's two ends for one ``zmq_handle``: a connection kept, a bucket per sync.
 
 verl builds a new ``BucketedWeightSender`` and a new ``BucketedWeightReceiver`` for
-every weight update, each allocating, exporting and opening a fresh buffer. Here the
-sender's process keeps one :class:`SenderLink` per ``zmq_handle`` (one
-:class:`~hybridmem.WeightBucket`, exported once, and one listening socket) and the
-receiver's process one :class:`ReceiverLink` (the bucket opened once, one connection):
-verl's objects come and go, the links stay.
+every weight update, each allocating, exporting and opening a fresh buffer, and each
+frees it at the end of the update (``_cleanup``: the buffer dropped, ``ipc_collect``,
+``empty_cache``). Here the sender's process keeps one :class:`SenderLink` per
+``zmq_handle`` (a listening socket and the worker's connection, host resources only)
+and the receiver's process one :class:`ReceiverLink` (the connection): verl's objects
+come and go, the links stay.
+
+What stays on the devices between syncs is what verl's own pair leaves: nothing. Each
+sync makes a :class:`~hybridmem.WeightBucket` (:func:`buffers` buffers of verl's
+bucket size), the worker opens it, and at the sync's end the worker closes its
+mappings and gives its cache back, then the trainer frees the bucket and gives its
+cache back, as verl's ``_cleanup`` does on both sides. A user who would rather keep
+the bucket (made and opened once, for the process's life: faster syncs, at the price
+of the bucket's memory on every trainer GPU through the rollout, and its mapping in
+the worker) sets ``HYBRIDMEM_VERL_KEEP_BUCKET=1`` (:func:`keep_bucket`).
 
 The socket: beside verl's own ZMQ path for an ``ipc://`` handle (``<path>.hybridmem``:
 the two processes share ``/tmp`` exactly as verl's ZMQ sockets need), else an abstract
@@ -13,14 +23,17 @@ Unix socket named after the handle. Only a process of the same user is accepted.
 
 One sync, over that connection (each wait bounded by ``timeout``):
 
-- sender: ``("sync", n, bucket_size)``, then verl's batches (cut by
+- sender: ``("bucket", handle, bucket_size)`` where the worker has not opened this
+  sync's bucket (the worker answers ``("ready", pid)``), then
+  ``("sync", n, bucket_size, keep)``, then verl's batches (cut by
   :class:`~hybridmem.integrations.verl.batches.VerlBatches`) as the groups of one
   bucket sync (:meth:`~hybridmem.WeightBucket.send_groups`), each tagged with its
   ``is_last``;
 - receiver: each batch to ``on_bucket_received`` as it arrives
   (:meth:`~hybridmem.BucketReceiver.receive_groups`: views of the bucket where it is on
-  this device), then ``("done", n)``, or ``("failed", n, why)`` when a callback raised
-  (the sender raises it too).
+  this device), then, unless ``keep``, closes its mappings and releases its cache,
+  then ``("done", n)``, or ``("failed", n, why)`` when a callback raised (the sender
+  raises it too); unless ``keep``, the sender then frees the bucket.
 
 A link whose peer died, closed its end or went silent is dropped by the side that saw
 it: what the peer left unread is not read again, and the next sync connects anew.
@@ -61,6 +74,7 @@ __all__ = [
     "address_of",
     "buffers",
     "close_links",
+    "keep_bucket",
     "made_sender_link",
     "receiver_link",
     "sender_link",
@@ -71,8 +85,11 @@ DEFAULT_TIMEOUT_S = 120.0
 _TIMEOUT_ENV = "HYBRIDMEM_VERL_TIMEOUT"
 _TRANSPORT_ENV = "HYBRIDMEM_VERL_TRANSPORT"
 _BUFFERS_ENV = "HYBRIDMEM_VERL_BUFFERS"
-#: How many bucket-sized buffers a sender's bucket rotates unless told otherwise.
-DEFAULT_BUFFERS = 2
+_KEEP_ENV = "HYBRIDMEM_VERL_KEEP_BUCKET"
+#: How many bucket-sized buffers a sender's bucket rotates unless told otherwise: the
+#: count that measured fastest on an H100 (three: the trainer fills one while the
+#: engine reads another and the answer for a third is on its way).
+DEFAULT_BUFFERS = 3
 _CONNECT_SLICE_S = 0.01  # how often a receiver retries a sender not yet listening
 _PATH_MAX = 100  # sun_path holds 108 bytes
 
@@ -103,10 +120,10 @@ def transport() -> str:
 
 
 def buffers() -> int:
-    """How many buffers a sender's bucket rotates: ``HYBRIDMEM_VERL_BUFFERS``, else 2.
+    """How many buffers a sender's bucket rotates: ``HYBRIDMEM_VERL_BUFFERS``, else 3.
 
-    Each is verl's bucket size, on the trainer's device for the process's life; a third
-    lets the trainer fill one while the engine's answer for another is on its way.
+    Each is verl's bucket size, on the trainer's device during a sync (and between
+    syncs too with :func:`keep_bucket`); verl's own sender holds one.
     """
     raw = os.environ.get(_BUFFERS_ENV, "").strip()
     if not raw:
@@ -117,6 +134,38 @@ def buffers() -> int:
             f"(default {DEFAULT_BUFFERS}; each buffer is one verl bucket on the trainer's device)"
         )
     return int(raw)
+
+
+def keep_bucket() -> bool:
+    """Whether the bucket stays between syncs: ``HYBRIDMEM_VERL_KEEP_BUCKET`` (default no).
+
+    Unset, ``0`` or ``false``: each sync makes its bucket and frees it, and the worker
+    closes its mappings, so nothing of the drop-in stays on either device after
+    ``update_weights`` (as with verl's own pair). ``1`` or ``true``: the bucket is
+    made and opened once and kept for the process's life (:func:`close_links` frees
+    it): no allocation, export or open per sync, while ``buffers()`` x verl's bucket
+    size stays on every trainer GPU through the rollout, mapped by the worker, where
+    the rollout's KV cache was sized without it.
+
+    Raises:
+        ValueError: another value (the message names the allowed ones).
+
+    Example:
+        >>> import os
+        >>> os.environ.pop("HYBRIDMEM_VERL_KEEP_BUCKET", None) and None
+        >>> keep_bucket()
+        False
+    """
+    raw = os.environ.get(_KEEP_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ValueError(
+        f"{_KEEP_ENV}={os.environ.get(_KEEP_ENV)!r}: '1' keeps the bucket between syncs "
+        "(faster, held on the device through the rollout), '0' or unset frees it after "
+        "each sync, as verl's own pair does"
+    )
 
 
 def address_of(zmq_handle: str) -> bytes:
@@ -132,13 +181,13 @@ def address_of(zmq_handle: str) -> bytes:
 
 
 class SenderLink:
-    """The sender's end for one handle: a bucket exported once, a socket listened on once.
+    """The sender's end for one handle: a socket listened on once, a bucket per sync.
 
     Args:
         zmq_handle: verl's handle.
-        bucket_size: verl's bucket, bytes, at the first sync: the bucket's buffers are
-            as large. A later sync may name another size: it is sent with the sync (the
-            receiver cuts verl's batches by it) and the buffers stay.
+        bucket_size: verl's bucket, bytes, at the first sync. Each sync names its own
+            size: a bucket made for it has buffers that large; a kept bucket keeps the
+            first sync's (the receiver cuts verl's batches by the sync's size).
         use_shm: verl's flag: host shared memory instead of the device (``transport="host"``).
         device: where the tensors to send are (the bucket's device).
     """
@@ -152,31 +201,29 @@ class SenderLink:
         self._syncs = 0
         self._conn: Any = None
         self._peer = Peer(None, "vLLM worker")
+        index = device.index if isinstance(device, torch.device) and device.type == "cuda" else None
+        # Read once, here: a bad value fails the first sync before any wait.
+        self._bucket_args = (index, "host" if use_shm else transport(), buffers())
+        #: the bucket of the sync in progress (kept between syncs only when asked)
+        self.bucket: WeightBucket | None = None
+        self._opened: WeightBucket | None = None  # the bucket the connected worker opened
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         if not self.address.startswith(b"\0"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address)  # a stale socket of an earlier run
         self._listener: socket.socket | None = unix_socket.listen(self.address, stream=True)
-        index = device.index if isinstance(device, torch.device) and device.type == "cuda" else None
-        self._bucket_args = (bucket_size, index, "host" if use_shm else transport(), buffers())
-        self._served = False  # a receiver opened the bucket (host buffers' names are gone)
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        try:
-            self.bucket = self._new_bucket()
-        except BaseException:
-            self._close_listener()
-            raise
         logger.info(
-            "verl drop-in: %s serves %s over a %s bucket of %d x %d bytes (held until "
-            "close_links())",
+            "verl drop-in: %s serves %s; each sync's bucket is %d x its bucket size, %s",
             self.address,
             zmq_handle,
-            self.bucket.transport,
-            self._bucket_args[3],
-            bucket_size,
+            self._bucket_args[2],
+            "kept between syncs (HYBRIDMEM_VERL_KEEP_BUCKET) until close_links()"
+            if keep_bucket()
+            else "freed when the sync ends",
         )
 
-    def _new_bucket(self) -> WeightBucket:
-        size, index, transport, count = self._bucket_args
+    def _new_bucket(self, size: int) -> WeightBucket:
+        index, transport, count = self._bucket_args
         return WeightBucket(
             size,
             index,
@@ -212,29 +259,37 @@ class SenderLink:
         if uid != os.getuid():
             sock.close()
             raise SyncError(f"a process of another user (uid {uid}) connected; refused")
-        conn = unix_socket.message_channel(sock)
         self._peer = Peer(pid or None, "vLLM worker")
-        if self._served and self.bucket.transport == "host":
-            # A new worker (the last one exited): host buffers are opened by name, and
-            # their names went once the last one had them. Device buffers open again.
-            self.bucket.close()
-            self.bucket = self._new_bucket()
-        try:
-            send_to(
-                conn, ("bucket", self.bucket.handle, self.bucket_size), self._peer, "the bucket"
-            )
+        self._conn = unix_socket.message_channel(sock)
+        return self._conn
+
+    def _offer(self, conn: Any, bucket_size: int) -> WeightBucket:
+        """This sync's bucket, made if there is none and opened by the worker if it has not."""
+        if self.bucket is not None and self._opened is None and self.bucket.transport == "host":
+            # A kept host bucket, and a new worker (the last one exited): host buffers
+            # are opened by name, and their names went once the last one had them.
+            self._free_bucket()
+        if self.bucket is None:
+            self.bucket = self._new_bucket(bucket_size)
+        bucket = self.bucket
+        if self._opened is not bucket:
+            send_to(conn, ("bucket", bucket.handle, bucket_size), self._peer, "the bucket")
             answer = recv_within(conn, self.timeout, self._peer, "its ready message")
             if not (isinstance(answer, tuple) and answer[:1] == ("ready",)):
                 raise SyncError(f"unexpected answer from the verl receiver: {answer!r}")
-        except BaseException:
-            conn.close()
-            raise
-        self.bucket.unlink_shared_names()  # host buffers: mapped there, names can go
-        self._served = True
-        self._conn = conn
-        return conn
+            bucket.unlink_shared_names()  # host buffers: mapped there, names can go
+            self._opened = bucket
+        return bucket
 
-    def send(self, batches: Iterable[Batch], bucket_size: int, caller: Any = None) -> int:
+    def _free_bucket(self) -> None:
+        """Free the bucket, its cache given back to the driver (as verl's ``_cleanup``)."""
+        bucket, self.bucket, self._opened = self.bucket, None, None
+        if bucket is not None:
+            bucket.close()
+
+    def send(
+        self, batches: Iterable[Batch], bucket_size: int, caller: Any = None, keep: bool = False
+    ) -> int:
         """Send one sync of verl's batches (``(weights, is_last)``); return how many tensors.
 
         Each batch is one group of the bucket's sync, streamed as ``batches`` yields
@@ -243,53 +298,63 @@ class SenderLink:
         sync (the batches were cut by it). ``caller``: the stream the weights were
         written on, in the thread that made them (None: this thread's current one); the
         copies out of them wait for its work, and its later work waits for the copies.
+        ``keep``: keep the bucket for the next sync; else it is freed before this
+        returns, whether the sync succeeded or not, once the worker let go of it.
 
         Raises:
             SyncError: the receiver did not connect or answer in time, died, or its
                 ``on_bucket_received`` raised (its error is in the message).
         """
         with self.lock:
-            conn = self._connection()
-            self._syncs += 1
-            sync = self._syncs
-            sent = [0]
-            callback_failed = False  # the worker's callback raised: the connection is sound
+            try:
+                return self._send(batches, bucket_size, caller, keep)
+            finally:
+                if not keep:
+                    self._free_bucket()
+
+    def _send(self, batches: Iterable[Batch], bucket_size: int, caller: Any, keep: bool) -> int:
+        conn = self._connection()
+        self._syncs += 1
+        sync = self._syncs
+        sent = [0]
+        callback_failed = False  # the worker's callback raised: the connection is sound
+        try:
+            bucket = self._offer(conn, bucket_size)
 
             def groups() -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
                 for weights, last in batches:
-                    checked = self.bucket.check(weights)
+                    checked = bucket.check(weights)
                     sent[0] += len(checked)
                     yield checked, bool(last)
                     if last:
                         return
 
+            start = ("sync", sync, bucket_size, keep)
+            send_to(conn, start, self._peer, f"the start of sync {sync}")
             try:
-                start = ("sync", sync, bucket_size)
-                send_to(conn, start, self._peer, f"the start of sync {sync}")
-                try:
-                    with _torch.stream_scope(caller):
-                        self.bucket.send_groups(groups(), conn, timeout=self.timeout)
-                except PeerAborted as exc:  # the receiver stopped: its callback says why
-                    reason = self._reason(conn, sync)
+                with _torch.stream_scope(caller):
+                    bucket.send_groups(groups(), conn, timeout=self.timeout)
+            except PeerAborted as exc:  # the receiver stopped: its callback says why
+                reason = self._reason(conn, sync)
+                callback_failed = True
+                raise SyncError(
+                    f"the vLLM worker's on_bucket_received failed: {reason or exc}"
+                ) from exc
+            while True:  # what an earlier, stopped sync left unread is skipped
+                what = f"the end of sync {sync}"
+                answer = recv_within(conn, self.timeout, self._peer, what)
+                if isinstance(answer, tuple) and answer[:2] == ("failed", sync):
                     callback_failed = True
-                    raise SyncError(
-                        f"the vLLM worker's on_bucket_received failed: {reason or exc}"
-                    ) from exc
-                while True:  # what an earlier, stopped sync left unread is skipped
-                    what = f"the end of sync {sync}"
-                    answer = recv_within(conn, self.timeout, self._peer, what)
-                    if isinstance(answer, tuple) and answer[:2] == ("failed", sync):
-                        callback_failed = True
-                        raise SyncError(f"the vLLM worker's on_bucket_received failed: {answer[2]}")
-                    if answer == ("done", sync):
-                        return sent[0]
-            except SyncError:
-                if not callback_failed:  # died, closed or silent: the next sync accepts anew
-                    self._drop_connection()
-                raise
+                    raise SyncError(f"the vLLM worker's on_bucket_received failed: {answer[2]}")
+                if answer == ("done", sync):
+                    return sent[0]
+        except SyncError:
+            if not callback_failed:  # died, closed or silent: the next sync accepts anew
+                self._drop_connection()
+            raise
 
     def submit(
-        self, batches: Iterable[Batch], bucket_size: int, caller: Any = None
+        self, batches: Iterable[Batch], bucket_size: int, caller: Any = None, keep: bool = False
     ) -> concurrent.futures.Future[int]:
         """:meth:`send`, run on this link's own thread; its future.
 
@@ -301,7 +366,7 @@ class SenderLink:
             self._worker = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="hybridmem-verl-sender"
             )
-        return self._worker.submit(self.send, batches, bucket_size, caller)
+        return self._worker.submit(self.send, batches, bucket_size, caller, keep)
 
     def _drop_connection(self) -> None:
         """Forget the receiver's connection: what is left on it is not read again.
@@ -309,6 +374,7 @@ class SenderLink:
         A worker that died may have left messages unread on it, so that it does not
         look closed yet; the next sync waits for a new connection instead.
         """
+        self._opened = None  # the next worker opens the bucket anew
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._conn.close()
@@ -325,18 +391,18 @@ class SenderLink:
         return None
 
     def close(self) -> None:
-        """Free the bucket and close the socket. Idempotent."""
+        """Free the bucket, if one is kept, and close the socket. Idempotent."""
         self._drop_connection()
         self._close_listener()
         self._peer.close()
-        self.bucket.close()
+        self._free_bucket()
         if self._worker is not None:  # its sync, if any, ends on the closed connection
             self._worker.shutdown(wait=False)
             self._worker = None
 
 
 class ReceiverLink:
-    """The receiver's end for one handle: connected and the bucket opened, once.
+    """The receiver's end for one handle: connected once, each sync's bucket opened.
 
     Args:
         zmq_handle: verl's handle.
@@ -347,6 +413,12 @@ class ReceiverLink:
         self.zmq_handle = zmq_handle
         self.timeout = timeout_s()
         self.lock = threading.Lock()
+        index = device.index if device.type == "cuda" else None
+        if device.type == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        self._index = index
+        #: the sender's bucket, opened (None between syncs unless the sender keeps it)
+        self.receiver: BucketReceiver | None = None
         address = address_of(zmq_handle)
         deadline = time.monotonic() + self.timeout
         while True:
@@ -362,32 +434,44 @@ class ReceiverLink:
                     ) from None
                 time.sleep(_CONNECT_SLICE_S)
         pid = unix_socket.peer_credentials(sock)[0] or None
-        conn = unix_socket.message_channel(sock)
+        self._conn = unix_socket.message_channel(sock)
         self._peer = Peer(pid, "verl sender")
-        try:
-            message = recv_within(conn, self.timeout, self._peer, "the bucket")
-            if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "bucket"):
-                raise SyncError(f"unexpected first message from the verl sender: {message!r}")
-            handle = message[1]
-            if not isinstance(handle, BucketHandle):
-                raise SyncError(f"the verl sender sent {type(handle).__name__}, not a bucket")
-            index = device.index if device.type == "cuda" else None
-            if device.type == "cuda" and index is None:
-                index = torch.cuda.current_device()
-            self.receiver = BucketReceiver(handle, index)
-            send_to(conn, ("ready", os.getpid()), self._peer, "its ready message")
-        except BaseException:
-            conn.close()
-            self._peer.close()
-            raise
-        self._conn = conn
         self._broken = False
+
+    def _open(self, message: tuple[Any, ...]) -> None:
+        """Open the sender's bucket (closing the one before), and say so."""
+        handle = message[1]
+        if not isinstance(handle, BucketHandle):
+            raise SyncError(f"the verl sender sent {type(handle).__name__}, not a bucket")
+        self._let_go(release=False)
+        self.receiver = BucketReceiver(handle, self._index)
+        send_to(self._conn, ("ready", os.getpid()), self._peer, "its ready message")
+
+    def _let_go(self, *, release: bool) -> None:
+        """Close the bucket's mappings; with ``release``, give this device's cache back.
+
+        As verl's receiver ends a sync: the device's work done first (the callback's
+        copies out of the bucket may still run), then the mappings closed, then CUDA
+        IPC's leftovers collected and the cache emptied, so the sender's free of the
+        bucket returns its memory to the driver.
+        """
+        receiver, self.receiver = self.receiver, None
+        on_device = self._index is not None and _torch.cuda_initialized()
+        if receiver is not None:
+            if on_device:
+                _torch.synchronize(self._index)  # type: ignore[arg-type]
+            receiver.close()
+        if release and on_device:
+            _torch.ipc_collect()
+            _torch.empty_cache()
 
     def receive(self, on_bucket_received: OnBucket) -> int:
         """Receive one sync, calling ``on_bucket_received`` with verl's batches; count them.
 
         Each batch comes as views of the bucket where it came in one buffer on this
         device (as verl's own receiver hands out views of its buffer), else as copies.
+        Unless the sender keeps its bucket, the bucket's mappings are closed and this
+        device's cache given back before this returns or raises.
 
         Raises:
             SyncError: the sender died, went silent or stopped (nothing more is
@@ -396,22 +480,27 @@ class ReceiverLink:
         """
         with self.lock:
             conn = self._conn
-            while True:  # what an earlier, stopped sync left unread is skipped
-                header = recv_within(conn, self.timeout, self._peer, "the start of a sync")
-                if isinstance(header, tuple) and len(header) == 3 and header[0] == "sync":
-                    break
-            sync = header[1]
-            calls = 0
-            groups = self.receiver.receive_groups(
-                conn, views=self.receiver.zero_copy, timeout=self.timeout
-            )
+            try:
+                while True:  # what an earlier, stopped sync left unread is skipped
+                    header = recv_within(conn, self.timeout, self._peer, "the start of a sync")
+                    if isinstance(header, tuple) and len(header) == 3 and header[0] == "bucket":
+                        self._open(header)
+                    elif isinstance(header, tuple) and len(header) == 4 and header[0] == "sync":
+                        break
+            except SyncError:
+                self._broken = True
+                self._let_go(release=True)
+                raise
+            sync, keep = header[1], bool(header[3])
+            if self.receiver is None:
+                self._broken = True
+                raise SyncError(f"the verl sender started sync {sync} without a bucket")
             try:
                 try:
-                    for weights, last in groups:
-                        calls += 1
-                        on_bucket_received(weights, bool(last))
+                    calls = self._deliver(self.receiver, on_bucket_received)
                 finally:
-                    groups.close()  # stopped early: the sender is told
+                    if not keep:  # nothing of the sync's views is referenced here now
+                        self._let_go(release=True)
             except PeerAborted as exc:  # the sender's weights or checks failed: it said why
                 raise SyncError(
                     f"the verl sender stopped sync {sync} ({exc}); what was delivered "
@@ -427,6 +516,18 @@ class ReceiverLink:
                 raise
             send_to(conn, ("done", sync), self._peer, f"the end of sync {sync}")
             return calls
+
+    def _deliver(self, receiver: BucketReceiver, on_bucket_received: OnBucket) -> int:
+        """Hand each batch of the sync to ``on_bucket_received``; how many batches."""
+        calls = 0
+        groups = receiver.receive_groups(self._conn, views=receiver.zero_copy, timeout=self.timeout)
+        try:
+            for weights, last in groups:
+                calls += 1
+                on_bucket_received(weights, bool(last))
+        finally:
+            groups.close()  # stopped early: the sender is told
+        return calls
 
     @staticmethod
     def _failed(conn: Any, sync: int, exc: BaseException) -> None:
@@ -445,7 +546,7 @@ class ReceiverLink:
 
     def close(self) -> None:
         """Let go of the bucket and the connection. Idempotent."""
-        self.receiver.close()
+        self._let_go(release=False)
         with contextlib.suppress(OSError):
             self._conn.close()
         self._peer.close()

@@ -1,4 +1,4 @@
-"""verl's ``BucketedWeightSender`` and ``BucketedWeightReceiver``, through one persistent bucket.
+"""verl's ``BucketedWeightSender`` and ``BucketedWeightReceiver``, over a hybridmem bucket.
 
 Same constructors, methods and callback contract as verl 0.9.1's
 (``verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py``):
@@ -13,8 +13,13 @@ Same constructors, methods and callback contract as verl 0.9.1's
   during the callback (clone what you keep, as verl's LoRA path does).
 
 What changes underneath (:mod:`~hybridmem.integrations.verl.link`): the bytes move
-through one :class:`~hybridmem.WeightBucket` per ``zmq_handle`` and process, made and
-exported once and reused by every sync though verl builds new objects each time; its
+through a :class:`~hybridmem.WeightBucket` of three buffers (``HYBRIDMEM_VERL_BUFFERS``)
+over a connection each process keeps per ``zmq_handle``. What stays on the devices
+after ``update_weights`` returns is what verl's own pair leaves, nothing: the worker
+closes its mappings and empties its cache, then the trainer frees the bucket and
+empties its cache, as verl's ``_cleanup`` does. ``HYBRIDMEM_VERL_KEEP_BUCKET=1`` (or
+``keep_bucket=True``) keeps the bucket instead, made and opened once: faster syncs,
+at the price of its buffers on every trainer GPU through the rollout. Its
 transport is chosen as the bucket chooses (``cuda``; ``fd`` where ``pidfd_getfd`` is
 denied and asked for; ``host`` with ``use_shm``); every wait is bounded
 (``HYBRIDMEM_VERL_TIMEOUT``, 120 s), a dead or silent peer is a ``SyncError`` on both
@@ -57,7 +62,12 @@ from hybridmem._checks import check_bool, check_number
 from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem.integrations.verl.batches import Batch, VerlBatches
-from hybridmem.integrations.verl.link import made_sender_link, receiver_link, sender_link
+from hybridmem.integrations.verl.link import (
+    keep_bucket,
+    made_sender_link,
+    receiver_link,
+    sender_link,
+)
 
 __all__ = ["BucketedWeightReceiver", "BucketedWeightSender"]
 
@@ -145,7 +155,7 @@ def _checked(item: object) -> tuple[str, torch.Tensor]:
 
 
 class BucketedWeightSender:
-    """verl's sender, over a persistent hybridmem bucket (see the module).
+    """verl's sender, over a hybridmem bucket (see the module).
 
     Args:
         zmq_handle: verl's handle (``ipc:///tmp/rl-colocate-zmq-...sock``).
@@ -153,6 +163,11 @@ class BucketedWeightSender:
             ``rollout.checkpoint_engine.update_weights_bucket_megabytes``).
         use_shm: carry the bytes through host shared memory (verl sets it where
             device IPC is not supported).
+        keep_bucket: keep the bucket between syncs (made, exported and opened once;
+            its memory held on this device and mapped by the worker through the
+            rollout). None (default): ``HYBRIDMEM_VERL_KEEP_BUCKET``, unset meaning no:
+            the bucket is freed when each sync ends, as verl's own pair frees its
+            buffer.
 
     Raises:
         TypeError, ValueError: a bad argument (the message names it).
@@ -162,7 +177,14 @@ class BucketedWeightSender:
         >>> await sender.async_send_weights(model.named_parameters())  # doctest: +SKIP
     """
 
-    def __init__(self, zmq_handle: str, bucket_size_mb: int = 512, use_shm: bool = False) -> None:
+    def __init__(
+        self,
+        zmq_handle: str,
+        bucket_size_mb: int = 512,
+        use_shm: bool = False,
+        *,
+        keep_bucket: bool | None = None,
+    ) -> None:
         self.zmq_handle = _check_handle(zmq_handle)
         self.bucket_size_mb = int(
             check_number(
@@ -176,6 +198,7 @@ class BucketedWeightSender:
         )
         self.bucket_size = self.bucket_size_mb << 20
         self.use_shm = check_bool("use_shm", use_shm)
+        self.keep_bucket = None if keep_bucket is None else check_bool("keep_bucket", keep_bucket)
 
     async def async_send_weights(self, weights: Any) -> None:
         """Send every ``(name, tensor)`` of ``weights``; return once the receiver took them all.
@@ -188,6 +211,7 @@ class BucketedWeightSender:
             SyncError: the receiver did not connect, died, went silent, or its
                 ``on_bucket_received`` raised (its error in the message).
         """
+        keep = keep_bucket() if self.keep_bucket is None else self.keep_bucket
         stream = _items(weights)
         first = await anext(stream, None)
         device = torch.device("cpu") if first is None else _checked(first)[1].device
@@ -212,7 +236,7 @@ class BucketedWeightSender:
         # orders its copies after that stream's work (and that stream's later work after
         # the copies), whichever stream the caller runs verl's update on.
         caller = _torch.current_stream(device)
-        sending = asyncio.wrap_future(link.submit(produced(), self.bucket_size, caller))
+        sending = asyncio.wrap_future(link.submit(produced(), self.bucket_size, caller, keep))
         cut: list[Batch] = []
         cutter = VerlBatches(self.bucket_size, lambda weights, last: cut.append((weights, last)))
         try:
@@ -237,7 +261,7 @@ class BucketedWeightSender:
 
 
 class BucketedWeightReceiver:
-    """verl's receiver, over the sender's persistent hybridmem bucket (see the module).
+    """verl's receiver, over the sender's hybridmem bucket (see the module).
 
     Args:
         zmq_handle: verl's handle (the sender's).
