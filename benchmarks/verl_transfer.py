@@ -39,9 +39,11 @@ the drop-in hands out views of it as verl's own receiver does: what the views sa
 two-process design with verl's bucket size: the trainer copies each batch into one of
 2 (3) device buffers opened once by the engine, which copies each tensor out; device
 events shared once order the two, one pipe message per batch each way, nothing else
-(no checks, no framing). ``drop-in-2`` and ``drop-in-kept-2`` are the drop-in with two
-buffers. They tell what the two processes themselves cost against the one-process
-ceiling.
+(no checks, no framing); ``hand-written-fresh-2`` and ``-3`` make, open and free those
+buffers on both sides every sync, as verl's pair and the drop-in's default do: the floor
+of any design that holds nothing between syncs. ``drop-in-2``, ``drop-in-3`` and
+``drop-in-kept-2`` set the drop-in's buffer count. They tell what the two processes
+themselves cost against the one-process ceiling.
 """
 
 from __future__ import annotations
@@ -77,9 +79,19 @@ DROP_INS = (
     "drop-in-fd",
     "drop-in-copies",
     "drop-in-2",
+    "drop-in-3",
     "drop-in-kept-2",
 )
-EXTRA = ("drop-in-copies", "drop-in-2", "drop-in-kept-2", "hand-written-2", "hand-written-3")
+EXTRA = (
+    "drop-in-copies",
+    "drop-in-2",
+    "drop-in-3",
+    "drop-in-kept-2",
+    "hand-written-2",
+    "hand-written-3",
+    "hand-written-fresh-2",
+    "hand-written-fresh-3",
+)
 #: The drop-in's targets against verl's own pair: (method, GiB, at least x verl's speed).
 SPEED_TARGETS = (("drop-in", 8, 6.0), ("drop-in", 1, 20.0), ("drop-in-kept", 8, 10.0))
 #: The kept bucket's share of the two-copy ceiling at 8 GiB, at least.
@@ -177,6 +189,13 @@ def _engine(conn: Any, deny: bool) -> None:
             hand = (buffers, filled, drained)
             conn.send(("opened", [event.ipc_handle() for event in drained]))  # type: ignore[no-untyped-call]
             continue
+        elif kind == "hand-close":  # the fresh floor: let go of the buffers, as verl's does
+            torch.cuda.synchronize()
+            hand = ([], [], [])
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+            torch.cuda.empty_cache()
+            conn.send(("closed",))
+            continue
         elif kind == "hand-written":  # one sync: a message per batch until "end"
             buffers, filled, drained = hand
             stream = torch.cuda.current_stream()
@@ -223,7 +242,11 @@ def _batches(tensors: dict[str, Any], limit: int, align: int = 1) -> list[list[t
 
 
 class HandWritten:
-    """The floor's trainer side: ``count`` buffers of ``nbytes``, opened by the engine once."""
+    """The floor's trainer side: ``count`` buffers of ``nbytes``, opened by the engine once.
+
+    :meth:`close` lets go of them on both sides as verl's ``_cleanup`` does (the engine
+    first): the ``hand-written-fresh`` floors make and close them every sync.
+    """
 
     def __init__(self, conn: Any, nbytes: int, count: int) -> None:
         import torch
@@ -264,6 +287,16 @@ class HandWritten:
             pass
         return float(answer[1])
 
+    def close(self) -> None:
+        """Free the buffers: the engine lets go and empties its cache, then this side."""
+        import torch
+
+        self.conn.send(("hand-close",))
+        assert self.conn.recv() == ("closed",)
+        self.buffers, self.filled, self.drained = [], [], []
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        torch.cuda.empty_cache()
+
 
 def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any) -> dict[str, Any]:
     """Time ``syncs`` syncs of ``method`` after WARMUP; its row."""
@@ -278,13 +311,19 @@ def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any)
 
     handle = HANDLE.format(method)
     bucket_mb = max(512, -(-max(t.nbytes for t in tensors.values()) // MiB))  # verl's refuses less
+    fresh = method.startswith("hand-written-fresh")
     hand = (
         HandWritten(conn, bucket_mb * MiB, int(method[-1]))
-        if method.startswith("hand-written")
+        if method.startswith("hand-written") and not fresh
         else None
     )
 
     def sync() -> float:
+        if fresh:  # made, opened, used and freed on both sides within the sync
+            once = HandWritten(conn, bucket_mb * MiB, int(method[-1]))
+            free = once.sync(tensors)
+            once.close()
+            return free
         if hand is not None:
             return hand.sync(tensors)
         if method == "verl" or method in DROP_INS:
@@ -332,15 +371,22 @@ def _run(method: str, tensors: dict[str, Any], conn: Any, syncs: int, verl: Any)
 def buffers_of(method: str) -> int:
     """How many bucket-sized buffers ``method`` rotates (verl's own pair: one).
 
+    The drop-in's defaults are its link's: two for a bucket made each sync, three for
+    a kept one.
+
     Example:
-        >>> buffers_of("drop-in"), buffers_of("drop-in-kept-2"), buffers_of("verl")
-        (3, 2, 1)
+        >>> buffers_of("drop-in"), buffers_of("drop-in-kept"), buffers_of("verl")
+        (2, 3, 1)
     """
+    from hybridmem.integrations.verl.link import DEFAULT_BUFFERS, DEFAULT_KEPT_BUFFERS
+
     if method == "verl":
         return 1
     if method[-1].isdigit():
         return int(method[-1])
-    return 3 if method.startswith("drop-in") else 1
+    if method.startswith("drop-in"):
+        return DEFAULT_KEPT_BUFFERS if "-kept" in method else DEFAULT_BUFFERS
+    return 1
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
@@ -382,13 +428,20 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         if not row["method"].startswith("drop-in") or row["method"] == "drop-in-fd":
             continue
-        floor = at(f"hand-written-{buffers_of(row['method'])}", round(row["gib"]))
+        count, gib = buffers_of(row["method"]), round(row["gib"])
+        floor, fresh = at(f"hand-written-{count}", gib), at(f"hand-written-fresh-{count}", gib)
         if floor is None:
             continue
         ratio = row["seconds"] / floor["seconds"]
+        beside = ""
+        if fresh is not None and "-kept" not in row["method"]:  # holds nothing, as it does
+            beside = (
+                f"; {row['seconds'] / fresh['seconds']:.2f}x the same floor made and freed "
+                "each sync, as this one is"
+            )
         lines.append(
             f"{row['method']} at {row['gib']:.2f} GiB: {ratio:.2f}x the hand-written floor "
-            f"with {buffers_of(row['method'])} buffers (target <= {FLOOR_TARGET}x): "
+            f"with {count} buffers opened once (target <= {FLOOR_TARGET}x{beside}): "
             + ("met" if ratio <= FLOOR_TARGET else "NOT met")
         )
     return lines
@@ -451,7 +504,8 @@ def main() -> None:
                 deny = method == "drop-in-fd"
                 os.environ["HYBRIDMEM_VERL_TRANSPORT"] = "fd" if deny else "auto"
                 link.close_links()  # each method's own link (the fd one: another bucket)
-                os.environ["HYBRIDMEM_VERL_BUFFERS"] = str(buffers_of(method))
+                count = method[-1] if method[-1].isdigit() else ""  # else the link's default
+                os.environ["HYBRIDMEM_VERL_BUFFERS"] = count
                 os.environ["HYBRIDMEM_VERL_KEEP_BUCKET"] = "1" if "-kept" in method else "0"
                 row = _run(method, tensors, engines[deny][0], syncs, verl)
                 row.update(gib=payload / GiB, share=payload / row["seconds"] / ceiling)

@@ -261,12 +261,16 @@ def test_a_failing_callback_fails_both_sides_and_the_next_sync_works() -> None:
     assert len(failures) == 1
 
 
-def test_a_sender_whose_weights_fail_stops_the_receiver() -> None:
+@pytest.mark.parametrize("before", [0, 1, 4])
+def test_a_sender_whose_weights_fail_stops_the_receiver(before: int) -> None:
+    # Failing before the bucket is sized (the first batches are looked at first) or
+    # after: the receiver is told either way, within the sync.
     handle = f"ipc:///tmp/hybridmem-verl-gen-{os.getpid()}.sock"
     failures: list[BaseException] = []
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        yield "w0", torch.ones(400_000)
+        for index in range(before):
+            yield f"w{index}", torch.ones(400_000)
         raise RuntimeError("FSDP gather failed")
 
     def receive() -> None:
@@ -353,11 +357,14 @@ def test_a_bad_buffer_count_names_the_allowed_ones(
         asyncio.run(sender.async_send_weights(iter([("w", torch.ones(4))])))
 
 
-@pytest.mark.parametrize(("value", "count"), [("", 3), ("1", 1), ("2", 2)])
+@pytest.mark.parametrize(
+    ("value", "keep", "count"), [("", "0", 2), ("", "1", 3), ("1", "0", 1), ("3", "0", 3)]
+)
 def test_the_buffer_count_is_the_buckets(
-    monkeypatch: pytest.MonkeyPatch, value: str, count: int
+    monkeypatch: pytest.MonkeyPatch, value: str, keep: str, count: int
 ) -> None:
     monkeypatch.setenv("HYBRIDMEM_VERL_BUFFERS", value)
+    monkeypatch.setenv("HYBRIDMEM_VERL_KEEP_BUCKET", keep)
     made = _buckets_made(monkeypatch)
     weights = [(f"w{i}", torch.full((200_000,), float(i))) for i in range(5)]  # 5 batches
     callbacks = ours(weights, 1)
@@ -365,6 +372,22 @@ def test_the_buffer_count_is_the_buckets(
     assert [last for _, last in callbacks] == [False] * 4 + [True]
     assert all(torch.equal(t, dict(weights)[n]) for batch, _ in callbacks for n, t in batch)
     assert [bucket.buffers for bucket in made] == [count]
+
+
+def test_a_sync_known_whole_gets_a_bucket_of_its_own_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A LoRA adapter's sync in verl's 512 MiB bucket: one buffer, the adapter's bytes
+    # (each tensor at a 256-byte offset: 4 x 4096), not two of 512 MiB; a sync larger than the
+    # buffers gets verl's bucket size.
+    monkeypatch.delenv("HYBRIDMEM_VERL_KEEP_BUCKET", raising=False)
+    made = _buckets_made(monkeypatch)
+    adapter = [(f"lora_{i}", torch.full((1000 + i,), float(i))) for i in range(4)]
+    callbacks = ours(adapter, 512)
+    assert [[n for n, _ in batch] for batch, _ in callbacks] == [[n for n, _ in adapter]]
+    assert all(torch.equal(t, dict(adapter)[n]) for batch, _ in callbacks for n, t in batch)
+    assert [(b.buffers, b.nbytes) for b in made] == [(1, 4 * 4096)]  # 4000-4012 bytes each
+    large = [(f"w{i}", torch.full((200_000,), float(i))) for i in range(5)]  # 5 batches of 1 MiB
+    ours(large, 1)
+    assert (made[-1].buffers, made[-1].nbytes) == (2, 1 << 20)
 
 
 def _buckets_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:

@@ -61,6 +61,7 @@ from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem._platform import unix_socket
 from hybridmem.integrations.verl.batches import Batch, OnBucket
+from hybridmem.ipc._plan import ALIGN, align_up
 from hybridmem.ipc._wire import BucketHandle, Peer, PeerAborted, recv_within, send_to
 from hybridmem.ipc.bucket import WeightBucket
 from hybridmem.ipc.bucket_options import MAX_BUFFERS
@@ -68,6 +69,7 @@ from hybridmem.ipc.receiver import BucketReceiver
 
 __all__ = [
     "DEFAULT_BUFFERS",
+    "DEFAULT_KEPT_BUFFERS",
     "DEFAULT_TIMEOUT_S",
     "ReceiverLink",
     "SenderLink",
@@ -86,10 +88,13 @@ _TIMEOUT_ENV = "HYBRIDMEM_VERL_TIMEOUT"
 _TRANSPORT_ENV = "HYBRIDMEM_VERL_TRANSPORT"
 _BUFFERS_ENV = "HYBRIDMEM_VERL_BUFFERS"
 _KEEP_ENV = "HYBRIDMEM_VERL_KEEP_BUCKET"
-#: How many bucket-sized buffers a sender's bucket rotates unless told otherwise: the
-#: count that measured fastest on an H100 (three: the trainer fills one while the
-#: engine reads another and the answer for a third is on its way).
-DEFAULT_BUFFERS = 3
+#: How many buffers a sync's bucket rotates unless told otherwise: the count that
+#: measured fastest on an H100 for a bucket made and freed each sync (a third buffer
+#: costs more to allocate and open than it saves at 1-8 GiB, and saves nothing at 15).
+DEFAULT_BUFFERS = 2
+#: The same for a bucket kept between syncs: a third lets the trainer fill one while
+#: the engine reads another and the answer for a third is on its way.
+DEFAULT_KEPT_BUFFERS = 3
 _CONNECT_SLICE_S = 0.01  # how often a receiver retries a sender not yet listening
 _PATH_MAX = 100  # sun_path holds 108 bytes
 
@@ -119,19 +124,32 @@ def transport() -> str:
     return raw
 
 
-def buffers() -> int:
-    """How many buffers a sender's bucket rotates: ``HYBRIDMEM_VERL_BUFFERS``, else 3.
+def buffers(keep: bool = False) -> int:
+    """How many buffers a sender's bucket rotates: ``HYBRIDMEM_VERL_BUFFERS``, else the default.
 
     Each is verl's bucket size, on the trainer's device during a sync (and between
-    syncs too with :func:`keep_bucket`); verl's own sender holds one.
+    syncs too with :func:`keep_bucket`); verl's own sender holds one. A bucket made for
+    one sync has no more buffers than the sync has batches.
+
+    Args:
+        keep: whether the bucket is kept between syncs (default
+            :data:`DEFAULT_KEPT_BUFFERS`, else :data:`DEFAULT_BUFFERS`).
+
+    Example:
+        >>> import os
+        >>> os.environ.pop("HYBRIDMEM_VERL_BUFFERS", None) and None
+        >>> buffers(), buffers(keep=True)
+        (2, 3)
     """
+    default = DEFAULT_KEPT_BUFFERS if keep else DEFAULT_BUFFERS
     raw = os.environ.get(_BUFFERS_ENV, "").strip()
     if not raw:
-        return DEFAULT_BUFFERS
+        return default
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_BUFFERS:
         raise ValueError(
             f"{_BUFFERS_ENV}={raw!r}: a whole number from 1 to {MAX_BUFFERS} is needed "
-            f"(default {DEFAULT_BUFFERS}; each buffer is one verl bucket on the trainer's device)"
+            f"(default {DEFAULT_BUFFERS}, {DEFAULT_KEPT_BUFFERS} with a kept bucket; each "
+            "buffer is one verl bucket on the trainer's device)"
         )
     return int(raw)
 
@@ -180,6 +198,57 @@ def address_of(zmq_handle: str) -> bytes:
     return b"\0hybridmem-verl-" + digest.encode()
 
 
+def _look_ahead(batches: Iterable[Batch], count: int) -> tuple[list[Batch], Iterator[Batch]]:
+    """The first ``count`` batches (fewer where the last comes first), and all of them again.
+
+    Where taking them fails (verl's weights failed), the batches taken come first and
+    the error is raised after them, when the sync reaches it: the sync tells the
+    worker, as it does for a failure later on.
+    """
+    iterator = iter(batches)
+    ahead: list[Batch] = []
+    failure: BaseException | None = None
+    try:
+        while len(ahead) < count and not (ahead and ahead[-1][1]):
+            batch = next(iterator, None)
+            if batch is None:
+                break
+            ahead.append(batch)
+    except BaseException as exc:
+        failure = exc
+
+    def again() -> Iterator[Batch]:
+        yield from ahead
+        if failure is not None:
+            raise failure
+        yield from iterator
+
+    return (ahead if failure is None else []), again()
+
+
+def _shape(ahead: list[Batch], bucket_size: int, count: int) -> tuple[int, int]:
+    """``(bytes per buffer, buffers)`` of a bucket for a sync whose first batches are ``ahead``.
+
+    A sync whose last batch is among them is known whole: its bucket has one buffer a
+    batch (at most ``count``), each as large as its largest batch packed (a LoRA
+    adapter's sync allocates its adapter's bytes, not verl's bucket). Otherwise, or
+    where a batch holds a tensor larger than the bucket: ``count`` buffers of
+    ``bucket_size``.
+
+    Example:
+        >>> import torch
+        >>> small = ([("a", torch.zeros(10)), ("b", torch.zeros(3))], True)
+        >>> _shape([small], 1 << 20, 2)
+        (512, 1)
+        >>> _shape([([("a", torch.zeros(10))], False)], 1 << 20, 2)
+        (1048576, 2)
+    """
+    if not ahead or not ahead[-1][1]:
+        return bucket_size, count
+    need = max(sum(align_up(int(t.nbytes)) for _, t in weights) for weights, _ in ahead)
+    return min(bucket_size, max(need, ALIGN)), min(count, len(ahead))
+
+
 class SenderLink:
     """The sender's end for one handle: a socket listened on once, a bucket per sync.
 
@@ -203,7 +272,8 @@ class SenderLink:
         self._peer = Peer(None, "vLLM worker")
         index = device.index if isinstance(device, torch.device) and device.type == "cuda" else None
         # Read once, here: a bad value fails the first sync before any wait.
-        self._bucket_args = (index, "host" if use_shm else transport(), buffers())
+        self._bucket_args = (index, "host" if use_shm else transport())
+        buffers()
         #: the bucket of the sync in progress (kept between syncs only when asked)
         self.bucket: WeightBucket | None = None
         self._opened: WeightBucket | None = None  # the bucket the connected worker opened
@@ -213,17 +283,18 @@ class SenderLink:
                 os.unlink(self.address)  # a stale socket of an earlier run
         self._listener: socket.socket | None = unix_socket.listen(self.address, stream=True)
         logger.info(
-            "verl drop-in: %s serves %s; each sync's bucket is %d x its bucket size, %s",
+            "verl drop-in: %s serves %s; %s",
             self.address,
             zmq_handle,
-            self._bucket_args[2],
-            "kept between syncs (HYBRIDMEM_VERL_KEEP_BUCKET) until close_links()"
+            f"the bucket ({buffers(True)} x verl's bucket size) is kept between syncs "
+            "(HYBRIDMEM_VERL_KEEP_BUCKET) until close_links()"
             if keep_bucket()
-            else "freed when the sync ends",
+            else f"each sync's bucket (up to {buffers()} x verl's bucket size) is freed "
+            "when the sync ends",
         )
 
-    def _new_bucket(self, size: int) -> WeightBucket:
-        index, transport, count = self._bucket_args
+    def _new_bucket(self, size: int, count: int) -> WeightBucket:
+        index, transport = self._bucket_args
         return WeightBucket(
             size,
             index,
@@ -263,14 +334,17 @@ class SenderLink:
         self._conn = unix_socket.message_channel(sock)
         return self._conn
 
-    def _offer(self, conn: Any, bucket_size: int) -> WeightBucket:
-        """This sync's bucket, made if there is none and opened by the worker if it has not."""
+    def _offer(self, conn: Any, shape: tuple[int, int], bucket_size: int) -> WeightBucket:
+        """This sync's bucket, made if there is none and opened by the worker if it has not.
+
+        ``shape``: ``(bytes per buffer, buffers)`` of a bucket made now.
+        """
         if self.bucket is not None and self._opened is None and self.bucket.transport == "host":
             # A kept host bucket, and a new worker (the last one exited): host buffers
             # are opened by name, and their names went once the last one had them.
             self._free_bucket()
         if self.bucket is None:
-            self.bucket = self._new_bucket(bucket_size)
+            self.bucket = self._new_bucket(*shape)
         bucket = self.bucket
         if self._opened is not bucket:
             send_to(conn, ("bucket", bucket.handle, bucket_size), self._peer, "the bucket")
@@ -319,7 +393,9 @@ class SenderLink:
         sent = [0]
         callback_failed = False  # the worker's callback raised: the connection is sound
         try:
-            bucket = self._offer(conn, bucket_size)
+            count = buffers(keep)
+            ahead, batches = _look_ahead(batches, 0 if keep else count)
+            bucket = self._offer(conn, _shape(ahead, bucket_size, count), bucket_size)
 
             def groups() -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
                 for weights, last in batches:
@@ -352,6 +428,24 @@ class SenderLink:
             if not callback_failed:  # died, closed or silent: the next sync accepts anew
                 self._drop_connection()
             raise
+
+    def stop(self, reason: str) -> None:
+        """Tell the worker that this sync failed before its first tensor (``reason``).
+
+        Waits for the worker's connection as a sync does (bounded by the timeout), so
+        that its receiver raises at once instead of waiting out the timeout.
+
+        Raises:
+            SyncError: no worker connected within the timeout, or it died.
+        """
+        with self.lock:
+            conn = self._connection()
+            self._syncs += 1
+            try:
+                send_to(conn, ("stopped", self._syncs, reason), self._peer, "the stop")
+            except SyncError:
+                self._drop_connection()
+                raise
 
     def submit(
         self, batches: Iterable[Batch], bucket_size: int, caller: Any = None, keep: bool = False
@@ -487,6 +581,11 @@ class ReceiverLink:
                         self._open(header)
                     elif isinstance(header, tuple) and len(header) == 4 and header[0] == "sync":
                         break
+                    elif isinstance(header, tuple) and len(header) == 3 and header[0] == "stopped":
+                        raise PeerAborted(f"sync {header[1]}: {header[2]}")
+            except PeerAborted as exc:  # the sender's weights failed before the first tensor
+                self._let_go(release=True)
+                raise SyncError(f"the verl sender stopped ({exc}); nothing was delivered") from exc
             except SyncError:
                 self._broken = True
                 self._let_go(release=True)

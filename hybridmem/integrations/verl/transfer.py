@@ -213,10 +213,14 @@ class BucketedWeightSender:
         """
         keep = keep_bucket() if self.keep_bucket is None else self.keep_bucket
         stream = _items(weights)
-        first = await anext(stream, None)
-        device = torch.device("cpu") if first is None else _checked(first)[1].device
+        try:
+            first = await anext(stream, None)
+            device = torch.device("cpu") if first is None else _checked(first)[1].device
+        except BaseException as exc:  # before the first tensor: the worker is told too
+            await self._stop(f"{type(exc).__name__}: {exc}")
+            raise
         link = made_sender_link(self.zmq_handle)
-        if link is None:  # the first sync makes it (a bucket: not on the event loop)
+        if link is None:  # the first sync makes it (a socket: not on the event loop)
             link = await asyncio.to_thread(
                 sender_link, self.zmq_handle, self.bucket_size, self.use_shm, device
             )
@@ -258,6 +262,16 @@ class BucketedWeightSender:
             raise
         sent = await sending
         logger.debug("verl drop-in: sent %d tensors over %s", sent, self.zmq_handle)
+
+    async def _stop(self, reason: str) -> None:
+        """Tell the worker this sync failed before its first tensor; its error is kept."""
+        link = made_sender_link(self.zmq_handle)
+        with contextlib.suppress(Exception):  # the weights' error is the one to raise
+            if link is None:
+                link = await asyncio.to_thread(
+                    sender_link, self.zmq_handle, self.bucket_size, self.use_shm, None
+                )
+            await asyncio.to_thread(link.stop, reason)
 
 
 class BucketedWeightReceiver:
