@@ -361,7 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "installed; with --need: hybridmem, planned and fraction)",
     )
     bench.add_argument(
-        "--cycles", type=int, help="cycles per strategy (default: 6 with --quick, else 100)"
+        "--cycles",
+        type=int,
+        help="cycles per strategy, at least 6: the first is a warm-up, each figure the "
+        "median of the rest (default: 6 with --quick and --scale, else 100)",
     )
     bench.add_argument(
         "--model",
@@ -466,13 +469,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "bench" and {"planned", "fraction"} & set(args.strategies or []):
         parser.error("strategies planned and fraction run with --scale SIZES --need SHARES")
     if args.command == "bench":
-        from hybridmem.bench.plan import MAX_PHASE_S
+        from hybridmem.bench.plan import MAX_PHASE_S, MIN_CYCLES
 
         for flag, seconds in (("--rollout-s", args.rollout_s), ("--train-s", args.train_s)):
             if not 0 <= seconds <= MAX_PHASE_S:
                 parser.error(f"{flag} must be seconds from 0 to {MAX_PHASE_S:g}, got {seconds:g}")
-    if args.command == "bench" and args.cycles is not None and args.cycles < 2:
-        parser.error(f"--cycles must be at least 2 (drift needs two cycles), got {args.cycles}")
+        if args.cycles is not None and args.cycles < MIN_CYCLES:
+            parser.error(
+                f"--cycles must be at least {MIN_CYCLES} (the first is a warm-up, the figures "
+                f"are medians of the rest), got {args.cycles}"
+            )
     problem = timeline_env_problem()
     if problem is not None:  # checked before any work, not when the process exits
         print(f"hybridmem: {problem}", file=sys.stderr)

@@ -224,6 +224,7 @@ class FakeTorch:
     half_apply: bool = True  # a rejected string leaves its first item applied, as torch does
     env_read: bool = False  # torch_state holds the env string (read on first use, as torch)
     private_pools: list[tuple[int, int]] = field(default_factory=list)  # (address, size)
+    allocator_snapshot: dict[str, Any] | None = None  # what the seam's snapshot() returns
 
     @property
     def rules(self) -> TorchRules:
@@ -250,6 +251,7 @@ class FakeTorch:
             "memory_stats": self.memory_stats,
             "mem_get_info": self.mem_get_info,
             "private_pool_ranges": lambda i: list(self.private_pools),
+            "snapshot": lambda: self.allocator_snapshot,
         }
         for name, value in patches.items():
             patch_seam(monkeypatch, name, value)

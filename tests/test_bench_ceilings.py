@@ -94,16 +94,19 @@ def test_results_saved_before_the_kernel_rate_have_no_such_figure() -> None:
     assert kernel_rate_note(row) is None
 
 
-def test_the_need_verdict_of_the_return_says_its_figure_at_the_kernels_rate() -> None:
+def test_the_need_verdict_of_the_return_is_judged_at_the_kernels_rate() -> None:
     point = {"state_gib": 8, "need": 0.5, "plan": {}, "results": {"planned": {"summary": _row()}}}
-    to_rollout, to_trainer, _ = need_verdicts([point])
+    judged = need_verdicts([point])
+    to_rollout = next(line for line in judged if " to rollout: " in line)
+    to_trainer = next(line for line in judged if " to trainer: " in line)
     assert "kernels' copy rate" not in to_rollout  # the offload is by copy engine
-    assert "1.30x its 4.00 GiB at the pinned rate" in to_trainer
-    assert "; 1.04x at the kernels' copy rate (0.80 of the pinned)" in to_trainer
-    assert "NOT met" in to_trainer  # judged by the target's figure, as before
+    assert "to trainer: 1.04x its bytes at the kernels' copy rate" in to_trainer
+    assert "(target <= 1.2x; 1.30x at the pinned rate, kernels at 0.80 of it" in to_trainer
+    assert to_trainer.endswith(": met")
     bare = {"state_gib": 8, "need": 0.5, "plan": {}}
     bare["results"] = {"planned": {"summary": _row(kernel_gbps=None)}}
-    assert "kernels" not in need_verdicts([bare])[1]
+    back = next(line for line in need_verdicts([bare]) if " to trainer: " in line)
+    assert back.endswith("not measured (no kernels' copy rate in these results)")
 
 
 def test_the_scale_verdict_of_the_return_says_its_figure_at_the_kernels_rate() -> None:

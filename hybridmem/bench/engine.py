@@ -21,7 +21,7 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._format import first_line
-from hybridmem.bench.anatomy import cache_anatomy
+from hybridmem.bench.anatomy import cache_anatomy, kept_page_bytes
 from hybridmem.bench.engine_memory import EngineMemory, make_engine_memory, preload_env
 from hybridmem.ipc._wire import Peer, recv_within
 from hybridmem.ipc.receiver import BucketReceiver
@@ -321,6 +321,9 @@ class EngineClient:
         #: cache), which the ``planned`` strategy's switch is told; None otherwise.
         self.rollout_need: int | None = None
         self.last_handback = 0.0
+        #: the hand-back with the trainer's pages that hold live state counted as not
+        #: reclaimable (None where it cannot be read: no snapshot, or a paused region)
+        self.last_handback_pages: float | None = None
         self.last_missing: dict[str, int] = {}
         #: what the last KV wake took of device free memory, and the engine's
         #: ``(allocated, reserved)`` before it (:meth:`read_handback` reads them)
@@ -375,7 +378,8 @@ class EngineClient:
         moment the trainer state has gone and the engine has yet to take its cache,
         whether or not the offload's copies still ran under the KV wake (where they
         did, that moment never exists; its landing frees are counted here). Sets
-        :attr:`last_handback` and :attr:`last_missing` (and :attr:`last_anatomy`);
+        :attr:`last_handback`, :attr:`last_handback_pages` and :attr:`last_missing`
+        (and :attr:`last_anatomy`);
         nothing when no KV wake was seen since the last reading.
         """
         if self._before_kv is None:
@@ -398,6 +402,12 @@ class EngineClient:
         from hybridmem.bench.figures import handback_ratio
 
         self.last_handback = handback_ratio(free, total, live, context)
+        # torch counts a paused torch_memory_saver region as allocated: its pages are
+        # not the trainer's to keep, so the page count is read only without one.
+        kept = kept_page_bytes() if self.trainer_hidden == (0, 0) else None
+        self.last_handback_pages = (
+            None if kept is None else handback_ratio(free, total, live + kept, context)
+        )
         # What kept the hand-back below 1: caches either process kept.
         self.last_missing = {
             "trainer_cached": reserved - allocated,

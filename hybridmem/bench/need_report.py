@@ -11,25 +11,39 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridmem.bench.figures import kernel_rate_note, median
+from hybridmem.bench.figures import median
 from hybridmem.bench.plan import sizes_anatomy_note
 
 __all__ = [
     "HANDBACK_TARGET",
     "NEED_TARGET",
+    "NEVER_LOSES",
+    "PARTIAL_HANDBACK_TARGET",
+    "RETURN_TARGET",
     "format_need_table",
     "is_need_run",
     "need_verdicts",
     "plot_need",
 ]
 
-#: A planned switch each way within this factor of its own bytes at the pinned copy
-#: rate, plus its releases of the trainer's cache, the engine's own calls aside.
+#: The switch to the rollout within this factor of what every strategy pays in the
+#: same cycle: its copied bytes at the pinned rate, the weight sync, the engine's wakes.
 NEED_TARGET = 1.1
-#: The share of possible free memory the KV wake finds free.
-HANDBACK_TARGET = 0.9995
+#: The switch back within this factor of its bytes at the kernels' copy rate measured
+#: in the same run (engine calls and releases aside): a reload after the engine's free
+#: copies no faster.
+RETURN_TARGET = 1.2
+#: The planned switch never loses: each way at most this factor of offload-all's seconds.
+NEVER_LOSES = 1.05
+#: A full plan's hand-back (the whole optimizer state moved), raw.
+HANDBACK_TARGET = 0.9997
+#: A partial plan's hand-back, counting the trainer's pages that hold kept state as
+#: not reclaimable (the raw figure is said beside it).
+PARTIAL_HANDBACK_TARGET = 0.9995
 
 GiB = 2**30
+_BACK_KERNEL = "to_trainer_over_kernel_ceiling_engine_and_release_aside"
+_BACK_PINNED = "to_trainer_over_ceiling_engine_and_release_aside"
 
 
 def is_need_run(sizes: list[dict[str, Any]]) -> bool:
@@ -71,9 +85,9 @@ def format_need_table(sizes: list[dict[str, Any]]) -> list[str]:
             f"({_cell(deficit, '.2f')} GiB with everything on the device)"
         )
         lines.append(
-            f"{'strategy':<10} {'copied GiB':>11} {'to rollout s':>13} {'x own':>7} "
-            f"{'x aside':>8} {'x -rel':>7} {'to trainer s':>13} {'x own':>7} {'x aside':>8} "
-            f"{'x -rel':>7} {'KV GiB':>13} {'hand-back':>10}"
+            f"{'strategy':<10} {'copied GiB':>11} {'to rollout s':>13} {'worst':>7} "
+            f"{'x paid':>7} {'x own':>7} {'to trainer s':>13} {'worst':>7} {'x kern':>7} "
+            f"{'x -rel':>7} {'KV GiB':>13} {'hand-back':>10} {'pages':>9}"
         )
         for name, row in _rows(size).items():
             errors = row.get("errors") or []
@@ -82,33 +96,40 @@ def format_need_table(sizes: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"{name:<10} {_cell(row.get('copied_gib'), '11.2f')} "
                 f"{_cell(row.get('to_rollout_s'), '13.3f')} "
+                f"{_cell(row.get('to_rollout_s_worst'), '7.3f')} "
+                f"{_cell(row.get('to_rollout_over_paid'), '7.2f')} "
                 f"{_cell(row.get('to_rollout_over_ceiling'), '7.2f')} "
-                f"{_cell(row.get('to_rollout_over_ceiling_engine_aside'), '8.2f')} "
-                f"{_cell(row.get('to_rollout_over_ceiling_engine_and_release_aside'), '7.2f')} "
                 f"{_cell(row.get('to_trainer_s'), '13.3f')} "
-                f"{_cell(row.get('to_trainer_over_ceiling'), '7.2f')} "
-                f"{_cell(row.get('to_trainer_over_ceiling_engine_aside'), '8.2f')} "
-                f"{_cell(row.get('to_trainer_over_ceiling_engine_and_release_aside'), '7.2f')} "
-                f"{kv:>13} {_cell(row.get('handback'), '10.4f')}"
+                f"{_cell(row.get('to_trainer_s_worst'), '7.3f')} "
+                f"{_cell(row.get(_BACK_KERNEL), '7.2f')} {_cell(row.get(_BACK_PINNED), '7.2f')} "
+                f"{kv:>13} {_cell(row.get('handback'), '10.6f')} "
+                f"{_cell(row.get('handback_pages'), '9.6f')}"
                 + (f"  errors: {errors[0]}" if errors else "")
             )
     if lines:
         lines.append(
-            "x own: seconds over the strategy's own copied bytes at the pinned copy rate; "
-            "x aside: the same with the engine's own wake/sleep calls left out; "
-            "x -rel: and the trainer's cache releases too (what the 1.1x target judges)"
+            "medians of the cycles after the first (a warm-up), the worst beside; x paid: the "
+            "switch to rollout over what every strategy pays in the same cycle (its bytes at "
+            "the pinned rate, the weight sync, the engine's wakes); x own: over its bytes at "
+            "the pinned rate alone; x kern: the switch back, engine calls and releases aside, "
+            "over its bytes at the kernels' copy rate; x -rel: the same at the pinned rate; "
+            "pages: the hand-back with the trainer's pages that hold kept state not reclaimable"
         )
     return lines
 
 
 def need_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
-    """The planned switch at each point against its targets.
+    """Offload-all and the planned switch at each point against their targets.
 
-    Where nothing is short it must copy nothing; else each way within
-    :data:`NEED_TARGET` of its own bytes at the pinned rate plus its releases of the
-    trainer's cache (engine calls aside; results saved before releases were timed are
-    judged without that allowance, and say so). At every point the KV cache it got is
-    the one asked for and the hand-back at least :data:`HANDBACK_TARGET`.
+    Each way: to the rollout within :data:`NEED_TARGET` of what every strategy pays in
+    the same cycle, back within :data:`RETURN_TARGET` of its bytes at the kernels'
+    copy rate (the pinned ratio beside); the planned switch at most
+    :data:`NEVER_LOSES` x offload-all's seconds each way, and where nothing is short
+    it copies nothing. The KV cache as asked; the hand-back of a full plan (the whole
+    optimizer state moved) at least :data:`HANDBACK_TARGET` raw, of a partial plan at
+    least :data:`PARTIAL_HANDBACK_TARGET` with the pages that hold kept state counted
+    as not reclaimable. Every figure is the median of the counted cycles, its worst
+    beside.
 
     Example:
         >>> need_verdicts([])
@@ -116,49 +137,95 @@ def need_verdicts(sizes: list[dict[str, Any]]) -> list[str]:
     """
     judged = sizes_anatomy_note(sizes)
     for size in sizes:
-        row = _rows(size).get("planned")
-        if row is None:
-            continue
+        rows = _rows(size)
         where = f"{size['state_gib']:g} GiB, need {float(size['need']):.0%}"
-        copied = row.get("copied_gib")
-        deficit = row.get("deficit_gib")
-        if isinstance(deficit, float | int) and deficit == 0:
-            ok = copied == 0
-            judged.append(
-                f"{where}: nothing short, {_cell(copied, '.2f')} GiB copied: "
-                + ("met" if ok else "NOT met")
-            )
-        else:
-            for key, what in (("to_rollout", "to rollout"), ("to_trainer", "to trainer")):
-                aside = row.get(f"{key}_over_ceiling_engine_aside")
-                judged_by = row.get(f"{key}_over_ceiling_engine_and_release_aside")
-                raw = row.get(f"{key}_over_ceiling")
-                if not isinstance(aside, float | int):
-                    judged.append(f"{where} {what}: not measured")
-                    continue
-                if isinstance(judged_by, float | int):
-                    left_out = "engine calls and the releases aside"
-                    beside = f"{aside:.2f}x with the releases, {_cell(raw, '.2f')}x raw"
-                    bare = row.get(f"{key}_over_ceiling_engine_release_and_sync_aside")
-                    if isinstance(bare, float | int):  # the way the weight sync runs in
-                        beside += (
-                            f"; {bare:.2f}x with the weight sync aside too "
-                            f"({_cell((row.get('sync_s') or 0) * 1e3, '.1f')} ms)"
-                        )
-                else:
-                    judged_by, left_out = aside, "engine calls aside, releases not timed"
-                    beside = f"{_cell(raw, '.2f')}x raw"
-                by_kernel = kernel_rate_note(row) if key == "to_trainer" else None
-                if by_kernel:  # the fastest a reload after the engine's sleep copies
-                    beside += f"; {by_kernel}"
-                met = judged_by <= NEED_TARGET
+        offload_all = rows.get("hybridmem")
+        for name, label in (("hybridmem", "offload-all"), ("planned", "planned")):
+            row = rows.get(name)
+            if row is None:
+                continue
+            at = f"{where}, {label}"
+            if row.get("errors"):
+                judged.append(f"{at}: NOT met: {row['errors'][0]}")
+                continue
+            copied, deficit = row.get("copied_gib"), row.get("deficit_gib")
+            if name == "planned" and isinstance(deficit, float | int) and deficit == 0:
                 judged.append(
-                    f"{where} {what}: {judged_by:.2f}x its {_cell(copied, '.2f')} GiB at the "
-                    f"pinned rate, {left_out} (target <= {NEED_TARGET}x; {beside}): "
-                    + ("met" if met else "NOT met" + _where_it_went(row, key))
+                    f"{at}: nothing short, {_cell(copied, '.2f')} GiB copied: "
+                    + ("met" if copied == 0 else "NOT met")
                 )
-        judged.append(f"{where}: {_kv_verdict(row, _rows(size).get('hybridmem'))}")
+            judged.append(f"{at} to rollout: {_to_rollout(row)}")
+            judged.append(f"{at} to trainer: {_to_trainer(row)}")
+            if name == "planned" and offload_all is not None:
+                judged.extend(f"{at} {line}" for line in _never_loses(row, offload_all))
+            judged.append(f"{at}: {_kv_verdict(row, offload_all)}")
     return judged
+
+
+def _worst(row: dict[str, Any], key: str, fmt: str) -> str:
+    """``", worst X"`` for ``key``'s worst counted cycle, where it differs from the median."""
+    value, median_value = row.get(f"{key}_worst"), row.get(key)
+    if not isinstance(value, float | int):
+        return ""
+    if isinstance(median_value, float | int) and format(median_value, fmt) == format(value, fmt):
+        return ""
+    return f", worst {format(value, fmt)}"
+
+
+def _to_rollout(row: dict[str, Any]) -> str:
+    """The switch to the rollout against what every strategy pays in the same cycle."""
+    ratio = row.get("to_rollout_over_paid")
+    if not isinstance(ratio, float | int):
+        return "not measured (results saved before the weight sync was timed)"
+    beside = (
+        f"{_cell(row.get('to_rollout_s'), '.3f')} s{_worst(row, 'to_rollout_s', '.3f')}; "
+        f"{_cell(row.get('copied_gib'), '.2f')} GiB copied, weight sync "
+        f"{_cell((row.get('sync_s') or 0) * 1e3, '.1f')} ms, engine wakes "
+        f"{_cell((row.get('engine_wake_s') or 0) * 1e3, '.1f')} ms"
+    )
+    met = ratio <= NEED_TARGET
+    return (
+        f"{ratio:.2f}x what every strategy pays{_worst(row, 'to_rollout_over_paid', '.2f')} "
+        f"(target <= {NEED_TARGET}x; {beside}): "
+        + ("met" if met else "NOT met" + _where_it_went(row, "to_rollout"))
+    )
+
+
+def _to_trainer(row: dict[str, Any]) -> str:
+    """The switch back against its bytes at the kernels' copy rate, the pinned ratio beside."""
+    if row.get("copied_gib") == 0:
+        return f"nothing to reload, {_cell(row.get('to_trainer_s'), '.3f')} s: met"
+    ratio = row.get(_BACK_KERNEL)
+    if not isinstance(ratio, float | int):
+        return "not measured (no kernels' copy rate in these results)"
+    beside = (
+        f"{_cell(row.get(_BACK_PINNED), '.2f')}x at the "
+        f"pinned rate, kernels at {_cell(row.get('kernel_of_pinned'), '.2f')} of it; "
+        f"{_cell(row.get('to_trainer_s'), '.3f')} s{_worst(row, 'to_trainer_s', '.3f')}"
+    )
+    met = ratio <= RETURN_TARGET
+    return (
+        f"{ratio:.2f}x its bytes at the kernels' copy rate, engine calls and releases aside"
+        f"{_worst(row, _BACK_KERNEL, '.2f')} (target <= "
+        f"{RETURN_TARGET}x; {beside}): "
+        + ("met" if met else "NOT met" + _where_it_went(row, "to_trainer"))
+    )
+
+
+def _never_loses(row: dict[str, Any], offload_all: dict[str, Any]) -> list[str]:
+    """The planned switch's seconds each way against offload-all's in the same run."""
+    lines = []
+    for key, what in (("to_rollout_s", "to rollout"), ("to_trainer_s", "to trainer")):
+        mine, theirs = row.get(key), offload_all.get(key)
+        if not isinstance(mine, float | int) or not isinstance(theirs, float | int) or not theirs:
+            lines.append(f"{what} against offload-all: not measured")
+            continue
+        ratio = mine / theirs
+        lines.append(
+            f"{what} against offload-all: {mine:.3f} s vs {theirs:.3f} s, {ratio:.2f}x "
+            f"(target <= {NEVER_LOSES}x): " + ("met" if ratio <= NEVER_LOSES else "NOT met")
+        )
+    return lines
 
 
 def _where_it_went(row: dict[str, Any], key: str, top: int = 5) -> str:
@@ -176,21 +243,32 @@ def _where_it_went(row: dict[str, Any], key: str, top: int = 5) -> str:
 
 
 def _kv_verdict(row: dict[str, Any], offload_all: dict[str, Any] | None) -> str:
-    """The KV cache and hand-back part of a planned point's verdict, saying what failed.
+    """The KV cache and hand-back part of a point's verdict, saying what failed.
 
-    A KV cache short by as much under offload-all (which frees the most) is the
-    device's limit, not the plan's: said so. A hand-back under the target by less than
-    four decimals show is printed with more.
+    A plan that moved the whole optimizer state is judged on the raw hand-back; one
+    that kept part of it on the hand-back counting the pages that hold kept state as
+    not reclaimable, the raw figure beside. A KV cache short by as much under
+    offload-all (which frees the most) is the device's limit, not the plan's: said so.
     """
     kv, target = row.get("kv_obtained_gib"), row.get("kv_target_gib")
-    handback = row.get("handback")
     kv_ok = isinstance(kv, float | int) and isinstance(target, float | int) and kv >= target
-    back_ok = isinstance(handback, float | int) and handback >= HANDBACK_TARGET
-    digits = ".4f" if back_ok or _cell(handback, ".4f") != f"{HANDBACK_TARGET:.4f}" else ".6f"
-    text = (
-        f"KV cache {_cell(kv, '.1f')} of {_cell(target, '.1f')} GiB, hand-back "
-        f"{_cell(handback, digits)} (target >= {HANDBACK_TARGET}): "
-    )
+    copied, moved = row.get("copied_gib"), row.get("moved_gib")
+    partial = isinstance(copied, float | int) and isinstance(moved, float | int) and copied < moved
+    raw = row.get("handback")
+    if partial:
+        handback, goal = row.get("handback_pages"), PARTIAL_HANDBACK_TARGET
+        said = (
+            f"hand-back {_cell(handback, '.6f')} with the pages that hold kept state "
+            f"not reclaimable{_worst(row, 'handback_pages', '.6f')} (target >= {goal}; "
+            f"{_cell(raw, '.6f')} raw)"
+        )
+    else:
+        handback, goal = raw, HANDBACK_TARGET
+        said = (
+            f"hand-back {_cell(raw, '.6f')} raw{_worst(row, 'handback', '.6f')} (target >= {goal})"
+        )
+    back_ok = isinstance(handback, float | int) and handback >= goal
+    text = f"KV cache {_cell(kv, '.1f')} of {_cell(target, '.1f')} GiB, {said}: "
     if kv_ok and back_ok:
         return text + "met"
     why = []

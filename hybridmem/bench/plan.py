@@ -16,6 +16,7 @@ __all__ = [
     "ANATOMY_NOTE",
     "ENGINES",
     "FIXED_FRACTION",
+    "MIN_CYCLES",
     "MODELS",
     "NEED_SPARE_BYTES",
     "NEED_STRATEGIES",
@@ -54,6 +55,10 @@ MODELS = ("auto", "torch", "transformers")
 #: Where the rollout engine keeps its memory (``hybridmem.bench.engine_memory``).
 ENGINES = ("auto", "tms", "tms-torch", "handmade")
 GiB = 2**30
+#: The fewest cycles a bench point runs: the first is a warm-up (one-time allocations,
+#: the driver's first mappings) and is not counted; each figure is the median of the
+#: other five or more, the worst printed beside it.
+MIN_CYCLES = 6
 # fp32 parameters, gradients and two AdamW moments: 16 bytes per parameter.
 _STATE_BYTES_PER_PARAM = 16
 
@@ -234,7 +239,8 @@ def plan(
         total_bytes: the device's memory.
         quick: the small plan (6 cycles) instead of the full one (100 cycles, the
             window over which drift is judged).
-        cycles: override the number of cycles (at least 2: drift needs two points).
+        cycles: override the number of cycles (at least :data:`MIN_CYCLES`: the first
+            is a warm-up, every figure is the median of the rest).
         model: the trainer's model: ``"auto"``, ``"torch"`` or ``"transformers"``.
         engine: the rollout engine's memory: ``"auto"``, ``"tms"`` (torch_memory_saver,
             preload mode), ``"tms-torch"`` (its torch mode) or ``"handmade"``.
@@ -246,9 +252,10 @@ def plan(
     check_number("total_bytes", total_bytes, above=0)
     if cycles is not None:
         check_number("cycles", cycles, integer=True, expected="an int or None")
-    if cycles is not None and cycles < 2:
+    if cycles is not None and cycles < MIN_CYCLES:
         raise ValueError(
-            f"cycles must be >= 2 (drift needs two cycles after the first), got {cycles}"
+            f"cycles must be >= {MIN_CYCLES} (the first is a warm-up, the figures are "
+            f"medians of the rest), got {cycles}"
         )
     share = 0.04 if quick else 0.08
     params = int(total_bytes * share / _STATE_BYTES_PER_PARAM)
@@ -294,7 +301,7 @@ def scale_plan(
             two AdamW moments: 16 bytes per parameter); with the engine's weights (a
             quarter of it) it must fit in 75% of the device (the KV cache wakes only
             once the state is handed over).
-        cycles: cycles per strategy (default 4; at least 2).
+        cycles: cycles per strategy (default and least :data:`MIN_CYCLES`).
         model, engine: as for :func:`plan`.
 
     Raises:
@@ -329,7 +336,7 @@ def scale_plan(
         seq_min=128,
         seq_max=512,
         train_steps=1,
-        cycles=cycles if cycles is not None else 4,
+        cycles=cycles if cycles is not None else MIN_CYCLES,
         kv_fraction=base.kv_fraction,
         bucket_bytes=base.bucket_bytes,
         model=model,

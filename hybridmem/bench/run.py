@@ -294,6 +294,8 @@ def _cycle(
         engine.read_handback()  # untimed: the switch is done
         figures.kv_obtained.append(engine.last_kv)
         figures.handback.append(engine.last_handback)
+        if engine.last_handback_pages is not None:
+            figures.handback_pages.append(engine.last_handback_pages)
         figures.missing.append(dict(engine.last_missing))
         if engine.last_anatomy:
             figures.anatomy.append(engine.last_anatomy)
