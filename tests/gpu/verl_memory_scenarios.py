@@ -46,6 +46,8 @@ def verl_transfer() -> types.ModuleType:
     device.get_torch_device = lambda: torch.cuda  # type: ignore[attr-defined]
     device.is_support_ipc = lambda: True  # type: ignore[attr-defined]
     sys.modules["verl.utils.device"] = device
+    # verl's sender imports its async-iterator helper when it sends: the oracle's own.
+    sys.modules["verl.workers.rollout.utils"] = verl_transfer_oracle._rollout_utils()
     module = types.ModuleType("verl_bucketed_weight_transfer")
     module.__file__ = verl_transfer_oracle.TRANSFER
     exec(compile(source, verl_transfer_oracle.TRANSFER, "exec"), module.__dict__)
