@@ -4,9 +4,10 @@ Issue #25: in ``hybridmem bench``'s timeline a 2.95 GB reload took 110-119 ms (2
 GB/s) where its offload took 55 ms (53 GB/s), and the pool copies host to device at
 53-54 GB/s (``benchmarks/pinning.py``). Allocating in chunks while copying did not
 help (docs/benchmarks.md), so allocation is not the cause. This script reloads the
-same state in three situations, each a few times, and prints each reload's GB/s
-against a plain host-to-device copy from a pinned buffer into memory already mapped,
-measured in the same process:
+same state in three situations, each six times (the first a warm-up), and prints each
+reload's GB/s, the median of the counted ones and the worst against a plain
+host-to-device copy from a pinned buffer into memory already mapped, measured in the
+same process:
 
 - ``cached``: offload without releasing the cache: the reload reuses memory torch
   still holds (mapped, this process's own);
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import sys
 import time
 import types
@@ -168,12 +170,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=3.0, help="the state reloaded")
     parser.add_argument("--peer-gib", type=float, default=60.0, help="what the peer takes")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=6,
+        help="runs per case, at least 6: the first a warm-up, the median of the rest "
+        "reported with the worst beside",
+    )
     parser.add_argument(
         "--waits", type=int, nargs="*", default=[100, 500], help="ms after the peer's free"
     )
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
+    if args.repeats < 6:
+        parser.error(
+            f"--repeats {args.repeats}: at least 6 (the first is a warm-up, the figure the "
+            "median of the rest)"
+        )
 
     import torch
 
@@ -230,7 +243,7 @@ def main() -> int:
             copies["kernel"] = lambda: torch.bitwise_or(on_device, 0, out=words)
         for name, copy in copies.items():
             if name != "mapped":  # the plain copy's own rate is the ceiling
-                rows[name] = [{"gbps": _gbps(nbytes, copy)} for _ in range(3)]
+                rows[name] = [{"gbps": _gbps(nbytes, copy)} for _ in range(args.repeats)]
             rows[f"{name}-after-peer"] = []
             for _ in range(args.repeats):
                 peer.take(peer_bytes)
@@ -279,11 +292,15 @@ def main() -> int:
         f"reload of {args.gib:g} GiB (expandable segments); pinned host-to-device into "
         f"mapped memory: {ceiling:.1f} GB/s"
     )
-    print(f"{'case':<20} {'GB/s each':<28} {'best / ceiling':>15}")
+    print(f"{'case':<20} {'GB/s each (first: warm-up)':<40} {'median/ceil':>11} {'worst':>6}")
     for case, found in rows.items():
         rates = [r["gbps"] for r in found]
+        counted = rates[1:] or rates  # the first run of a case is a warm-up
         each = " ".join(f"{r:5.1f}" for r in rates)
-        print(f"{case:<20} {each:<28} {max(rates) / ceiling:15.2f}")
+        print(
+            f"{case:<20} {each:<40} {statistics.median(counted) / ceiling:11.2f} "
+            f"{min(counted) / ceiling:6.2f}"
+        )
     for flags, cost in registration_cost.items():
         print(
             f"registering the pool with flags {flags}: {cost / (1 << 20):.1f} MiB of device memory"

@@ -378,7 +378,7 @@ def buffers_of(method: str) -> int:
         >>> buffers_of("drop-in"), buffers_of("drop-in-kept"), buffers_of("verl")
         (2, 3, 1)
     """
-    from hybridmem.integrations.verl.link import DEFAULT_BUFFERS, DEFAULT_KEPT_BUFFERS
+    from hybridmem.integrations.verl.settings import DEFAULT_BUFFERS, DEFAULT_KEPT_BUFFERS
 
     if method == "verl":
         return 1

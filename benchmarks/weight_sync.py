@@ -25,8 +25,9 @@ each method in the same run:
 
 Every byte is copied twice (into the channel and out of it, one on each side of the
 same GPU), so half the device copy rate (one ``copy_`` of the same bytes, measured
-in the same run) is the two-copy ceiling. Reported per method: seconds per sync
-(end to end: from the first timed sync until the engine's last copy finished), GB/s
+in the same run) is the two-copy ceiling. Each method runs two untimed syncs, then
+at least five timed ones, each from the trainer's call until the engine's copies
+finished. Reported per method: seconds per sync (the median, the worst beside), GB/s
 of model bytes, the fraction of the device copy rate and of the two-copy ceiling,
 the speed against per-tensor handles, and device memory lost per sync (the trainer's
 free memory before and after the timed syncs). Also, once: one GPU hand-off round
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 GiB = 1 << 30
-WARMUP = 2
+WARMUP = 2  # untimed syncs before each method's timed ones
+MIN_TIMED = 5  # the median of at least this many, the worst beside
 VOCAB, HIDDEN, FFN, KV, LAYERS = 128256, 4096, 14336, 1024, 32  # Llama 3 8B
 
 
@@ -227,8 +229,8 @@ def _consumer(conn: Connection) -> None:
                 for _ in range(syncs):
                     for _ in receiver.receive(conn, out=out):
                         pass
-                torch.cuda.synchronize()  # every copy finished
-                conn.send(("done",))
+                    torch.cuda.synchronize()  # this sync's copies finished
+                    conn.send(("synced",))
         elif kind == "per-tensor":  # vLLM's ipc backend: open each, copy, drop
             for name, (rebuild, args) in command[1]:
                 tensor = _torch.import_cuda_tensor(rebuild, args, device)
@@ -381,7 +383,11 @@ def _measure(
     syncs: int,
     conn: BoundedConn,
 ) -> dict[str, Any]:
-    """Time ``syncs`` syncs of one method after WARMUP; return its row (seconds, growth)."""
+    """Time ``syncs`` syncs of one method after WARMUP; return its row.
+
+    Each sync is timed alone, from the trainer's call to the engine's copies finished;
+    the row's ``seconds`` is their median and ``worst_seconds`` the slowest.
+    """
     import torch
 
     import hybridmem as hm
@@ -399,7 +405,11 @@ def _measure(
             staging = hm.WeightBucket.for_tensors(tensors, fallback="raise", **kwargs)
         bucket_mib, buffers = staging.nbytes // MiB, staging.buffers
         conn.send(("bucket", staging.handle, total, method == "hybridmem-host-handoff"))
-        sync = lambda: staging.send(tensors, conn)  # noqa: E731
+
+        def sync() -> None:  # timed to the engine's copies finished, as the others are
+            staging.send(tensors, conn)
+            assert conn.recv() == ("synced",)
+
     elif method == "per-tensor":
         sync = lambda: _per_tensor(tensors, conn)  # noqa: E731
     elif method == "one-copy":
@@ -415,12 +425,11 @@ def _measure(
         sync()
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
-    start = time.perf_counter()
+    times = []
     for _ in range(syncs):
+        start = time.perf_counter()
         sync()
-    if staging is not None:
-        assert conn.recv() == ("done",)  # the engine's last copy has finished
-    elapsed = time.perf_counter() - start
+        times.append(time.perf_counter() - start)
     torch.cuda.synchronize()
     free_after = torch.cuda.mem_get_info()[0]
     if staging is not None:
@@ -432,7 +441,9 @@ def _measure(
         "method": method,
         "bucket_mib": bucket_mib,
         "buffers": buffers,
-        "seconds": elapsed / syncs,
+        "seconds": statistics.median(times),
+        "worst_seconds": max(times),
+        "syncs": syncs,
         "growth_mib_per_sync": (free_before - free_after) / MiB / syncs,
     }
 
@@ -440,10 +451,21 @@ def _measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, nargs="+", default=[1, 8, 16])
-    parser.add_argument("--syncs", type=int, nargs="+", default=[20, 8, 5], help="per size")
+    parser.add_argument(
+        "--syncs",
+        type=int,
+        nargs="+",
+        default=[20, 8, 5],
+        help=f"timed syncs per size (at least {MIN_TIMED}; {WARMUP} untimed warm-ups first)",
+    )
     parser.add_argument("--only", nargs="+", help="run only these methods (and per-tensor)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if min(args.syncs) < MIN_TIMED:
+        parser.error(
+            f"--syncs {' '.join(map(str, args.syncs))}: each size needs at least {MIN_TIMED} "
+            "timed syncs (the figure is their median, the worst printed beside it)"
+        )
 
     import torch
     import torch.multiprocessing as tmp
@@ -505,13 +527,14 @@ def main() -> None:
             f"{rate:.0f} GB/s, two-copy ceiling {rate / 2:.0f} GB/s; {syncs} syncs each"
         )
         print(
-            f"{'method':<22} {'bucket':>8} {'bufs':>5} {'s/sync':>8} {'GB/s':>7} "
+            f"{'method':<22} {'bucket':>8} {'bufs':>5} {'s/sync':>8} {'worst':>8} {'GB/s':>7} "
             f"{'of copy':>8} {'of ceil':>8} {'vs p-t':>7} {'MiB/sync':>9}"
         )
         for r in rows:
             print(
                 f"{r['method']:<22} {r['bucket_mib']:>6}Mi {r['buffers']:>5} "
-                f"{r['seconds']:>8.4f} {r['gbps']:>7.1f} {r['of_copy_rate']:>8.1%} "
+                f"{r['seconds']:>8.4f} {r['worst_seconds']:>8.4f} {r['gbps']:>7.1f} "
+                f"{r['of_copy_rate']:>8.1%} "
                 f"{r['of_ceiling']:>8.1%} {r['vs_per_tensor']:>6.1f}x "
                 f"{r['growth_mib_per_sync']:>9.1f}"
             )

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from hybridmem import SyncError, _torch
 from hybridmem.integrations.verl import link
+from hybridmem.integrations.verl import settings as verl_settings
 from hybridmem.integrations.verl.batches import VerlBatches
 from hybridmem.integrations.verl.transfer import BucketedWeightReceiver, BucketedWeightSender
 from hybridmem.ipc.bucket import WeightBucket
@@ -308,13 +309,13 @@ def test_an_unknown_transport_names_the_allowed_ones(
 ) -> None:
     monkeypatch.setenv("HYBRIDMEM_VERL_TRANSPORT", value)
     with pytest.raises(ValueError, match=r"HYBRIDMEM_VERL_TRANSPORT=.*'auto', 'cuda', 'fd'"):
-        link.transport()
+        verl_settings.transport()
 
 
 @pytest.mark.parametrize("value", ["", " host ", "auto"])
 def test_a_named_transport_is_the_buckets(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("HYBRIDMEM_VERL_TRANSPORT", value)
-    assert link.transport() == (value.strip() or "auto")
+    assert verl_settings.transport() == (value.strip() or "auto")
 
 
 def test_a_hundred_syncs_leave_no_fd_shm_or_thread_behind(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -351,7 +352,7 @@ def test_a_bad_buffer_count_names_the_allowed_ones(
 ) -> None:
     monkeypatch.setenv("HYBRIDMEM_VERL_BUFFERS", value)
     with pytest.raises(ValueError, match=r"HYBRIDMEM_VERL_BUFFERS=.*a whole number from 1 to 8"):
-        link.buffers()
+        verl_settings.buffers()
     sender = BucketedWeightSender(f"ipc:///tmp/hybridmem-verl-buffers-{os.getpid()}.sock")
     with pytest.raises(ValueError, match="HYBRIDMEM_VERL_BUFFERS"):  # before any wait
         asyncio.run(sender.async_send_weights(iter([("w", torch.ones(4))])))
@@ -482,7 +483,7 @@ def test_a_bad_keep_bucket_value_names_the_allowed_ones(
 ) -> None:
     monkeypatch.setenv("HYBRIDMEM_VERL_KEEP_BUCKET", value)
     with pytest.raises(ValueError, match=r"HYBRIDMEM_VERL_KEEP_BUCKET=.*'1' keeps the bucket"):
-        link.keep_bucket()
+        verl_settings.keep_bucket()
     sender = BucketedWeightSender(f"ipc:///tmp/hybridmem-verl-keep-{os.getpid()}.sock")
     with pytest.raises(ValueError, match="HYBRIDMEM_VERL_KEEP_BUCKET"):  # before any wait
         asyncio.run(sender.async_send_weights(iter([("w", torch.ones(4))])))

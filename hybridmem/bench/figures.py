@@ -121,7 +121,7 @@ class Figures:
     #: could not be mapped, and in results saved before.
     kernel_gbps: float | None = None
     #: per cycle, the hand-back with the trainer's pages that hold live state counted
-    #: as not reclaimable (:func:`~hybridmem.bench.engine_memory.kept_page_bytes`): a
+    #: as not reclaimable (:func:`~hybridmem.bench.anatomy.kept_page_bytes`): a
     #: plan that keeps part of the state keeps the page where kept and moved tensors
     #: meet, which no release can free. Empty in results saved before.
     handback_pages: list[float] = field(default_factory=list)

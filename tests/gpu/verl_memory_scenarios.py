@@ -94,9 +94,9 @@ def _engine(control: Connection) -> None:
 
 
 def verl_holds(syncs: int = 10) -> dict[str, Any]:
-    """Rounds of ``syncs`` syncs: verl's pair, the drop-in, verl's again, the kept bucket."""
+    """Rounds of ``syncs`` syncs: verl's pair twice, the drop-in, verl's again, the kept bucket."""
     _init_cuda()
-    from hybridmem.integrations.verl import link
+    from hybridmem.integrations.verl import link, settings
     from hybridmem.integrations.verl.transfer import BucketedWeightSender
 
     verl = verl_transfer()
@@ -141,7 +141,9 @@ def verl_holds(syncs: int = 10) -> dict[str, Any]:
         os.environ.pop("HYBRIDMEM_VERL_KEEP_BUCKET", None)
         for kind in ("verl", "drop-in"):  # each path's one-time set-up (contexts, kernels)
             sync(kind)
-        for kind in ("verl", "drop-in", "verl", "drop-in-kept"):
+        # verl's pair twice before the drop-in (what its steady state leaves), once after
+        # (the same device state the drop-in saw), then the kept bucket.
+        for kind in ("verl", "verl", "drop-in", "verl", "drop-in-kept"):
             rows.append(reading(kind))
         control.send(("stop",))
     finally:
@@ -154,7 +156,7 @@ def verl_holds(syncs: int = 10) -> dict[str, Any]:
         "engine_exit": engine.exitcode,
         "model_bytes": sum(t.nbytes for t in tensors.values()),
         "bucket_bytes": BUCKET_MB * MiB,
-        "buffers": link.buffers(),
+        "kept_buffers": settings.buffers(keep=True),
     }
 
 

@@ -61,129 +61,30 @@ from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem._platform import unix_socket
 from hybridmem.integrations.verl.batches import Batch, OnBucket
-from hybridmem.ipc._plan import ALIGN, align_up
+from hybridmem.integrations.verl.settings import (
+    TIMEOUT_ENV,
+    buffers,
+    keep_bucket,
+    timeout_s,
+    transport,
+)
+from hybridmem.integrations.verl.sizing import bucket_shape, look_ahead
 from hybridmem.ipc._wire import BucketHandle, Peer, PeerAborted, recv_within, send_to
 from hybridmem.ipc.bucket import WeightBucket
-from hybridmem.ipc.bucket_options import MAX_BUFFERS
 from hybridmem.ipc.receiver import BucketReceiver
 
 __all__ = [
-    "DEFAULT_BUFFERS",
-    "DEFAULT_KEPT_BUFFERS",
-    "DEFAULT_TIMEOUT_S",
     "ReceiverLink",
     "SenderLink",
     "address_of",
-    "buffers",
     "close_links",
-    "keep_bucket",
     "made_sender_link",
     "receiver_link",
     "sender_link",
 ]
 
-#: How long either end waits for the other, per message and for the first connection.
-DEFAULT_TIMEOUT_S = 120.0
-_TIMEOUT_ENV = "HYBRIDMEM_VERL_TIMEOUT"
-_TRANSPORT_ENV = "HYBRIDMEM_VERL_TRANSPORT"
-_BUFFERS_ENV = "HYBRIDMEM_VERL_BUFFERS"
-_KEEP_ENV = "HYBRIDMEM_VERL_KEEP_BUCKET"
-#: How many buffers a sync's bucket rotates unless told otherwise: the count that
-#: measured fastest on an H100 for a bucket made and freed each sync (a third buffer
-#: costs more to allocate and open than it saves at 1-8 GiB, and saves nothing at 15).
-DEFAULT_BUFFERS = 2
-#: The same for a bucket kept between syncs: a third lets the trainer fill one while
-#: the engine reads another and the answer for a third is on its way.
-DEFAULT_KEPT_BUFFERS = 3
 _CONNECT_SLICE_S = 0.01  # how often a receiver retries a sender not yet listening
 _PATH_MAX = 100  # sun_path holds 108 bytes
-
-
-def timeout_s() -> float:
-    """The links' bound on every wait: ``HYBRIDMEM_VERL_TIMEOUT`` seconds, else 120."""
-    raw = os.environ.get(_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{_TIMEOUT_ENV}={raw!r}: a number of seconds > 0 is needed") from None
-    if not value > 0:
-        raise ValueError(f"{_TIMEOUT_ENV}={raw!r}: a number of seconds > 0 is needed")
-    return value
-
-
-def transport() -> str:
-    """The bucket's transport, from ``HYBRIDMEM_VERL_TRANSPORT``: auto, cuda, fd or host."""
-    raw = os.environ.get(_TRANSPORT_ENV, "").strip() or "auto"
-    if raw not in ("auto", "cuda", "fd", "host"):
-        raise ValueError(
-            f"{_TRANSPORT_ENV}={raw!r}: one of 'auto', 'cuda', 'fd' (no pidfd_getfd in the "
-            "vLLM worker needed, expandable segments kept) or 'host'"
-        )
-    return raw
-
-
-def buffers(keep: bool = False) -> int:
-    """How many buffers a sender's bucket rotates: ``HYBRIDMEM_VERL_BUFFERS``, else the default.
-
-    Each is verl's bucket size, on the trainer's device during a sync (and between
-    syncs too with :func:`keep_bucket`); verl's own sender holds one. A bucket made for
-    one sync has no more buffers than the sync has batches.
-
-    Args:
-        keep: whether the bucket is kept between syncs (default
-            :data:`DEFAULT_KEPT_BUFFERS`, else :data:`DEFAULT_BUFFERS`).
-
-    Example:
-        >>> import os
-        >>> os.environ.pop("HYBRIDMEM_VERL_BUFFERS", None) and None
-        >>> buffers(), buffers(keep=True)
-        (2, 3)
-    """
-    default = DEFAULT_KEPT_BUFFERS if keep else DEFAULT_BUFFERS
-    raw = os.environ.get(_BUFFERS_ENV, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_BUFFERS:
-        raise ValueError(
-            f"{_BUFFERS_ENV}={raw!r}: a whole number from 1 to {MAX_BUFFERS} is needed "
-            f"(default {DEFAULT_BUFFERS}, {DEFAULT_KEPT_BUFFERS} with a kept bucket; each "
-            "buffer is one verl bucket on the trainer's device)"
-        )
-    return int(raw)
-
-
-def keep_bucket() -> bool:
-    """Whether the bucket stays between syncs: ``HYBRIDMEM_VERL_KEEP_BUCKET`` (default no).
-
-    Unset, ``0`` or ``false``: each sync makes its bucket and frees it, and the worker
-    closes its mappings, so nothing of the drop-in stays on either device after
-    ``update_weights`` (as with verl's own pair). ``1`` or ``true``: the bucket is
-    made and opened once and kept for the process's life (:func:`close_links` frees
-    it): no allocation, export or open per sync, while ``buffers()`` x verl's bucket
-    size stays on every trainer GPU through the rollout, mapped by the worker, where
-    the rollout's KV cache was sized without it.
-
-    Raises:
-        ValueError: another value (the message names the allowed ones).
-
-    Example:
-        >>> import os
-        >>> os.environ.pop("HYBRIDMEM_VERL_KEEP_BUCKET", None) and None
-        >>> keep_bucket()
-        False
-    """
-    raw = os.environ.get(_KEEP_ENV, "").strip().lower()
-    if raw in ("", "0", "false", "no"):
-        return False
-    if raw in ("1", "true", "yes"):
-        return True
-    raise ValueError(
-        f"{_KEEP_ENV}={os.environ.get(_KEEP_ENV)!r}: '1' keeps the bucket between syncs "
-        "(faster, held on the device through the rollout), '0' or unset frees it after "
-        "each sync, as verl's own pair does"
-    )
 
 
 def address_of(zmq_handle: str) -> bytes:
@@ -196,57 +97,6 @@ def address_of(zmq_handle: str) -> bytes:
             return path.encode()
     digest = hashlib.sha256(zmq_handle.encode()).hexdigest()[:32]
     return b"\0hybridmem-verl-" + digest.encode()
-
-
-def _look_ahead(batches: Iterable[Batch], count: int) -> tuple[list[Batch], Iterator[Batch]]:
-    """The first ``count`` batches (fewer where the last comes first), and all of them again.
-
-    Where taking them fails (verl's weights failed), the batches taken come first and
-    the error is raised after them, when the sync reaches it: the sync tells the
-    worker, as it does for a failure later on.
-    """
-    iterator = iter(batches)
-    ahead: list[Batch] = []
-    failure: BaseException | None = None
-    try:
-        while len(ahead) < count and not (ahead and ahead[-1][1]):
-            batch = next(iterator, None)
-            if batch is None:
-                break
-            ahead.append(batch)
-    except BaseException as exc:
-        failure = exc
-
-    def again() -> Iterator[Batch]:
-        yield from ahead
-        if failure is not None:
-            raise failure
-        yield from iterator
-
-    return (ahead if failure is None else []), again()
-
-
-def _shape(ahead: list[Batch], bucket_size: int, count: int) -> tuple[int, int]:
-    """``(bytes per buffer, buffers)`` of a bucket for a sync whose first batches are ``ahead``.
-
-    A sync whose last batch is among them is known whole: its bucket has one buffer a
-    batch (at most ``count``), each as large as its largest batch packed (a LoRA
-    adapter's sync allocates its adapter's bytes, not verl's bucket). Otherwise, or
-    where a batch holds a tensor larger than the bucket: ``count`` buffers of
-    ``bucket_size``.
-
-    Example:
-        >>> import torch
-        >>> small = ([("a", torch.zeros(10)), ("b", torch.zeros(3))], True)
-        >>> _shape([small], 1 << 20, 2)
-        (512, 1)
-        >>> _shape([([("a", torch.zeros(10))], False)], 1 << 20, 2)
-        (1048576, 2)
-    """
-    if not ahead or not ahead[-1][1]:
-        return bucket_size, count
-    need = max(sum(align_up(int(t.nbytes)) for _, t in weights) for weights, _ in ahead)
-    return min(bucket_size, max(need, ALIGN)), min(count, len(ahead))
 
 
 class SenderLink:
@@ -321,7 +171,7 @@ class SenderLink:
         if not readable:
             raise SyncError(
                 f"no verl receiver connected to {self.zmq_handle!r} within {self.timeout:g} s "
-                f"({_TIMEOUT_ENV}): is the vLLM worker calling update_weights_from_ipc, and "
+                f"({TIMEOUT_ENV}): is the vLLM worker calling update_weights_from_ipc, and "
                 "does it run hybridmem's BucketedWeightReceiver (hybridmem.integrations.verl."
                 "install() there, or HYBRIDMEM_VERL=1)?"
             )
@@ -394,8 +244,8 @@ class SenderLink:
         callback_failed = False  # the worker's callback raised: the connection is sound
         try:
             count = buffers(keep)
-            ahead, batches = _look_ahead(batches, 0 if keep else count)
-            bucket = self._offer(conn, _shape(ahead, bucket_size, count), bucket_size)
+            ahead, batches = look_ahead(batches, 0 if keep else count)
+            bucket = self._offer(conn, bucket_shape(ahead, bucket_size, count), bucket_size)
 
             def groups() -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
                 for weights, last in batches:
@@ -523,7 +373,7 @@ class ReceiverLink:
                 if time.monotonic() > deadline:
                     raise SyncError(
                         f"no verl sender listens for {zmq_handle!r} after {self.timeout:g} s "
-                        f"({_TIMEOUT_ENV}): does the trainer run hybridmem's "
+                        f"({TIMEOUT_ENV}): does the trainer run hybridmem's "
                         "BucketedWeightSender (hybridmem.integrations.verl.install())?"
                     ) from None
                 time.sleep(_CONNECT_SLICE_S)

@@ -62,12 +62,8 @@ from hybridmem._checks import check_bool, check_number
 from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem.integrations.verl.batches import Batch, VerlBatches
-from hybridmem.integrations.verl.link import (
-    keep_bucket,
-    made_sender_link,
-    receiver_link,
-    sender_link,
-)
+from hybridmem.integrations.verl.link import made_sender_link, receiver_link, sender_link
+from hybridmem.integrations.verl.settings import keep_bucket
 
 __all__ = ["BucketedWeightReceiver", "BucketedWeightSender"]
 
