@@ -350,7 +350,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench", help="run a synthetic hybrid engine several ways and compare (needs a GPU)"
     )
     bench.add_argument("--quick", action="store_true", help="a small model, 6 cycles (< 2 min)")
-    bench.add_argument("--json", dest="json_path", help="write every figure to this file")
+    bench.add_argument(
+        "--json",
+        dest="json_path",
+        help="write every figure to this file (after each strategy too: a run cut short "
+        "keeps what finished, for --from-json)",
+    )
     bench.add_argument("--plot", dest="plot_path", help="write a PNG of the figures")
     bench.add_argument(
         "--strategies",

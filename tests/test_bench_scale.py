@@ -819,3 +819,53 @@ def test_the_engine_client_raises_the_engines_out_of_memory_by_its_type() -> Non
     with pytest.raises(RuntimeError, match=r"engine answered \('error', 'x'\)") as other:
         client.call("sync_tensors", {})
     assert not isinstance(other.value, bench_engine.EngineOutOfMemory)
+
+
+def test_a_run_cut_short_keeps_every_strategy_that_finished(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A --need run of many minutes killed by a time limit in its last strategy: the
+    # strategies before it are in --json, marked unfinished, and --from-json prints them.
+    def child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
+        if p.need == 1 and name == "planned":
+            raise KeyboardInterrupt  # the time limit's signal, mid-strategy
+        return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
+
+    an_h200_running(monkeypatch, child)
+    out = tmp_path / "need.json"
+    argv = ["bench", "--scale", "8", "--need", "0.5", "1", "--cycles", "6"]
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv, "--strategies", "hybridmem", "planned", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["unfinished"] is True
+    assert saved["verdicts"] == []
+    assert [(size["need"], sorted(size["results"])) for size in saved["scale"]] == [
+        (0.5, ["hybridmem", "planned"]),
+        (1, ["hybridmem"]),
+    ]
+    capsys.readouterr()
+    assert main(["bench", "--from-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "planned" in printed
+    assert "hybridmem" in printed
+
+
+def test_a_finished_run_replaces_what_it_saved_so_far(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[dict[str, Any]] = []
+    out = tmp_path / "quick.json"
+
+    def child(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
+        if out.exists():  # what a run cut short here would have kept
+            seen.append(json.loads(out.read_text()))
+        return {"summary": figures(name, state_bytes=p.state_bytes).summary()}
+
+    an_h200_running(monkeypatch, child)
+    assert main(["bench", "--quick", "--strategies", "naive", "hybridmem", "--json", str(out)]) == 0
+    assert [sorted(s["results"]) for s in seen] == [["naive"]]
+    assert seen[0]["unfinished"] is True
+    final = json.loads(out.read_text())
+    assert "unfinished" not in final
+    assert sorted(final["results"]) == ["hybridmem", "naive"]
+    assert final["verdicts"]

@@ -31,6 +31,7 @@ __all__ = [
     "merge_scale",
     "outputs_problem",
     "report",
+    "save_so_far",
     "write_scale",
 ]
 
@@ -239,6 +240,23 @@ def write_scale(
     if plot_path:
         (plot_need if need else plot_scale)(sizes, plot_path)
         print(f"wrote {plot_path}")
+
+
+def save_so_far(json_path: str | None, saved: dict[str, Any]) -> None:
+    """Write what a run has measured so far to ``--json``, marked unfinished.
+
+    A bench run of many minutes saves after every strategy, so a run cut short (a time
+    limit, a crash in a later strategy, Ctrl-C) keeps every strategy that finished:
+    ``hybridmem bench --from-json`` prints them, and the finished run's own write
+    replaces the file.
+
+    Args:
+        json_path: the ``--json`` path, or None (nothing written).
+        saved: what the finished run would write, without its verdicts.
+    """
+    if json_path:
+        unfinished = {**saved, "verdicts": [], "unfinished": True}
+        Path(json_path).write_text(json.dumps(unfinished, indent=2, default=str))
 
 
 def _report_scale(

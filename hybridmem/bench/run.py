@@ -26,6 +26,7 @@ from hybridmem.bench.outputs import (
     load_results,
     outputs_problem,
     report,
+    save_so_far,
 )
 from hybridmem.bench.peers import run_child
 from hybridmem.bench.plan import (
@@ -510,7 +511,10 @@ def bench(
     if p.anatomy:
         print(ANATOMY_NOTE)
     started = time.perf_counter()
-    results = {name: child_run(name, p, timeline) for name in strategies}
+    results: dict[str, Any] = {}
+    for name in strategies:
+        results[name] = child_run(name, p, timeline)
+        save_so_far(json_path, {"plan": p.as_dict(), "results": results})
     rows = {name: r["summary"] for name, r in results.items()}
     print("\n" + "\n".join(format_table(rows)))
     judged = verdicts(rows, {name: r.get("raw") for name, r in results.items()})

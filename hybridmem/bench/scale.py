@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from hybridmem.bench.outputs import write_scale
+from hybridmem.bench.outputs import save_so_far, write_scale
 from hybridmem.bench.plan import (
     ANATOMY_NOTE,
     NEED_STRATEGIES,
@@ -120,11 +120,14 @@ def bench_scale(
             + phase_lengths_said(p)
             + (f", the rollout {p.need:.0%} of the optimizer state short" if p.need else "")
         )
-        results = {name: child_run(name, p, None) for name in chosen}
+        results: dict[str, Any] = {}
         entry: dict[str, Any] = {"state_gib": gib, "plan": p.as_dict(), "results": results}
         if p.need is not None:
             entry["need"] = p.need
         measured.append(entry)
+        for name in chosen:
+            results[name] = child_run(name, p, None)
+            save_so_far(json_path, {"scale": measured})
     print(f"\nbench --scale took {time.perf_counter() - started:.0f} s")
     write_scale(measured, json_path=json_path, plot_path=plot_path)
     return 0
