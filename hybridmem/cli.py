@@ -351,10 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument("--quick", action="store_true", help="a small model, 6 cycles (< 2 min)")
     bench.add_argument(
-        "--json",
-        dest="json_path",
-        help="write every figure to this file (after each strategy too: a run cut short "
-        "keeps what finished, for --from-json)",
+        "--json", dest="json_path", help="write every figure here (and after each strategy)"
     )
     bench.add_argument("--plot", dest="plot_path", help="write a PNG of the figures")
     bench.add_argument(

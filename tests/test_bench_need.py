@@ -424,3 +424,31 @@ def test_a_saved_need_that_is_not_a_share_is_refused(
     path.write_text(json.dumps({"scale": [point]}))
     assert main(["bench", "--from-json", str(path)]) == 2
     assert "a saved --need share must be from 0 to 1, got 7" in capsys.readouterr().err
+
+
+def test_offload_all_is_a_full_plan_whatever_its_byte_counts_round_to() -> None:
+    # Saved H100 results: offload-all copied 4.0001373 GiB of a 4.0001376 GiB state (the
+    # two counts differ by a few hundred bytes): still a full plan, judged raw.
+    point = _point(8, 0.25, 1.0)
+    rows = {name: r["summary"] for name, r in point["results"].items()}
+    rows["hybridmem"]["copied_gib"] = rows["hybridmem"]["moved_gib"] - 3e-7
+    rows["hybridmem"]["handback_pages"] = None
+    line = _said(need_verdicts([point]), "8 GiB, need 25%, offload-all: KV")
+    assert line.endswith("hand-back 0.999900 raw (target >= 0.9997): met")
+    # A planned switch that kept less than a MiB of the state moved it all: judged raw.
+    rows["planned"]["copied_gib"] = rows["planned"]["moved_gib"] - 3e-7
+    assert "0.999900 raw (target >= 0.9997)" in _said(
+        need_verdicts([point]), "8 GiB, need 25%, planned: KV"
+    )
+
+
+def test_a_partial_plan_saved_without_a_page_count_is_said_not_failed() -> None:
+    point = _point(8, 0.25, 1.0)
+    point["results"]["planned"]["summary"]["handback_pages"] = None
+    line = _said(need_verdicts([point]), "8 GiB, need 25%, planned: KV")
+    assert "hand-back 0.999900 raw" in line
+    assert "not judged, these results have no page count" in line
+    assert line.endswith(": met for the KV cache")
+    point["results"]["planned"]["summary"]["kv_obtained_gib"] = 39.0
+    line = _said(need_verdicts([point]), "8 GiB, need 25%, planned: KV")
+    assert line.endswith("NOT met: the KV cache is short")

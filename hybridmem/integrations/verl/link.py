@@ -61,7 +61,8 @@ from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem._platform import unix_socket
 from hybridmem.integrations.verl.batches import Batch, OnBucket
-from hybridmem.integrations.verl.settings import (
+from hybridmem.integrations.verl.settings import (  # DEFAULT_TIMEOUT_S: 0.2.0 defined it here
+    DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
     buffers,
     keep_bucket,
@@ -74,6 +75,7 @@ from hybridmem.ipc.bucket import WeightBucket
 from hybridmem.ipc.receiver import BucketReceiver
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "ReceiverLink",
     "SenderLink",
     "address_of",
