@@ -13,7 +13,15 @@ import warnings
 
 from hybridmem._errors import HybridMemWarning
 
-__all__ = ["info_once", "logger", "reset_once", "user_stacklevel", "warn_once", "warn_user"]
+__all__ = [
+    "info_once",
+    "logger",
+    "reset_once",
+    "user_stacklevel",
+    "warn_at",
+    "warn_once",
+    "warn_user",
+]
 
 logger = logging.getLogger("hybridmem")
 
@@ -76,6 +84,23 @@ def warn_once(key: str, message: str) -> None:
     """
     if _first_time("warn:" + key):
         warnings.warn(message, HybridMemWarning, stacklevel=user_stacklevel())
+
+
+def warn_at(key: str, message: str, code: types.CodeType) -> None:
+    """Emit ``message`` once, pointing at where ``code`` is defined (the user's function).
+
+    For misuse seen at call time whose cause is in a definition (a decorator stacked
+    in the wrong order): the call's stack runs through the user's other wrappers, so
+    no stack level names the line to change; the definition does.
+    """
+    if _first_time("warn:" + key):
+        warnings.warn_explicit(
+            message,
+            HybridMemWarning,
+            filename=code.co_filename,
+            lineno=code.co_firstlineno,
+            module=code.co_filename,
+        )
 
 
 def info_once(key: str, message: str) -> None:

@@ -854,6 +854,48 @@ def test_an_out_of_order_exit_applies_the_right_settings_before_it_warns(
     assert fake.torch_state == {"expandable_segments": "False"}
 
 
+def test_a_managers_scopes_exiting_out_of_order_warn_once_naming_no_thread(
+    fake: FakeTorch,
+) -> None:
+    # Two managers of two scopes each, the first exited first, in one thread: one
+    # warning, in one line, with no thread named (one thread was involved).
+    first = [hm.expandable_segments(False), hm.ipc_safe()]
+    second = [hm.expandable_segments(False), hm.ipc_safe()]
+    for scope in (*first, *second):
+        scope.__enter__()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for scope in reversed(first):
+            scope.__exit__(None, None, None)
+    said = [str(w.message) for w in record if issubclass(w.category, hm.HybridMemWarning)]
+    assert len(said) == 1, said
+    assert "exited out of order" in said[0]
+    assert "thread" not in said[0]
+    assert "\n" not in said[0]
+    for scope in reversed(second):
+        scope.__exit__(None, None, None)
+
+
+def test_scopes_of_two_threads_exiting_out_of_order_name_the_threads(fake: FakeTorch) -> None:
+    import threading
+
+    outer = hm.expandable_segments(True)
+    inner = hm.allocator_settings(max_split_size_mb=64)
+    entered = threading.Thread(target=outer.__enter__)
+    entered.start()
+    entered.join()
+    inner.__enter__()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        left = threading.Thread(target=outer.__exit__, args=(None, None, None))
+        left.start()
+        left.join()
+    said = [str(w.message) for w in record if issubclass(w.category, hm.HybridMemWarning)]
+    assert len(said) == 1, said
+    assert said[0].count("(thread ") == 2
+    inner.__exit__(None, None, None)
+
+
 def test_the_real_torch_here_reads_the_variable_hybridmem_says(tmp_path: Path) -> None:
     """A fresh interpreter, both variables set: this torch's getter against hybridmem."""
     if _torch.last_allocator_settings() is None:

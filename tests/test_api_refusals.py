@@ -11,7 +11,10 @@ generic ``expected str, bytes or os.PathLike``).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
+import re
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -20,6 +23,8 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import hybridmem as hm
 
@@ -274,3 +279,142 @@ def test_a_bad_value_is_a_typed_refusal_from_hybridmem(name: str, label: str) ->
         message = str(error)
         named = (name.split(".")[1], repr(value), type(value).__name__, "Write")
         assert any(word in message for word in named), message
+
+
+# --------------------------------------------------------------------------- #
+# Misspelled names: a keyword, a backend, an allocator setting                 #
+# --------------------------------------------------------------------------- #
+
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _keywords(obj: Any) -> list[str]:
+    return [p.name for p in inspect.signature(obj).parameters.values() if p.kind in _KEYWORD]
+
+
+def _takes_any_keyword(obj: Any) -> bool:
+    kinds = [p.kind for p in inspect.signature(obj).parameters.values()]
+    return inspect.Parameter.VAR_KEYWORD in kinds
+
+
+#: Every public function and class (but the exceptions), by name, but those that take
+#: any keyword (settings, a phase's overrides): they name the nearest themselves (below).
+CALLABLES = sorted(
+    name
+    for name in hm.__all__
+    if callable(getattr(hm, name))
+    and not (isinstance(getattr(hm, name), type) and issubclass(getattr(hm, name), BaseException))
+    and not _takes_any_keyword(getattr(hm, name))
+)
+
+
+@st.composite
+def _typo(draw: st.DrawFn, word: str) -> str:
+    """``word`` with one slip of the hand: a letter dropped, doubled or swapped, or its case."""
+    at = draw(st.integers(0, len(word) - 1))
+    kind = draw(st.sampled_from(["drop", "double", "swap", "upper"]))
+    if kind == "drop" and len(word) > 1:
+        return word[:at] + word[at + 1 :]
+    if kind == "swap" and at < len(word) - 1:
+        return word[:at] + word[at + 1] + word[at] + word[at + 2 :]
+    if kind == "upper":
+        return word.upper()
+    return word[:at] + word[at] + word[at:]
+
+
+def _ratio(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+@pytest.mark.parametrize("name", CALLABLES)
+@given(data=st.data())
+def test_a_misspelled_keyword_names_the_nearest_one(name: str, data: st.DataObject) -> None:
+    obj = getattr(hm, name)
+    keywords = _keywords(obj)
+    if keywords:
+        meant = data.draw(st.sampled_from(keywords), label="meant")
+        typo = data.draw(_typo(meant).filter(lambda t: t not in keywords), label="typo")
+    else:
+        meant, typo = "", "bogus"
+    with pytest.raises(TypeError) as raised:
+        obj(**{typo: None})
+    message = str(raised.value)
+    assert f"unexpected keyword argument {typo!r}" in message, message
+    assert _raised_by_hybridmem(raised.value), message  # said by hybridmem, not bare
+    if not keywords:
+        assert message.endswith("it takes no keywords"), message
+        return
+    assert message.endswith(f"it takes: {', '.join(keywords)}"), message
+    suggested = re.search(r"\(did you mean '(\w+)'\?\)", message)
+    if len(meant) >= 4 or typo == meant.upper():  # one slip in four letters: always close
+        assert suggested is not None, message
+    if suggested is not None:  # the nearest: at least as close as the keyword meant
+        assert suggested.group(1) in keywords
+        assert _ratio(typo, suggested.group(1)) >= _ratio(typo, meant) or (
+            suggested.group(1).lower() == typo.lower()
+        ), message
+    if typo == meant.upper():
+        assert suggested is not None
+        assert suggested.group(1) == meant
+
+
+def test_a_keyword_error_inside_a_call_is_not_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A TypeError about a keyword raised inside the function is the function's own:
+    # it passes through as it was, not dressed as the caller's misspelling.
+    from hybridmem._names import suggests_keywords
+
+    def inner(**kwargs: object) -> None:
+        raise TypeError("g() got an unexpected keyword argument 'deep'")
+
+    @suggests_keywords
+    def outer(*, shallow: int = 0) -> None:
+        inner(deep=1)
+
+    with pytest.raises(TypeError, match=r"^g\(\) got an unexpected keyword argument 'deep'$"):
+        outer(shallow=1)
+    assert inspect.signature(outer) == inspect.signature(outer.__wrapped__)  # type: ignore[attr-defined]
+
+
+@given(backend=st.sampled_from(["vllm", "sglang", "default"]).flatmap(_typo))
+def test_a_misspelled_backend_names_the_nearest_one(backend: str) -> None:
+    if backend in hm.list_backends():
+        return
+    with pytest.raises(ValueError, match="unknown backend") as raised:
+        hm.get_backend(backend)
+    message = str(raised.value)
+    assert "known: default, sglang, vllm" in message
+    assert "case-sensitive" in message
+    if backend.lower() in hm.list_backends():  # another case of a known name: that name
+        assert f"(did you mean {backend.lower()!r}?)" in message
+    with pytest.raises(ValueError, match="unknown backend"):
+        hm.phase("rollout", backend=backend)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "meant"),
+    [
+        ("max_split_size", "max_split_size_mb"),
+        ("expandable_segment", "expandable_segments"),
+        ("garbage_collection_treshold", "garbage_collection_threshold"),
+        ("roundup_power2_division", "roundup_power2_divisions"),
+    ],
+)
+def test_a_misspelled_setting_names_the_nearest_one(wrong: str, meant: str) -> None:
+    for call in (API.allocator_settings, API.set_allocator_defaults):
+        with pytest.raises(ValueError, match="unknown allocator setting") as raised:
+            call(**{wrong: 1})
+        assert f"(did you mean {meant!r}?)" in str(raised.value)
+
+
+def test_the_callables_that_take_any_keyword_are_the_ones_tested_by_name() -> None:
+    takes_any = sorted(n for n in hm.__all__ if callable(getattr(hm, n)) and n not in CALLABLES)
+    exceptions = [
+        n
+        for n in takes_any
+        if isinstance(getattr(hm, n), type) and issubclass(getattr(hm, n), BaseException)
+    ]
+    assert sorted(set(takes_any) - set(exceptions)) == [
+        "allocator_settings",  # settings: the test above
+        "phase",  # overrides of its recipe's steps: tests/test_phase.py names the nearest
+        "set_allocator_defaults",
+    ]

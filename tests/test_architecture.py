@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hybridmem._files",
         "hybridmem._format",
         "hybridmem._checks",
+        "hybridmem._names",
         "hybridmem._closing",
         "hybridmem._phase_names",
         "hybridmem._version",

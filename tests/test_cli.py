@@ -521,7 +521,7 @@ def test_plot_errors_carry_one_prefix(
     timeline.write_text(json.dumps(event) + "\n")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert main(["plot", str(timeline), "-o", str(tmp_path / "x.png")]) == 1
-    line = _one_clear_line(capsys, "needs matplotlib", "pip install 'hybridmem[plot]'")
+    line = _one_clear_line(capsys, "needs matplotlib", "pip install matplotlib")
     assert line.count("hybridmem plot") == 1, line
 
 

@@ -9,6 +9,7 @@ moment sees is what the table in docs/phases.md says.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -429,10 +430,18 @@ def test_a_foreign_decorator_outside_warns_once_and_covers_the_call() -> None:
         def __exit__(self, *exc: object) -> None:
             log.append("exit")
 
-    warned = pytest.warns(HybridMemWarning, match=r"cover only this call.*decorators outermost")
-    with warned, Manager():
+    warned = pytest.warns(HybridMemWarning, match=r"covers only the call.*decorators outermost")
+    with warned as record, Manager():
         log.append("block")
     assert log == ["+r", "enter", "-r", "block", "exit"]
+    # It points at the method to change (its first decorator's line), not at a wrapper.
+    (found,) = [w for w in record if "covers only the call" in str(w.message)]
+    lines, start = inspect.getsourcelines(
+        test_a_foreign_decorator_outside_warns_once_and_covers_the_call
+    )
+    decorated = start + next(i for i, line in enumerate(lines) if "@foreign" in line)
+    assert (found.filename, found.lineno) == (__file__, decorated)
+    assert "\n" not in str(found.message)
     with Manager():  # once: the second use is silent
         pass
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
+import logging
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -151,13 +153,70 @@ def test_an_explicit_env_false_is_never_enabled(
     assert not hm.allocator_state().expandable_segments
 
 
-def test_the_env_installs_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_env_installs_only_when_asked(fake_verl: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(install.ENV, raising=False)
     assert not install.install_from_env()
-    assert not install.installed()
+    importlib.import_module("verl.utils.device")
+    assert not install.installed()  # not asked: verl's own
     monkeypatch.setenv(install.ENV, "1")
+    assert install.install_from_env()
+    assert install.installed()
+
+
+def _said(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level and r.name == "hybridmem"]
+
+
+def test_each_name_replaced_is_one_info_line(
+    fake_verl: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    importlib.import_module("verl.utils.device")
+    now = install.install()
+    assert now == ["verl.utils.device.set_expandable_segments"]
+    # patched as it loads (it imported the device's name already replaced: not again)
+    importlib.import_module("verl.workers.engine_workers")
+    infos = _said(caplog, logging.INFO)
+    assert infos == [
+        "verl drop-in: verl.utils.device.set_expandable_segments replaced by hybridmem's",
+        "verl drop-in: verl.workers.engine_workers.ActorRolloutRefWorker.update_weights "
+        "replaced by hybridmem's",
+    ]
+    assert not _said(caplog, logging.WARNING)
+    assert install.installed()
+
+
+def test_verl_not_installed_is_a_warning_and_nothing_installed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "verl" else real(name, *a)
+    )
     try:
-        assert install.install_from_env()
-        assert install.installed()
+        assert install.install() == []
+        (warning,) = _said(caplog, logging.WARNING)
+        assert warning.startswith("verl drop-in not in place: verl is not installed")
+        assert "No module named 'verl'" in warning
+        assert not install.installed()
     finally:
         install.uninstall()
+
+
+def test_verl_that_fails_to_import_is_a_warning_with_its_error(
+    fake_verl: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    (fake_verl / "verl" / "__init__.py").write_text("import ray_not_installed_here\n")
+    assert install.install() == []
+    assert _said(caplog, logging.INFO) == [
+        "verl drop-in: verl is not imported yet; its modules are patched as they load"
+    ]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer")
+    (warning,) = _said(caplog, logging.WARNING)
+    assert warning.startswith(
+        "verl drop-in not in place: import verl failed (ModuleNotFoundError: No module "
+        "named 'ray_not_installed_here')"
+    )
+    assert not install.installed()

@@ -28,11 +28,12 @@ call, as it says.
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
 
-from hybridmem._log import warn_once
+from hybridmem._log import warn_at, warn_once
 from hybridmem._scope.classes import decorate_class
 from hybridmem._scope.functions import Scope
 
@@ -108,13 +109,17 @@ class SpanningEnter:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._fallback is None:
-            warn_once(
-                f"spanning-enter-unbound:{self.__qualname__}",  # type: ignore[attr-defined]
-                f"{self._names()} on {self.__qualname__} cover only this call, "  # type: ignore[attr-defined]
-                "not the `with` block: the class never took the decorated method "
-                "(another decorator wraps it, or it was assigned after the class was "
-                "made). Put the hybridmem decorators outermost, or decorate the class.",
+            code = getattr(inspect.unwrap(self.method), "__code__", None)
+            where = f"spanning-enter-unbound:{self.__qualname__}"  # type: ignore[attr-defined]
+            said = (
+                f"{self._names()} on {self.__qualname__} covers only the call, not the "  # type: ignore[attr-defined]
+                "`with` block: another decorator wraps it (or it was assigned after the "
+                "class was made); put hybridmem's decorators outermost, or decorate the class"
             )
+            if code is None:
+                warn_once(where, said)
+            else:
+                warn_at(where, said, code)
             self._fallback = self._call_only()
         return self._fallback(*args, **kwargs)
 

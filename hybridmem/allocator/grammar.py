@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridmem._errors import AllocatorSettingsError
+from hybridmem._names import nearest
 from hybridmem.allocator.cparse import C_SPACE, DELIMITERS, FLOAT_PREFIX
 from hybridmem.allocator.parsers import IGNORED_RESERVE
 from hybridmem.allocator.rules import TorchRules
@@ -162,7 +163,9 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
     spec = KEYS.get(key)
     if spec is None:
         known = ", ".join(sorted(KEYS))
-        raise ValueError(f"unknown allocator setting {key!r}; known settings: {known}")
+        raise ValueError(
+            f"unknown allocator setting {key!r}{nearest(key, KEYS)}; known settings: {known}"
+        )
     if rules.version < spec.since:
         raise ValueError(
             f"{rules.label} has no allocator setting {key!r} (torch "

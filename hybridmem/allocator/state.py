@@ -37,6 +37,7 @@ from types import MappingProxyType
 from hybridmem import _torch
 from hybridmem._errors import AllocatorSettingsError
 from hybridmem._log import logger, warn_once, warn_user
+from hybridmem._names import suggests_keywords
 from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Effective, Setting
 from hybridmem.allocator.grammar import format_settings
 from hybridmem.allocator.layers import Layer, expandable, overlay
@@ -117,6 +118,7 @@ class SettingsEngine:
             self._torch_env_text = ""  # what torch 2.12+'s getter says before any change
             self._defaults: Effective | None = None  # set_allocator_defaults / external
             self._layers: list[Layer] = []
+            self._out_of_order: tuple[int, ...] = ()  # the layers the last warning named
             self._applied: str | None = None
             self._current: Effective | None = None  # what torch has; None = env state
             self._can_apply_cache: bool | None = None
@@ -515,13 +517,18 @@ class SettingsEngine:
             # torch on the settings of a scope that has exited.
             self.sync(release_cache=release_cache)
         if later:
-            names = ", ".join(f"{x.label} (thread {x.thread})" for x in later)
+            named = tuple(id(x) for x in later)
+            with self.lock:  # a manager's scopes exit together: one warning for them
+                if named == self._out_of_order:
+                    return
+                self._out_of_order = named
+            threads = len({x.thread for x in (layer, *later)}) > 1
+            said = [f"{x.label} (thread {x.thread})" if threads else x.label for x in later]
             warn_user(
-                f"{layer.label} (thread {layer.thread}) exited while {names}, "
-                "entered after it, is still active: scopes exited out of order, as when "
-                "two threads or tasks toggle the allocator at once. The settings are "
-                "still correct (derived from the scopes still active), but each scope "
-                "no longer sees only its own change."
+                f"{said[0] if len(said) == 1 else ', '.join(said)}, entered after "
+                f"{layer.label if not threads else f'{layer.label} (thread {layer.thread})'}, "
+                f"{'is' if len(said) == 1 else 'are'} still active as it exits: scopes "
+                "exited out of order (the settings stay those of the scopes still active)"
             )
 
     def set_defaults(self, changes: dict[str, str], *, release_cache: bool) -> None:
@@ -542,6 +549,7 @@ class SettingsEngine:
 ENGINE = SettingsEngine()
 
 
+@suggests_keywords
 def allocator_state() -> AllocatorState:
     """Return the effective allocator settings and the source of each.
 

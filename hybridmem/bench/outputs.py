@@ -119,7 +119,7 @@ def outputs_problem(json_path: str | None, plot_path: str | None, timeline: str 
 
 
 NO_MATPLOTLIB = (
-    "--plot needs matplotlib: pip install 'hybridmem[plot]' (or save --json here and "
+    "--plot needs matplotlib: pip install matplotlib (or save --json here and "
     "draw it elsewhere with `hybridmem bench --from-json FILE --plot out.png`)"
 )
 

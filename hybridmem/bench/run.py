@@ -79,8 +79,7 @@ def _model(p: BenchPlan, device: Any = "cuda") -> tuple[Any, str]:
             transformers: Any = importlib.import_module("transformers")
         except ImportError as exc:
             raise RuntimeError(
-                "the bench's --model transformers needs transformers: pip install transformers "
-                "(or pip install 'hybridmem[bench]')"
+                "the bench's --model transformers needs transformers: pip install transformers"
             ) from exc
         LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
         config = LlamaConfig(

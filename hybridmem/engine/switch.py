@@ -39,6 +39,7 @@ from hybridmem import _torch
 from hybridmem._checks import check_seconds
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
+from hybridmem._names import suggests_keywords
 from hybridmem.engine.ranks import (
     Barrier,
     DistRanks,
@@ -75,6 +76,7 @@ from hybridmem.scopes.registry import get_backend
 __all__ = ["HybridSwitch"]
 
 
+@suggests_keywords
 class HybridSwitch(RankProtocol, Recovery, Reloading, Offloading):
     """Run the staged trainer -> rollout -> trainer switch around generation.
 

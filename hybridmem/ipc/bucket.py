@@ -41,6 +41,7 @@ from hybridmem._closing import ClosesOnExit
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
+from hybridmem._names import suggests_keywords
 from hybridmem._platform.stdlib import unlink_shared_memory
 from hybridmem.ipc._plan import align_up
 from hybridmem.ipc._wire import (
@@ -77,6 +78,7 @@ __all__ = [
 ]  # BucketHandle: what .handle is
 
 
+@suggests_keywords
 class WeightBucket(ClosesOnExit):
     """A persistent staging buffer that ships named tensors to another process.
 

@@ -12,6 +12,7 @@ from hybridmem import _torch
 from hybridmem._checks import check_bool
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._log import logger
+from hybridmem._names import suggests_keywords
 from hybridmem._platform import linux as _linux
 from hybridmem.ipc import _launch as _probe_launch
 from hybridmem.scopes.ipc_safe import forget_probes, note_probe
@@ -238,6 +239,7 @@ def _run_probe(device: int, cuda: bool) -> dict[str, Any]:
     return run.facts()
 
 
+@suggests_keywords
 def ipc_capabilities(device: DeviceArg = None, *, refresh: bool = False) -> IpcCapabilities:
     """Return what CUDA IPC can do on this machine, probed once per process and device.
 

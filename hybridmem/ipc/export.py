@@ -37,6 +37,7 @@ from hybridmem._checks import check_number, check_seconds
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
+from hybridmem._names import suggests_keywords
 from hybridmem._platform import cuda_vmm, linux, unix_socket
 from hybridmem.ipc import fd_server
 
@@ -52,6 +53,7 @@ _open_lock = threading.Lock()
 _open_count = 0
 
 
+@suggests_keywords
 @dataclass(frozen=True)
 class TensorHandle:
     """A picklable handle to one CUDA tensor of another process; :meth:`open` it once.
@@ -183,6 +185,7 @@ def _empty_like_handle(handle: TensorHandle, index: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
+@suggests_keywords
 def ipc_export(
     tensor: torch.Tensor,
     *,

@@ -26,6 +26,7 @@ import torch
 
 from hybridmem import _torch
 from hybridmem._log import logger
+from hybridmem._names import suggests_keywords
 from hybridmem._platform.stdlib import forking_reducer
 from hybridmem._scope import ScopedContext
 from hybridmem.ipc.export import TensorHandle, ipc_export
@@ -116,6 +117,7 @@ def ipc_fd_sharing(func: _F, /) -> _F: ...
 def ipc_fd_sharing(func: None = None, /) -> IpcFdSharing: ...
 
 
+@suggests_keywords
 def ipc_fd_sharing(func: Any = None, /) -> Any:
     """Send expandable-segment CUDA tensors through multiprocessing queues and pipes by fd.
 

@@ -21,6 +21,7 @@ from hybridmem import _torch
 from hybridmem._closing import ClosesOnExit
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._errors import SyncError
+from hybridmem._names import suggests_keywords
 from hybridmem.ipc._wire import (
     CPU,
     DEFAULT_TIMEOUT_S,
@@ -58,6 +59,7 @@ def _in_order(seq: int, last: int | None) -> int:
     return seq
 
 
+@suggests_keywords
 class BucketReceiver(ClosesOnExit):
     """The consumer's side of a :class:`WeightBucket`: opens it once, receives every sync.
 

@@ -16,6 +16,7 @@ from hybridmem import _torch
 from hybridmem._env import disabled
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._log import info_once, logger
+from hybridmem._names import suggests_keywords
 from hybridmem._platform import linux as _linux
 from hybridmem.allocator.state import ENGINE, drop_cached_blocks
 from hybridmem.scopes.ipc_safe import IpcSafe
@@ -33,6 +34,7 @@ def _safe_copy(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@suggests_keywords
 def ipc_shareable(tensor: torch.Tensor) -> torch.Tensor:
     """Return ``tensor`` if CUDA IPC can share it without pidfd, else a copy that can.
 
@@ -105,6 +107,7 @@ def ipc_shareable(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@suggests_keywords
 def allow_ptrace_from_any() -> bool:
     """Let any process of this user fetch this process's file descriptors (opt-in).
 

@@ -50,6 +50,7 @@ from hybridmem._env import disabled
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
+from hybridmem._names import suggests_keywords
 from hybridmem.allocator.state import ENGINE
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.targets import Target, device_storages, select_groups
@@ -204,6 +205,7 @@ def _bring_back(offloader: Offloader, *, expandable: bool) -> bool:
     return False
 
 
+@suggests_keywords
 @_timeline.traced("compact", lambda r: {"nbytes": r.nbytes, "moved": r.moved})
 def compact(
     *targets: Target,

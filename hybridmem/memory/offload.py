@@ -39,6 +39,7 @@ from hybridmem._env import disabled
 from hybridmem._errors import OffloadError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
+from hybridmem._names import suggests_keywords
 from hybridmem.memory.host_pool import HostPool
 from hybridmem.memory.need_plan import choose, need_rank
 from hybridmem.memory.offload_free import (
@@ -96,6 +97,7 @@ def _places_end(slots: list[Slot]) -> int:
     return max((slot.offset + _place_bytes(slot.nbytes) for slot in slots), default=0)
 
 
+@suggests_keywords
 class Offloader:
     """Offload trainer state to a persistent pinned host pool and reload it in place.
 

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from hybridmem._checks import refuse_bare_decoration
+from hybridmem._names import suggests_keywords
 from hybridmem._scope import ScopedContext
 from hybridmem.memory.offload import Offloader
 from hybridmem.memory.targets import Target, select_groups
@@ -43,6 +44,7 @@ class Offloaded(ScopedContext):
             self.offloader.reload(self.groups)
 
 
+@suggests_keywords
 def offloaded(
     *targets: Target,
     groups: str | Iterable[str] | None = None,

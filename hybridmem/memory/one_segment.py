@@ -32,6 +32,7 @@ from hybridmem._checks import MAX_DEVICE_BYTES, check_number, refuse_bare_decora
 from hybridmem._devices import DeviceArg, device_index
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_user
+from hybridmem._names import suggests_keywords
 from hybridmem._scope import ScopedContext
 from hybridmem.observe.memory import MemoryInfo, read_memory
 from hybridmem.scopes.allocator import ExpandableSegments, expandable_segments
@@ -181,6 +182,7 @@ class OneSegment(ScopedContext):
             settings.__exit__(None, None, None)
 
 
+@suggests_keywords
 def one_segment(sizes: Sizes, *, device: DeviceArg = None) -> OneSegment:
     """Make the tensors of a block (or call) back to back in one segment.
 

@@ -16,6 +16,7 @@ from hybridmem._checks import check_number
 from hybridmem._devices import resolve_devices
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger, warn_once
+from hybridmem._names import suggests_keywords
 from hybridmem._phase_names import canonical_phase
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import memory_info
@@ -39,6 +40,7 @@ def slope(values: list[float]) -> float:
     return num / den
 
 
+@suggests_keywords
 class LeakWatch:
     """Flag memory at one phase boundary that grows across cycles.
 

@@ -8,6 +8,7 @@ from typing import Any
 from hybridmem import _torch
 from hybridmem._devices import DeviceArg, resolve_devices
 from hybridmem._format import fmt_bytes
+from hybridmem._names import suggests_keywords
 
 __all__ = ["MemoryInfo", "memory_info", "read_memory"]
 
@@ -92,6 +93,7 @@ class MemoryInfo:
         return "\n".join(lines)
 
 
+@suggests_keywords
 def memory_info(device: DeviceArg = None) -> MemoryInfo:
     """Return torch's allocator counters and the device's free/total memory.
 

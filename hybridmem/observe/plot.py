@@ -6,7 +6,7 @@ its own scale (a trainer's few GiB are not flattened under an engine's 75 GiB); 
 device's memory in use, which every process shares, on a second axis. A phase has
 one colour in every plot. ``--trace`` writes the merged Chrome trace.
 
-Needs matplotlib (``pip install 'hybridmem[plot]'``); imported only when plotting.
+Needs matplotlib (``pip install matplotlib``; the ``plot`` extra); imported only when plotting.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def plot_timeline(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise PlotError("drawing needs matplotlib: pip install 'hybridmem[plot]'") from exc
+        raise PlotError("drawing needs matplotlib: pip install matplotlib") from exc
     events = load_events(paths)
     rows = processes(events)
     t0 = events[0]["start"]

@@ -28,6 +28,7 @@ from hybridmem import _torch
 from hybridmem._checks import is_bare_decoration
 from hybridmem._files import TIMELINE_ENV, FileProblem, check_writable, timeline_env_problem
 from hybridmem._log import logger, warn_once
+from hybridmem._names import suggests_keywords
 from hybridmem._scope import ScopedContext
 from hybridmem.observe.memory import MemoryInfo, memory_info
 
@@ -271,6 +272,7 @@ _depth = 0
 _state_lock = threading.Lock()
 
 
+@suggests_keywords
 def get_timeline() -> Timeline:
     """The process-wide :class:`Timeline`."""
     return _TIMELINE
@@ -415,6 +417,7 @@ def record(
 def record(path: _Decorated, /) -> _Decorated: ...
 
 
+@suggests_keywords
 def record(path: Any = None, *, process: str | None = None) -> Any:
     """Record a timeline of phases and primitives for a block or call.
 

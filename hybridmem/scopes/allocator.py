@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from hybridmem._checks import check_bool, refuse_bare_decoration
 from hybridmem._env import disabled
 from hybridmem._log import info_once, logger
+from hybridmem._names import suggests_keywords
 from hybridmem._scope import ScopedContext
 from hybridmem.allocator.effective import AllocatorState
 from hybridmem.allocator.grammar import KEYS, normalize_value
@@ -112,6 +113,7 @@ def _normalize(settings: Mapping[str, object], *, who: str) -> dict[str, str]:
     return changes
 
 
+@suggests_keywords
 def expandable_segments(
     enabled: bool, *, release_cache: bool = True, force: bool = False
 ) -> ExpandableSegments:
@@ -153,6 +155,7 @@ def expandable_segments(
     return ExpandableSegments(enabled, release_cache=release_cache, force=force)
 
 
+@suggests_keywords
 def allocator_settings(*bare: object, **settings: object) -> AllocatorSettings:
     """Change any allocator settings for a block or call, keeping all the others.
 
@@ -200,6 +203,7 @@ def allocator_settings(*bare: object, **settings: object) -> AllocatorSettings:
     return AllocatorSettings(**settings)
 
 
+@suggests_keywords
 def set_allocator_defaults(*, force: bool = False, **settings: object) -> AllocatorState:
     """Set process-wide allocator defaults, at start-up or later, respecting the user's env.
 

@@ -6,6 +6,8 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from hybridmem._names import suggests_keywords
+
 __all__ = ["TAGS", "VLLM_TAGS", "EngineAdapter", "SGLangEngine", "VLLMEngine", "call_sync"]
 
 #: What an engine wakes in stages: its weights first, then its KV cache.
@@ -44,6 +46,7 @@ def _check_tags(tags: Sequence[str], allowed: Sequence[str] = TAGS) -> list[str]
     return list(tags)
 
 
+@suggests_keywords
 class EngineAdapter:
     """The two calls a hybrid switch needs from an engine: ``sleep()`` and ``wake_up(tags)``.
 
@@ -156,6 +159,7 @@ _VLLM_UTILIZATION = (
 )
 
 
+@suggests_keywords
 class VLLMEngine(_StagedWake):
     """vLLM: ``LLM.sleep(level)`` and ``LLM.wake_up(tags)``.
 
@@ -212,6 +216,7 @@ class VLLMEngine(_StagedWake):
         return super().wake_up(tags)
 
 
+@suggests_keywords
 class SGLangEngine(_StagedWake):
     """SGLang: ``release_memory_occupation()`` and ``resume_memory_occupation(tags)``.
 

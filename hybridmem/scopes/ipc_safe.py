@@ -24,6 +24,7 @@ from hybridmem import _torch
 from hybridmem._checks import check_bool
 from hybridmem._errors import IpcUnavailableError
 from hybridmem._log import warn_once
+from hybridmem._names import suggests_keywords
 from hybridmem.allocator.state import ENGINE
 from hybridmem.scopes.allocator import AllocatorScope
 
@@ -157,6 +158,7 @@ def ipc_safe(func: _F, /) -> _F: ...
 def ipc_safe(func: None = None, /, *, fallback: Fallback = "auto") -> IpcSafe: ...
 
 
+@suggests_keywords
 def ipc_safe(func: Any = None, /, *, fallback: Fallback = "auto") -> Any:
     """Make new allocations in a block or call shareable over CUDA IPC without pidfd.
 

@@ -11,6 +11,7 @@ from typing import Any, TypeAlias, cast
 from hybridmem import _torch
 from hybridmem._checks import check_number, check_seconds, refuse_bare_decoration
 from hybridmem._log import logger
+from hybridmem._names import nearest, suggests_keywords
 from hybridmem._scope import ScopedContext
 from hybridmem.observe import timeline as _timeline
 from hybridmem.scopes.allocator import ExpandableSegments
@@ -20,7 +21,6 @@ from hybridmem.scopes.profiles import (
     Step,
     canonical_phase,
     check_step_args,
-    nearest,
 )
 from hybridmem.scopes.registry import get_backend
 from hybridmem.scopes.release import Garbage, check_release_args, release_cache
@@ -398,6 +398,7 @@ class Phase(ScopedContext):
         self.end(cast(tuple[list[ScopedContext], Any], token), exc, skipping_waits(run_step))
 
 
+@suggests_keywords
 def phase(name: str, backend: str | BackendProfile | None = None, **overrides: object) -> Phase:
     """Run a phase's recipe (from the backend's profile) around a block, call or class.
 

@@ -9,12 +9,12 @@ nearest known one). :mod:`hybridmem.scopes.recipes` holds the built-in profiles,
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from hybridmem._names import nearest, suggests_keywords
 from hybridmem._phase_names import ALIASES, PHASES, canonical_phase
 from hybridmem.scopes.engines import EngineAdapter
 
@@ -30,7 +30,6 @@ __all__ = [
     "When",
     "canonical_phase",
     "check_step_args",
-    "nearest",
 ]
 
 #: What a step can do, and when each kind runs.
@@ -64,12 +63,6 @@ When = Literal["enter", "exit", "scope"]
 WHEN: tuple[When, ...] = ("enter", "exit", "scope")
 
 
-def nearest(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the known name closest to ``name``, or ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def check_step_args(where: str, action: str, args: object) -> Mapping[str, Any]:
     """Return ``args`` if it is a mapping of ``action``'s own argument names; else raise.
 
@@ -100,6 +93,7 @@ def _check_str(where: str, field_name: str, value: object, *, empty: bool = True
         raise TypeError(f"{where}: {field_name} must be {kind}, got {value!r}")
 
 
+@suggests_keywords
 @dataclass(frozen=True)
 class Step:
     """One primitive in a phase's recipe.
@@ -147,6 +141,7 @@ class Step:
         object.__setattr__(self, "args", MappingProxyType(dict(args)))
 
 
+@suggests_keywords
 @dataclass(frozen=True)
 class BackendProfile:
     """What each phase does for one inference engine, and why.

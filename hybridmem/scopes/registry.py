@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from importlib import metadata
 
 from hybridmem._log import logger, warn_once
+from hybridmem._names import nearest, suggests_keywords
 from hybridmem.scopes.profiles import BackendProfile
 from hybridmem.scopes.recipes import BUILTIN
 
@@ -34,6 +35,7 @@ _lock = threading.Lock()
 _entry_points_loaded = False
 
 
+@suggests_keywords
 def register_backend(profile: BackendProfile, *, replace: bool = False) -> BackendProfile:
     """Register ``profile`` under its name.
 
@@ -136,6 +138,7 @@ def _load_entry_points() -> None:
         )
 
 
+@suggests_keywords
 def list_backends() -> list[str]:
     """Return the names of the registered backends (built-in and entry points), sorted."""
     _load_entry_points()
@@ -143,6 +146,7 @@ def list_backends() -> list[str]:
         return sorted(_registry)
 
 
+@suggests_keywords
 def get_backend(name: str | None = None) -> BackendProfile:
     """Return the registered profile ``name``.
 
@@ -163,7 +167,8 @@ def get_backend(name: str | None = None) -> BackendProfile:
         known = sorted(_registry)
     if profile is None:
         raise ValueError(
-            f"unknown backend {name!r}; known: {', '.join(known)} (register others with "
+            f"unknown backend {name!r}{nearest(name, known)}; known: {', '.join(known)} "
+            "(backend names are case-sensitive; register others with "
             f"hm.register_backend or the {ENTRY_POINT_GROUP!r} entry-point group)"
         )
     return profile

@@ -22,6 +22,7 @@ from hybridmem._devices import DeviceArg, resolve_devices
 from hybridmem._env import disabled
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
+from hybridmem._names import suggests_keywords
 from hybridmem._scope import ScopedContext
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.memory import MemoryInfo, read_memory
@@ -205,6 +206,7 @@ def _allocated(devices: list[int]) -> int:
     return sum(int(_torch.memory_stats(d).get("allocated_bytes.all.current", 0)) for d in devices)
 
 
+@suggests_keywords
 @_timeline.traced("release_cache", lambda r: {"returned": r.bytes_returned})
 def release_cache(
     device: DeviceArg = None,
@@ -428,6 +430,7 @@ def aggressive_cache_release(
 ) -> CacheRelease: ...
 
 
+@suggests_keywords
 def aggressive_cache_release(
     func: Any = None,
     /,

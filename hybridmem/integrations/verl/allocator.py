@@ -47,7 +47,13 @@ def set_expandable_segments(enable: bool) -> None:
     Scope: process-global, as verl's is.
 
     Example:
-        >>> set_expandable_segments(False)   # doctest: +SKIP
+        >>> from hybridmem import allocator_state
+        >>> set_expandable_segments(True)   # training
+        >>> allocator_state().expandable_segments
+        True
+        >>> set_expandable_segments(False)  # the rollout's pool
+        >>> allocator_state().expandable_segments
+        False
     """
     check_bool("enable", enable)
     if enable and ENGINE.env_expandable_false() is not None:
@@ -73,7 +79,20 @@ def restored_on_failure(
         The wrapped coroutine function; on success it returns what ``update`` does.
 
     Example:
-        >>> Worker.update_weights = restored_on_failure(Worker.update_weights)  # doctest: +SKIP
+        >>> import asyncio
+        >>> from hybridmem import allocator_state
+        >>> class Worker:  # verl's ActorRolloutRefWorker, as far as this goes
+        ...     async def update_weights(self):
+        ...         set_expandable_segments(False)
+        ...         raise RuntimeError("the rollout did not wake")
+        >>> Worker.update_weights = restored_on_failure(Worker.update_weights)
+        >>> set_expandable_segments(True)  # training
+        >>> asyncio.run(Worker().update_weights())
+        Traceback (most recent call last):
+        RuntimeError: the rollout did not wake...
+        >>> allocator_state().expandable_segments  # as before the call
+        True
+        >>> set_expandable_segments(False)
     """
     if getattr(update, "__hybridmem_restored__", False):
         return update

@@ -18,11 +18,15 @@
 
 Modules verl has not imported yet are patched when it imports them (an import hook
 that runs after each of them loads), so the call may come before or after verl's
-imports. Both processes of a transfer need it: the trainer's (the sender) and the vLLM
-worker's (the receiver). vLLM runs hybridmem's plugin in every process it starts,
-which calls :func:`install` there when ``HYBRIDMEM_VERL=1``; for verl's Ray workers,
-Ray's ``runtime_env`` can run it in each (``worker_process_setup_hook``), or the
-worker's code calls it. Never by surprise: nothing is patched unless asked.
+imports. Each name replaced is logged at INFO on the ``hybridmem`` logger; where verl
+is not installed, or ``import verl`` fails (its dependencies missing), a WARNING says
+so with the import error: the drop-ins are not in place, and :func:`installed` stays
+false until something is replaced. Both processes of a transfer need it: the trainer's
+(the sender) and the vLLM worker's (the receiver). vLLM runs hybridmem's plugin in
+every process it starts, which calls :func:`install` there when ``HYBRIDMEM_VERL=1``;
+for verl's Ray workers, Ray's ``runtime_env`` can run it in each
+(``worker_process_setup_hook``), or the worker's code calls it. Never by surprise:
+nothing is patched unless asked.
 
 Scope: process-global; idempotent; thread-safe.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import threading
@@ -51,6 +56,7 @@ _DEVICE = "verl.utils.device"
 _WORKERS = "verl.workers.engine_workers"
 _SGLANG_ROLLOUT = "verl.workers.rollout.sglang_rollout.sglang_rollout"
 _TARGETS = (_TRANSFER, _ROLLOUT, _DEVICE, _WORKERS, _SGLANG_ROLLOUT)
+_WATCHED = ("verl", *_TARGETS)  # verl's own import is watched for failure, not patched
 
 _lock = threading.Lock()
 _originals: dict[tuple[str, str], Any] = {}  # (module, name) -> what verl had
@@ -92,7 +98,19 @@ def _patch(module: ModuleType) -> list[str]:
             _originals.setdefault((module.__name__, "ActorRolloutRefWorker.update_weights"), method)
             worker.update_weights = wrapped
             done.append(f"{_WORKERS}.ActorRolloutRefWorker.update_weights")
+    for name in done:
+        logger.info("verl drop-in: %s replaced by hybridmem's", name)
     return done
+
+
+def _not_in_place(exc: BaseException) -> None:
+    """Warn that ``import verl`` failed, so nothing of verl can be patched."""
+    logger.warning(
+        "verl drop-in not in place: import verl failed (%s: %s); install verl's "
+        "dependencies in this process (pip install verl), or leave HYBRIDMEM_VERL unset",
+        type(exc).__name__,
+        exc,
+    )
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -101,7 +119,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _TARGETS:
+        if fullname not in _WATCHED:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -115,9 +133,14 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
                     return None
 
                 def exec_module(module: ModuleType, execute: Any = execute) -> None:
-                    execute(module)
+                    try:
+                        execute(module)
+                    except BaseException as exc:
+                        if module.__name__ == "verl" and _hook is not None:
+                            _not_in_place(exc)
+                        raise
                     with _lock:
-                        if _hook is not None:
+                        if _hook is not None and module.__name__ in _TARGETS:
                             _patch(module)
 
                 spec.loader = _Loader(loader, exec_module)
@@ -145,14 +168,20 @@ class _Loader(importlib.abc.Loader):
 def install() -> list[str]:
     """Put hybridmem's drop-ins in verl's place in this process (see the module).
 
+    Each name replaced, now or when its module loads, is logged at INFO. Where verl is
+    not installed a WARNING says so now; where ``import verl`` fails later (its
+    dependencies missing), a WARNING with the error says the drop-ins are not in place.
+
     Returns:
         What was replaced now, as ``module.name`` (empty when verl's modules are not
         imported yet: they are patched when they are).
 
     Example:
-        >>> import hybridmem.integrations.verl as hv   # doctest: +SKIP
-        >>> hv.install()                               # doctest: +SKIP
-        ['verl.workers.rollout.vllm_rollout.bucketed_weight_transfer.BucketedWeightSender', ...]
+        >>> from hybridmem.integrations.verl.install import install, installed, uninstall
+        >>> replaced = install()  # verl's modules imported so far; the others as they load
+        >>> installed() == bool(replaced)  # true once something of verl is replaced
+        True
+        >>> uninstall()
     """
     global _hook
     with _lock:
@@ -164,14 +193,28 @@ def install() -> list[str]:
             module = sys.modules.get(name)
             if module is not None:
                 done += _patch(module)
-    if done:
-        logger.info("verl drop-in installed: %s", ", ".join(done))
+    if not done and not any(name in sys.modules for name in _WATCHED):
+        if importlib.util.find_spec("verl") is None:
+            logger.warning(
+                "verl drop-in not in place: verl is not installed in this process (No "
+                "module named 'verl'); its modules are patched if they are imported later"
+            )
+        else:
+            logger.info(
+                "verl drop-in: verl is not imported yet; its modules are patched as they load"
+            )
     return done
 
 
 def installed() -> bool:
-    """Whether :func:`install` is in effect in this process."""
-    return _hook is not None
+    """Whether any of verl's names is replaced by hybridmem's in this process now.
+
+    False after :func:`install` until one of verl's modules it patches has loaded (and
+    always where verl is not installed or fails to import); False after
+    :func:`uninstall`.
+    """
+    with _lock:
+        return bool(_originals)
 
 
 def uninstall() -> None:

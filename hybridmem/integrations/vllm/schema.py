@@ -40,9 +40,15 @@ def checkpoint_schema(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int,
         ValueError: a file whose header is not safetensors (the message names it).
 
     Example:
-        >>> schema = checkpoint_schema("/models/llama")   # doctest: +SKIP
-        >>> schema["lm_head.weight"]                      # doctest: +SKIP
+        >>> import json, pathlib, struct, tempfile
+        >>> model = pathlib.Path(tempfile.mkdtemp())  # a checkpoint of one tensor
+        >>> header = json.dumps({"lm_head.weight": {
+        ...     "dtype": "BF16", "shape": [1024, 128], "data_offsets": [0, 262144]}}).encode()
+        >>> _ = (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+        >>> checkpoint_schema(model)["lm_head.weight"]
         (1024, 128)
+        >>> checkpoint_schema("meta-llama/Llama-3.1-8B") is None  # a hub id: nothing to read
+        True
     """
     path = Path(model_dir)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
