@@ -169,8 +169,25 @@ class BucketedWeightSender:
         TypeError, ValueError: a bad argument (the message names it).
 
     Example:
-        >>> sender = BucketedWeightSender(handle, bucket_size_mb=512)  # doctest: +SKIP
-        >>> await sender.async_send_weights(model.named_parameters())  # doctest: +SKIP
+        A sync through host memory (``use_shm``, as on a machine without a GPU), the
+        vLLM worker's side in a thread:
+
+        >>> import asyncio, tempfile, threading, torch
+        >>> handle = f"ipc://{tempfile.mkdtemp()}/verl.sock"
+        >>> got = []
+        >>> def worker():
+        ...     receiver = BucketedWeightReceiver(handle, torch.device("cpu"), use_shm=True)
+        ...     receiver.receive_weights(lambda batch, last: got.extend(n for n, _ in batch))
+        >>> thread = threading.Thread(target=worker)
+        >>> thread.start()
+        >>> sender = BucketedWeightSender(handle, bucket_size_mb=1, use_shm=True)
+        >>> weights = {"embed": torch.ones(8), "head": torch.zeros(4)}
+        >>> asyncio.run(sender.async_send_weights(iter(weights.items())))
+        >>> thread.join()
+        >>> got
+        ['embed', 'head']
+        >>> from hybridmem.integrations.verl.link import close_links
+        >>> close_links()
     """
 
     def __init__(
