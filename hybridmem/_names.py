@@ -76,8 +76,7 @@ def suggests_keywords(func: _F) -> _F:
     Only the caller's keyword that ``func``'s signature refuses is said (a
     ``TypeError`` raised inside ``func`` passes through as it was, whatever it says);
     the message keeps Python's words and adds the nearest keyword ``func`` takes and
-    the list of them. A class gets its ``__init__`` wrapped, in
-    place.
+    the list of them. A class gets its ``__init__`` wrapped in place.
 
     Args:
         func: a function, method or class.

@@ -503,6 +503,7 @@ class SettingsEngine:
             layers = self._layers
             if layers and layers[-1] is layer:  # the usual, LIFO case
                 layers.pop()
+                self._out_of_order = ()
                 self._adopt_external()
                 if (layers[-1].effective if layers else self._base()) is not self._current:
                     self.sync(release_cache=release_cache)
