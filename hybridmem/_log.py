@@ -15,6 +15,7 @@ from hybridmem._errors import HybridMemWarning
 
 __all__ = [
     "info_once",
+    "log_warning_once",
     "logger",
     "reset_once",
     "user_stacklevel",
@@ -107,6 +108,12 @@ def info_once(key: str, message: str) -> None:
     """Log ``message`` at INFO on the ``hybridmem`` logger once per process."""
     if _first_time("info:" + key):
         logger.info(message)
+
+
+def log_warning_once(key: str, message: str) -> None:
+    """Log ``message`` at WARNING the first time ``key`` is seen (a fact, not misuse of ours)."""
+    if _first_time("log:" + key):
+        logger.warning(message)
 
 
 def reset_once() -> None:

@@ -51,6 +51,33 @@ def _reset_real_torch_settings() -> None:
         setter("")
 
 
+def _as_started_with_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real torch's getter reports the env a test sets, until the first write.
+
+    This process's torch read its env long ago (and was reset to ""); a test that sets
+    ``PYTORCH_CUDA_ALLOC_CONF`` stands for a process started with it, whose torch reports
+    that string until someone writes another. Without this, hybridmem would rightly see
+    "" as a write made outside it. A test's fake seam replaces both.
+    """
+    getter, setter = _torch.last_allocator_settings, _torch.set_allocator_settings
+    written: list[str] = []
+
+    def last() -> str | None:
+        value = getter()
+        if value != "" or written:
+            return value
+        rules = TorchRules(_torch.torch_version(), _torch.cuda_built())
+        name, _ = rules.env_variable(os.environ)
+        return os.environ[name] if name is not None else value
+
+    def write(text: str) -> bool:
+        written.append(text)
+        return setter(text)
+
+    patch_seam(monkeypatch, "last_allocator_settings", last)
+    patch_seam(monkeypatch, "set_allocator_settings", write)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip GPU tests where no CUDA device is visible (CI), with the reason shown."""
     has_gpu = _torch.cuda_available()
@@ -134,6 +161,7 @@ def clean_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delenv(name, raising=False)
     if not _CUDA_INITIALIZED():  # for real: a hidden test is always told "no"
         _reset_real_torch_settings()
+        _as_started_with_the_env(monkeypatch)
     _reset_state_for_tests()
     _log.reset_once()
     capabilities._reset_for_tests()
@@ -225,6 +253,7 @@ class FakeTorch:
     env_read: bool = False  # torch_state holds the env string (read on first use, as torch)
     private_pools: list[tuple[int, int]] = field(default_factory=list)  # (address, size)
     allocator_snapshot: dict[str, Any] | None = None  # what the seam's snapshot() returns
+    sees: bool = True  # whether the seam can see strings set outside hybridmem (2.12+)
 
     @property
     def rules(self) -> TorchRules:
@@ -234,6 +263,7 @@ class FakeTorch:
         patches: dict[str, Any] = {
             "set_allocator_settings": self.set_allocator_settings,
             "last_allocator_settings": self.last_allocator_settings,
+            "sees_settings_writes": lambda: self.sees,
             "settings_setter_name": lambda: "fake.setter" if self.has_setter else None,
             "torch_version": lambda: self.version,
             "runtime_allocator_backend": lambda: self.backend,
@@ -300,7 +330,9 @@ class FakeTorch:
             outcome = self.rules.run(os.environ[name])
             self.torch_state.update(dict(outcome.items))
 
-    def last_allocator_settings(self) -> str:
+    def last_allocator_settings(self) -> str | None:
+        if not self.sees:
+            return None
         if self.last is not None:
             return self.last
         name, _ = self.rules.env_variable(os.environ)

@@ -79,6 +79,26 @@ def test_getter_only_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None
     assert _torch.last_allocator_settings() == "expandable_segments:True"
 
 
+def test_without_the_getter_torch_2_10_to_2_11_say_the_string_in_their_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.10 - 2.11 keep the last string in the snapshot's settings; older say nothing."""
+    monkeypatch.setattr(torch_settings, "_GETTER_FN", None)
+    monkeypatch.setattr(torch_settings, "cuda_initialized", lambda: True)
+    snap = {"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}}
+    monkeypatch.setattr(torch_settings, "snapshot", lambda: snap)
+    for version, seen in (((2, 11), "expandable_segments:False"), ((2, 9), None)):
+        monkeypatch.setattr(torch_settings, "torch_version", lambda v=version: v)
+        assert _torch.last_allocator_settings() == seen
+        assert _torch.sees_settings_writes() is (seen is not None)
+    monkeypatch.setattr(torch_settings, "torch_version", lambda: (2, 11))
+    monkeypatch.setattr(torch_settings, "cuda_initialized", lambda: False)
+    assert _torch.last_allocator_settings() is None  # no CUDA: no snapshot, no string
+    assert _torch.sees_settings_writes() is False
+    monkeypatch.setattr(torch_settings, "_GETTER_FN", lambda: "x")
+    assert _torch.sees_settings_writes() is True
+
+
 def test_torch_refusals_of_every_kind_become_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch raises ValueError, RuntimeError (INTERNAL ASSERT) or IndexError (out_of_range)."""
     from hybridmem import AllocatorSettingsError

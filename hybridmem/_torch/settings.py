@@ -98,17 +98,21 @@ _REFUSALS = (ValueError, RuntimeError, IndexError)
 
 
 def last_allocator_settings() -> str | None:
-    """Return the last settings string torch parsed (torch 2.12+), else None.
+    """Return the last settings string torch parsed, where this torch says it; else None.
 
-    This is the env string at start-up or the last string given to the setter,
-    not the effective configuration; hybridmem uses it to notice settings changed
-    behind its back. Its first call makes torch parse its env variable.
+    This is the env string at start-up or the last string given to the setter, by
+    anyone, not the effective configuration; hybridmem uses it to see settings
+    written outside it. torch 2.12+: its getter (cheap). torch 2.10 - 2.11, once CUDA
+    is initialised: the ``PYTORCH_CUDA_ALLOC_CONF`` entry of the allocator snapshot's
+    settings, the same string (the snapshot walks every segment: see
+    :func:`sees_settings_writes`). The getter's first call makes torch parse its env
+    variable.
 
     Raises:
         AllocatorSettingsError: torch refused the env string on that first parse.
     """
     if _GETTER_FN is None:
-        return None
+        return _snapshot_settings_string()
     try:
         value = _GETTER_FN()
     except _REFUSALS as exc:  # its first call parses the env, which may be malformed
@@ -116,6 +120,24 @@ def last_allocator_settings() -> str | None:
             f"torch refuses the allocator settings in its env: {first_line(exc)}"
         ) from exc
     return value if isinstance(value, str) else None
+
+
+def _snapshot_settings_string() -> str | None:
+    """The last settings string, from the snapshot (torch 2.10 - 2.11 with CUDA up)."""
+    if torch_version() < (2, 10) or not cuda_initialized():
+        return None
+    settings = snapshot_allocator_settings()
+    value = settings.get("PYTORCH_CUDA_ALLOC_CONF") if settings is not None else None
+    return value if isinstance(value, str) else None
+
+
+def sees_settings_writes() -> bool:
+    """Whether :func:`last_allocator_settings` can see a string set by anyone, now.
+
+    True on torch 2.12+ (its getter), and on torch 2.10 - 2.11 once CUDA is
+    initialised (the snapshot); False otherwise (earlier torch, or no CUDA yet).
+    """
+    return _GETTER_FN is not None or (torch_version() >= (2, 10) and cuda_initialized())
 
 
 # Bound once: it is called on every scope entry and exit (hot path).

@@ -28,7 +28,7 @@ __all__ = [
 #: ``PYTORCH_CUDA_ALLOC_CONF`` for CUDA).
 ENV_VARS = (CUDA_ALLOC_CONF, ALLOC_CONF)
 
-Source = Literal["default", "env", "runtime"]
+Source = Literal["default", "env", "runtime", "outside"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,11 @@ class Setting:
         key: the setting name, as torch spells it.
         value: the value in torch's syntax (``"True"``, ``"256"``, ``"[256:4,>:1]"``),
             as torch reads it (whitespace dropped).
-        source: ``"default"``, ``"env"`` or ``"runtime"``.
+        source: ``"default"``, ``"env"``, ``"runtime"`` (hybridmem set it) or
+            ``"outside"`` (a write torch was given outside hybridmem: vLLM's pool,
+            verl's ``set_expandable_segments``, a direct call).
         origin: the env variable, ``"set_allocator_defaults"``, the scope that set
-            it (e.g. ``"expandable_segments(True)"``), ``"set outside hybridmem"``
+            it (e.g. ``"expandable_segments(True)"``), ``"written outside hybridmem"``
             or ``"torch default"``.
     """
 
@@ -96,12 +98,16 @@ class Effective(dict[str, Setting]):
 class AllocatorState:
     """The effective, merged CUDA allocator settings and where each came from.
 
-    This is the single truth hybridmem applies: env settings, overlaid by process
-    defaults (:func:`set_allocator_defaults`), overlaid by active scopes
-    (:func:`expandable_segments`, :func:`allocator_settings`), in entry order.
+    What torch runs with, layer by layer: env settings, overlaid by process defaults
+    (:func:`set_allocator_defaults`), overlaid by active scopes
+    (:func:`expandable_segments`, :func:`allocator_settings`) and by writes torch was
+    given outside hybridmem (vLLM's pool toggle, verl's ``set_expandable_segments``,
+    a direct call), in the order they happened. A write from outside stays in force
+    while hybridmem's scopes enter and exit around it; each setting's ``source``
+    says which layer set it.
 
     Attributes:
-        settings: every setting that is set, by key.
+        settings: every setting that is set, by key: what torch runs with.
         backend: ``"native"`` or ``"cudaMallocAsync"``.
         env: the raw env strings that are set, by variable name.
         applied: the last string hybridmem gave torch's setter (None: never).
@@ -114,6 +120,14 @@ class AllocatorState:
         reads: env values that torch reads as another value, by key: what torch
             reads (``max_split_size_mb:-3`` is ``"unlimited"``, ``25.5`` is ``"25"``);
             :meth:`shown` puts it first, with the raw value beside it.
+        pending: settings of hybridmem's layers that torch is not running with now,
+            by key: a write from outside reset them (torch's setter resets
+            ``max_split_size_mb`` and the like on every call); hybridmem gives them
+            back at its next change. Empty almost always.
+        sees_outside: whether this process can see a write made outside hybridmem
+            (torch 2.12+'s getter; on torch 2.10 - 2.11 the allocator snapshot, once
+            CUDA is initialised). Where it cannot, ``settings`` is what hybridmem
+            and the env set.
 
     Example:
         >>> import hybridmem as hm
@@ -132,6 +146,8 @@ class AllocatorState:
     ignored_env: tuple[str, ...] = field(default=())
     torch: str = ""
     reads: Mapping[str, str] = field(default_factory=dict)
+    pending: Mapping[str, Setting] = field(default_factory=dict)
+    sees_outside: bool = True
 
     def __getitem__(self, key: str) -> str:
         return self.get(key).value
@@ -156,7 +172,7 @@ class AllocatorState:
         return Setting(key, spec.shown_default, "default", "torch default")
 
     def source(self, key: str) -> Source:
-        """Return ``"default"``, ``"env"`` or ``"runtime"`` for ``key``."""
+        """Return ``"default"``, ``"env"``, ``"runtime"`` or ``"outside"`` for ``key``."""
         return self.get(key).source
 
     @property
@@ -192,6 +208,11 @@ class AllocatorState:
             "applied": self.applied,
             "setter": self.setter,
             "scopes": list(self.scopes),
+            "sees_outside": self.sees_outside,
+            "pending": {
+                k: {"value": s.value, "source": s.source, "origin": s.origin}
+                for k, s in self.pending.items()
+            },
             "settings": {
                 k: {
                     "value": s.value,
@@ -213,6 +234,13 @@ class AllocatorState:
         ]
         for key, item in self.as_dict()["settings"].items():
             rows.append(f"  {key:34} {item['shown']:>18}  [{item['source']}: {item['origin']}]")
+        for key, setting in self.pending.items():
+            rows.append(
+                f"  pending: {key}:{setting.value} [{setting.origin}] (reset by a write "
+                "outside hybridmem; given back at hybridmem's next change)"
+            )
         if self.scopes:
             rows.append("active scopes: " + " > ".join(self.scopes))
+        if not self.sees_outside:
+            rows.append("writes outside hybridmem: not seen by this torch until CUDA is up")
         return "\n".join(rows)

@@ -36,7 +36,7 @@ from types import MappingProxyType
 
 from hybridmem import _torch
 from hybridmem._errors import AllocatorSettingsError
-from hybridmem._log import logger, warn_once, warn_user
+from hybridmem._log import log_warning_once, logger, warn_once, warn_user
 from hybridmem._names import suggests_keywords
 from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Effective, Setting
 from hybridmem.allocator.grammar import format_settings
@@ -120,6 +120,7 @@ class SettingsEngine:
             self._layers: list[Layer] = []
             self._out_of_order: tuple[int, ...] = ()  # the layers the last warning named
             self._applied: str | None = None
+            self._seen: str | None = None  # the last string torch had, as far as hybridmem saw
             self._current: Effective | None = None  # what torch has; None = env state
             self._can_apply_cache: bool | None = None
             self._rules: TorchRules | None = None
@@ -226,7 +227,7 @@ class SettingsEngine:
     def _recompute(self, start: int = 0) -> None:
         base = self._layers[start - 1].effective if start > 0 else self._base()
         for layer in self._layers[start:]:
-            layer.effective = overlay(base, layer.changes, layer.label)
+            layer.effective = overlay(base, layer.changes, layer.label, layer.source)
             base = layer.effective
 
     def env_expandable_false(self) -> str | None:
@@ -268,10 +269,24 @@ class SettingsEngine:
 
     def config(self) -> AllocatorState:
         with self.lock:
-            self._adopt_external()
+            self._observe()
             top = self._top()
+            # What torch runs with: hybridmem's view, or the model of torch after a
+            # write from outside that reset some of the view's settings.
+            now = self._current if self._current is not None else top
+            pending: dict[str, Setting] = {}
+            if now is not top:
+                rules = self.rules()
+                held, running = top.state(rules), now.state(rules)
+                pending = {
+                    key: setting
+                    for key, setting in top.items()
+                    if held.get(key) != running.get(key)
+                }
+                if not pending:
+                    now = top
             return AllocatorState(
-                settings=MappingProxyType(dict(top)),
+                settings=MappingProxyType(dict(now)),
                 backend=self.backend(),
                 env=MappingProxyType(
                     {n: os.environ[n] for n in ENV_VARS if os.environ.get(n) is not None}
@@ -286,30 +301,45 @@ class SettingsEngine:
                     {
                         key: shown
                         for key, shown in self._env_reads.items()
-                        if key in top and top[key].source == "env"
+                        if key in now and now[key].source == "env"
                     }
                 ),
+                pending=MappingProxyType(pending),
+                sees_outside=_torch.sees_settings_writes(),
             )
 
     # ------------------------------------------------------------------ #
     # Changes
     # ------------------------------------------------------------------ #
-    def _adopt_external(self) -> None:
-        """Notice settings that code outside hybridmem gave torch (torch 2.12+ only)."""
-        if self._applied is None:
+    def _observe(self) -> None:
+        """See a settings string torch was given outside hybridmem, and keep it in force.
+
+        torch's getter (or snapshot) says the last string it parsed. When that is not
+        the one hybridmem last saw, someone else wrote it (vLLM's pool toggle, verl's
+        ``set_expandable_segments``, a direct call). What it changed, against
+        hybridmem's view under any earlier write from outside, becomes a layer of
+        its own on top of the scopes active now: scopes entered later stack above
+        it, and scopes that exit under it leave it in force. A write that puts
+        hybridmem's view back (vLLM restoring the string it read) removes it.
+        Settings the write reset as a side effect (torch's setter resets
+        ``max_split_size_mb`` and the like on every call) are not its intent: the
+        model of torch drops them, :func:`allocator_state` reports them pending,
+        and hybridmem's next change writes them back.
+        """
+        if self._seen is None:
             # The env first: torch reports the env string until a change, and a
             # malformed one is hybridmem's clear error, not the getter's raw one.
             self._base()
         last = _torch.last_allocator_settings()
         if last is None:
             return
-        expected = self._applied if self._applied is not None else self._torch_env_text
+        expected = self._seen if self._seen is not None else self._torch_env_text
         if last == expected:
             return
+        self._seen = last
         rules = self.rules()
         current = self._current if self._current is not None else self._env_effective
         outcome = rules.run(last, current.state(rules))
-        self._applied = last
         if not outcome.accepted:
             logger.warning(
                 "allocator settings %r were given to torch outside hybridmem and refused by "
@@ -318,21 +348,74 @@ class SettingsEngine:
                 outcome.error,
             )
             return
-        logger.warning(
-            "allocator settings were changed outside hybridmem to %r; hybridmem keeps "
-            "every other setting and adopts these as the new process defaults",
-            last,
+        written = {k: v for k, v in outcome.items if k != "backend"}
+        origin = "written outside hybridmem"
+        # torch now: the keys it resets went back to their defaults, the string's
+        # keys are set, every other key kept its value (an earlier outside write's too).
+        model = Effective(
+            {k: v for k, v in current.items() if k not in rules.reset_keys and k not in written}
         )
-        external = [(k, v) for k, v in outcome.items if k != "backend"]
-        self._defaults = overlay(self._base(), dict(external), "set outside hybridmem")
-        # Model what torch now has: the keys it resets went back to their defaults,
-        # the string's keys are set, every other key kept its value.
-        model = Effective({k: v for k, v in current.items() if k not in rules.reset_keys})
-        for key, value in external:
-            model.pop(key, None)
-            model[key] = Setting(key, value, "runtime", "set outside hybridmem")
+        for key, value in written.items():
+            model[key] = Setting(key, value, "outside", origin)
         self._current = model
-        self._recompute()
+        layers = self._layers
+        while layers and layers[-1].outside:
+            layers.pop()
+        below = self._top()
+        held, running = below.state(rules), outcome.state
+        changes = {
+            key: setting.value
+            for key, setting in model.items()
+            if setting.source == "outside" and held.get(key) != running.get(key)
+        }
+        for key in [k for k, v in model.items() if v.source == "outside" and k not in changes]:
+            # written, but as hybridmem's view already had it: that view's, by source
+            if key in below:
+                model[key] = below[key]
+            else:
+                del model[key]
+        if changes:
+            label = f"outside hybridmem ({format_settings(changes.items())})"
+            layers.append(
+                Layer(changes, label, overlay(below, changes, origin, "outside"), "outside")
+            )
+        top = layers[-1].effective if layers else below
+        lost = sorted(
+            key for key in top if key not in changes and held.get(key) != running.get(key)
+        )
+        logger.info(
+            "allocator settings were written outside hybridmem: %r; hybridmem %s",
+            last,
+            f"keeps {format_settings(changes.items())} in force while its scopes change around it"
+            if changes
+            else "sees no change from its own settings",
+        )
+        if lost:
+            log_warning_once(
+                f"outside-reset:{last}",
+                f"allocator settings {last!r} were written outside hybridmem, and torch's "
+                f"setter reset {', '.join(lost)} with it: torch runs without "
+                f"{'them' if len(lost) > 1 else 'it'} until hybridmem's next change gives "
+                f"{'them' if len(lost) > 1 else 'it'} back (hm.allocator_state().pending). "
+                "Write the whole string (hm.allocator_state().to_settings_string()) or use "
+                "hm.expandable_segments() to keep them",
+            )
+
+    def _merge_outside(self) -> None:
+        """Writes from outside left next to each other (a scope between them exited): one."""
+        layers = self._layers
+        index = 1
+        while index < len(layers):
+            if layers[index].outside and layers[index - 1].outside:
+                merged = {**layers[index - 1].changes, **layers[index].changes}
+                later = layers.pop(index)
+                earlier = layers[index - 1]
+                earlier.changes = merged
+                earlier.label = f"outside hybridmem ({format_settings(merged.items())})"
+                del later
+                self._recompute(index - 1)
+            else:
+                index += 1
 
     def _settings_string(self, target: Effective, current: Effective) -> str:
         """The string that takes torch from ``current``'s settings to ``target``'s.
@@ -416,7 +499,7 @@ class SettingsEngine:
             self._roll_back(current, text, exc)
             raise
         self._env_frozen = True
-        self._applied = text
+        self._applied = self._seen = text
         self._current = target
         logger.debug("allocator settings applied: %s", text)
 
@@ -447,7 +530,7 @@ class SettingsEngine:
                 "now has part of the refused string",
             )
             return
-        self._applied = restore
+        self._applied = self._seen = restore
         self._env_frozen = True
         extra = f"; {'; '.join(kept)}" if kept else ""
         exc.args = (f"{exc}. hybridmem put the settings before it back{extra}",)
@@ -477,7 +560,7 @@ class SettingsEngine:
 
     def push(self, changes: dict[str, str], label: str, *, release_cache: bool) -> Layer:
         with self.lock:
-            self._adopt_external()
+            self._observe()
             layers = self._layers
             top = layers[-1].effective if layers else self._base()
             layer = Layer(changes, label, overlay(top, changes, label))
@@ -500,20 +583,21 @@ class SettingsEngine:
 
     def pop(self, layer: Layer, *, release_cache: bool) -> None:
         with self.lock:
+            # First: a write from outside made while the scope was active is a layer
+            # above it, and stays in force as the scope exits.
+            self._observe()
             layers = self._layers
             if layers and layers[-1] is layer:  # the usual, LIFO case
                 layers.pop()
                 self._out_of_order = ()
-                self._adopt_external()
                 if (layers[-1].effective if layers else self._base()) is not self._current:
                     self.sync(release_cache=release_cache)
                 return
             index = next(i for i, item in enumerate(layers) if item is layer)
-            later = layers[index + 1 :]
+            later = [x for x in layers[index + 1 :] if not x.outside]
             del layers[index]
-            if later:
-                self._recompute(index)
-            self._adopt_external()
+            self._recompute(index)
+            self._merge_outside()
             # Apply first, warn after: under `-W error` the warning must not keep
             # torch on the settings of a scope that has exited.
             self.sync(release_cache=release_cache)
@@ -534,15 +618,22 @@ class SettingsEngine:
 
     def set_defaults(self, changes: dict[str, str], *, release_cache: bool) -> None:
         with self.lock:
-            self._adopt_external()
-            previous = self._defaults
-            self._defaults = overlay(self._base(), changes, "set_allocator_defaults")
+            self._observe()
+            previous, layers = self._defaults, list(self._layers)
+            base = self._base()
+            if self._layers and self._layers[0].outside:
+                # A write from outside under every scope: the newer process default
+                # goes on top of it (it joins the defaults, keeping its source).
+                first = self._layers.pop(0)
+                base = overlay(base, first.changes, "written outside hybridmem", "outside")
+            self._defaults = overlay(base, changes, "set_allocator_defaults")
             try:
                 self._defaults.state(self.rules())
                 self._recompute()
                 self.sync(release_cache=release_cache)
             except BaseException:
                 self._defaults = previous
+                self._layers[:] = layers
                 self._recompute()
                 raise
 

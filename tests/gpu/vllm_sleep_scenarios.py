@@ -1,0 +1,217 @@
+"""GPU scenarios with vLLM's own sleep-mode allocator (``CuMemAllocator``), one per interpreter.
+
+Usage: ``HYBRIDMEM_VLLM_FILES=<wheel or folder> python -m tests.gpu.vllm_sleep_scenarios
+NAME``; the last line printed is a JSON object of facts. vLLM's files are loaded by
+:func:`hybridmem.integrations.vllm.sleep_files.load_cumem`. What torch runs with is
+read from ``torch.cuda.memory._snapshot()["allocator_settings"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import hybridmem as hm
+from hybridmem import _torch
+from hybridmem.integrations.vllm.sleep_files import load_cumem
+
+MiB, GiB = 1 << 20, 1 << 30
+USER_ENV = "expandable_segments:True,max_split_size_mb:256,garbage_collection_threshold:0.6"
+FILES_ENV = "HYBRIDMEM_VLLM_FILES"
+
+
+def _allocator() -> Any:
+    return load_cumem(os.environ[FILES_ENV]).CuMemAllocator.get_instance()
+
+
+def _torch_runs() -> dict[str, Any]:
+    snap = _torch.snapshot_allocator_settings() or {}
+    return {
+        "expandable_segments": bool(snap.get("expandable_segments")),
+        "max_split_size_mb": int(snap.get("max_split_size", -1)) // MiB,
+        "garbage_collection_threshold": round(
+            float(snap.get("garbage_collection_threshold", 0)), 3
+        ),
+    }
+
+
+def _hm_says() -> dict[str, Any]:
+    state = hm.allocator_state()
+    return {
+        "expandable_segments": state.expandable_segments,
+        "source": state.source("expandable_segments"),
+        "max_split_size_mb": state["max_split_size_mb"],
+        "pending": sorted(state.pending),
+    }
+
+
+def _row(label: str, rows: list[dict[str, Any]]) -> None:
+    runs, says = _torch_runs(), _hm_says()
+    rows.append(
+        {
+            "at": label,
+            "torch": runs,
+            "hm": says,
+            "agree": runs["expandable_segments"] == says["expandable_segments"]
+            and str(runs["max_split_size_mb"]) == says["max_split_size_mb"],
+        }
+    )
+
+
+def composition() -> dict[str, Any]:
+    """hybridmem's scopes and vLLM's ``use_memory_pool``: both orders, errors, a thread."""
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == USER_ENV, "run with the user's env"
+    torch.zeros(1, device="cuda")
+    alloc = _allocator()
+    rows: list[dict[str, Any]] = []
+    _row("start", rows)
+    # hybridmem outside, vLLM's pool inside, a hybridmem scope inside the pool
+    with hm.expandable_segments(True):
+        with alloc.use_memory_pool(tag="weights"):
+            weights = torch.full((64 * MiB,), 7, dtype=torch.uint8, device="cuda")
+            _row("pool inside scope", rows)
+            with hm.expandable_segments(False):
+                _row("scope inside pool", rows)
+            _row("scope left inside pool", rows)
+        _row("pool left", rows)
+    _row("scope left", rows)
+    # the pool outside, hybridmem's scope inside it
+    with alloc.use_memory_pool(tag="kv_cache"):
+        kv = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda")
+        _row("pool", rows)
+        with hm.expandable_segments(True):
+            _row("scope inside pool (on)", rows)
+        _row("scope left inside pool (on)", rows)
+    _row("pool left (2)", rows)
+    # an exception inside each
+    try:
+        with alloc.use_memory_pool(tag="weights"), hm.allocator_settings(max_split_size_mb=64):
+            raise KeyError("inside the scope")
+    except KeyError:
+        pass
+    _row("error in scope in pool", rows)
+    try:
+        with hm.expandable_segments(False), alloc.use_memory_pool(tag="weights"):
+            raise KeyError("inside the pool")
+    except KeyError:
+        pass
+    _row("error in pool in scope", rows)
+    # the pool in another thread while a scope exits in this one
+    entered, leave = threading.Event(), threading.Event()
+
+    def engine() -> None:
+        with alloc.use_memory_pool(tag="weights"):
+            entered.set()
+            leave.wait(timeout=60)
+
+    with hm.allocator_settings(max_split_size_mb=128):
+        thread = threading.Thread(target=engine)
+        thread.start()
+        entered.wait(timeout=60)
+    _row("scope left under a pool of another thread", rows)
+    leave.set()
+    thread.join(timeout=60)
+    _row("thread's pool left", rows)
+    with hm.expandable_segments(True):
+        pass
+    _row("end", rows)
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up(["weights", "kv_cache"])
+    intact = bool((weights == 7).all())
+    del kv
+    return {
+        "torch": torch.__version__,
+        "rows": rows,
+        "weights_intact_after_sleep": intact,
+        "snapshot_ms": _snapshot_cost(),
+    }
+
+
+def _snapshot_cost() -> list[dict[str, float]]:
+    """What reading the last settings string from the snapshot costs (torch < 2.12)."""
+    out = []
+    for count in (100, 10_000):
+        keep = [torch.empty(4096 * (1 + i % 7), device="cuda") for i in range(count)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            _torch.last_allocator_settings()
+        out.append({"blocks": count, "ms": (time.perf_counter() - start) / 5 * 1e3})
+        del keep
+    return out
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def level1() -> dict[str, Any]:
+    """vLLM's level-1 sleep (weights backed up in host memory) beside pinned-once copies.
+
+    One size (``SIZE_GIB``) per process: a pool's freed blocks stay mapped and would
+    be backed up by the next size's sleeps.
+    """
+    torch.zeros(1, device="cuda")
+    alloc = _allocator()
+    rows = []
+    gib = int(os.environ.get("SIZE_GIB", "1"))
+    with alloc.use_memory_pool(tag="weights"):
+        # 256 MiB tensors, as a model's layers
+        parts = [
+            torch.full((256 * MiB,), i % 251, dtype=torch.uint8, device="cuda")
+            for i in range(gib * 4)
+        ]
+    sleeps, wakes = [], []
+    for _ in range(4):
+        sleeps.append(_timed(lambda: alloc.sleep(offload_tags=("weights",))))
+        wakes.append(_timed(lambda: alloc.wake_up(["weights"])))
+    intact = all(bool((p[:: 64 * MiB] == i % 251).all()) for i, p in enumerate(parts))
+    # the same bytes into host memory pinned once, and back
+    host = torch.empty(gib * GiB, dtype=torch.uint8, pin_memory=True)
+    flat = [host[i * 256 * MiB : (i + 1) * 256 * MiB] for i in range(len(parts))]
+
+    def down() -> None:
+        for dst, src in zip(flat, parts):
+            dst.copy_(src, non_blocking=True)
+
+    def up() -> None:
+        for dst, src in zip(parts, flat):
+            dst.copy_(src, non_blocking=True)
+
+    pinned_down = min(_timed(down) for _ in range(3))
+    pinned_up = min(_timed(up) for _ in range(3))
+    rows.append(
+        {
+            "gib": gib,
+            "sleep_first_s": sleeps[0],
+            "sleep_steady_s": sorted(sleeps[1:])[1],
+            "wake_s": sorted(wakes)[1],
+            "pinned_down_s": pinned_down,
+            "pinned_up_s": pinned_up,
+            "first_vs_pinned": pinned_down / sleeps[0],
+            "steady_vs_pinned": pinned_down / sorted(sleeps[1:])[1],
+            "wake_vs_pinned": pinned_up / sorted(wakes)[1],
+            "intact": intact,
+        }
+    )
+    return {"torch": torch.__version__, "rows": rows}
+
+
+SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
+    "composition": composition,
+    "level1": level1,
+}
+
+if __name__ == "__main__":
+    print(json.dumps(SCENARIOS[sys.argv[1]]()))
