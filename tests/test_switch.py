@@ -492,6 +492,60 @@ def test_vllm_adapter() -> None:
         adapter.wake_up("weights")
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_vllm_adapter_keeps_the_lifecycle_in_order_once_it_slept_the_engine(
+    level: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sleep twice or wake a tag twice: no call reaches vLLM; failed calls are retried."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    log: list[str] = []
+    fail: list[str] = []
+
+    class Engine:
+        def sleep(self, level: int = 1) -> None:
+            if "sleep" in fail:
+                fail.remove("sleep")
+                raise Boom("sleep")
+            log.append(f"sleep:{level}")
+
+        def wake_up(self, tags: list[str] | None = None) -> None:
+            if "wake" in fail:
+                fail.remove("wake")
+                raise Boom("wake")
+            log.append(f"wake:{','.join(tags or [])}")
+
+    adapter = hm.VLLMEngine(Engine(), level=level)
+    adapter.wake_up(["weights"])  # never slept through the adapter: passed through
+    adapter.wake_up(["weights"])
+    adapter.sleep()
+    assert adapter.sleep() is None  # asleep already: nothing reaches vLLM
+    adapter.wake_up(["weights"])
+    assert adapter.wake_up(["weights"]) is None  # woken already since that sleep
+    adapter.wake_up(["weights", "kv_cache"])  # only what still sleeps
+    fail.append("sleep")
+    with pytest.raises(Boom):
+        adapter.sleep()
+    adapter.sleep()  # the failed sleep changed nothing: this one goes through
+    fail.append("wake")
+    with pytest.raises(Boom):
+        adapter.wake_up(["weights"])
+    adapter.wake_up(["weights"])  # the failed wake is retried
+    assert log == [
+        "wake:weights",
+        "wake:weights",
+        f"sleep:{level}",
+        "wake:weights",
+        "wake:kv_cache",
+        f"sleep:{level}",
+        "wake:weights",
+    ]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("asleep already; sleep() does nothing" in m for m in said)
+    assert any("woke already since the last sleep" in m for m in said)
+
+
 def test_vllm_adapter_level_0_pauses_scheduling_only() -> None:
     """Level 0 moves no memory: the weights stage does nothing, the last one resumes."""
     log: list[object] = []

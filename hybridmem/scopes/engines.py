@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from hybridmem._log import logger
 from hybridmem._names import suggests_keywords
 
 __all__ = ["TAGS", "VLLM_TAGS", "EngineAdapter", "SGLangEngine", "VLLMEngine", "call_sync"]
@@ -175,6 +176,13 @@ class VLLMEngine(_StagedWake):
     vLLM versions whose ``wake_up`` takes no ``tags`` wake everything at the first call;
     the adapter then makes the ``kv_cache`` stage a no-op.
 
+    Once it has slept the engine, the adapter keeps vLLM's lifecycle in order: a second
+    ``sleep()`` before any wake is a no-op (at level 2 vLLM would back up its buffers
+    again from memory it has unmapped), and waking a tag already woken since that
+    sleep is a no-op (vLLM would put back the buffers saved at sleep over the synced
+    ones). Both log an INFO line. Before its first ``sleep()`` the adapter passes every
+    call through (the engine may have been slept by other code).
+
     Example:
         >>> adapter = hm.VLLMEngine(llm, level=1)   # doctest: +SKIP
         >>> adapter.sleep()                          # doctest: +SKIP
@@ -192,10 +200,17 @@ class VLLMEngine(_StagedWake):
                 "drop the KV cache; 2: drop both; 0: pause scheduling only)"
             )
         self.level = level
+        # Tags woken since this adapter last slept the engine; None: it never did.
+        self._woken: set[str] | None = None
 
     def sleep(self) -> Awaitable[Any] | None:
+        if self._woken is not None and not self._woken:
+            logger.info("%r: the engine is asleep already; sleep() does nothing", self)
+            return None
         self._slept()
-        return self.engine.sleep(level=self.level)  # type: ignore[attr-defined, no-any-return]
+        result = self.engine.sleep(level=self.level)  # type: ignore[attr-defined]
+        self._woken = set()  # once vLLM took the call (a failed one changes nothing)
+        return result  # type: ignore[no-any-return]
 
     def awake_bytes(self, total_bytes: int) -> int | None:
         """``gpu_memory_utilization`` x ``total_bytes``: all vLLM sizes itself to when awake.
@@ -206,6 +221,18 @@ class VLLMEngine(_StagedWake):
         return _share_of(self.engine, _VLLM_UTILIZATION, total_bytes)
 
     def wake_up(self, tags: Sequence[str]) -> Awaitable[Any] | bool | None:
+        if self._woken is not None:
+            tags = _check_tags(tags, self.tags)
+            fresh = [t for t in tags if t not in self._woken]
+            if tags and not fresh:
+                logger.info("%r: %s woke already since the last sleep; nothing to do", self, tags)
+                return None
+            result = self._wake(fresh)
+            self._woken.update(fresh)  # once vLLM took the call (a failed one: retried)
+            return result
+        return self._wake(tags)
+
+    def _wake(self, tags: Sequence[str]) -> Awaitable[Any] | bool | None:
         if self.level == 0 and self._tags:
             # Level 0 moved no memory: the memory stages have nothing to wake, and the
             # last one (the KV cache's) resumes scheduling.

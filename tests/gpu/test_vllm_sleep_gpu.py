@@ -50,6 +50,11 @@ def test_hybridmem_composes_with_vllms_pool_toggle() -> None:
         assert row["torch"]["garbage_collection_threshold"] == 0.6, row
     assert rows["end"]["torch"]["expandable_segments"] is True
     assert facts["weights_intact_after_sleep"] is True
+    # vLLM's own pool, asleep: a weight update is refused before anything is touched
+    assert facts["asleep"] == ["kv_cache", "weights"]
+    assert "a weight update came while vLLM's 'weights' memory sleeps" in facts["refused"]
+    assert facts["asleep_after_weights"] == ["kv_cache"]
+    assert facts["asleep_at_end"] == []
 
 
 @pytest.mark.parametrize("gib", [1, 4, 16])

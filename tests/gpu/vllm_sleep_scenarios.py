@@ -21,6 +21,11 @@ import torch
 import hybridmem as hm
 from hybridmem import _torch
 from hybridmem.integrations.vllm.sleep_files import load_cumem
+from hybridmem.integrations.vllm.sleep_state import (
+    EngineAsleepError,
+    asleep_tags,
+    refuse_while_asleep,
+)
 
 MiB, GiB = 1 << 20, 1 << 30
 USER_ENV = "expandable_segments:True,max_split_size_mb:256,garbage_collection_threshold:0.6"
@@ -123,13 +128,25 @@ def composition() -> dict[str, Any]:
         pass
     _row("end", rows)
     alloc.sleep(offload_tags=("weights",))
-    alloc.wake_up(["weights", "kv_cache"])
+    asleep = sorted(asleep_tags())
+    try:
+        refuse_while_asleep("weights", "a weight update")
+        refused = ""
+    except EngineAsleepError as exc:
+        refused = str(exc)
+    alloc.wake_up(["weights"])
+    asleep_after_weights = sorted(asleep_tags())
+    alloc.wake_up(["kv_cache"])
     intact = bool((weights == 7).all())
     del kv
     return {
         "torch": torch.__version__,
         "rows": rows,
         "weights_intact_after_sleep": intact,
+        "asleep": asleep,
+        "refused": refused,
+        "asleep_after_weights": asleep_after_weights,
+        "asleep_at_end": sorted(asleep_tags()),
         "snapshot_ms": _snapshot_cost(),
     }
 

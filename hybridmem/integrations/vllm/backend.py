@@ -42,6 +42,7 @@ from hybridmem.integrations.vllm import BACKEND_NAME
 from hybridmem.integrations.vllm.engine import EngineLink
 from hybridmem.integrations.vllm.link import DEFAULT_TIMEOUT_S, Weights
 from hybridmem.integrations.vllm.schema import checkpoint_schema
+from hybridmem.integrations.vllm.sleep_state import refuse_while_asleep
 from hybridmem.integrations.vllm.trainer import TrainerLink
 from hybridmem.ipc.bucket import SyncReport
 
@@ -204,7 +205,13 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         self.link = EngineLink(vars(init_info), self.device, schema)
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the reload runs once the whole sync is here."""
+        """Check the link and that the weights are awake: the reload runs once the sync is here.
+
+        Raises:
+            EngineAsleepError: the engine's weights sleep in vLLM's pool (an update
+                into them would touch unmapped memory); nothing was received.
+        """
+        refuse_while_asleep("weights", "a weight update")
         if self.link is None or self.link.closed:
             raise RuntimeError(
                 "no live hybridmem link: call init_weight_transfer_engine first (the "
@@ -212,7 +219,14 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
             )
 
     def receive_weights(self, update_info: HybridmemUpdateInfo) -> None:
-        """Receive one sync whole, check it, then reload it in one step."""
+        """Receive one sync whole, check it, then reload it in one step.
+
+        Raises:
+            EngineAsleepError: the engine's weights sleep in vLLM's pool; nothing was
+                received (the trainer's send times out or is aborted, the model keeps
+                its weights).
+        """
+        refuse_while_asleep("weights", "a weight update")
         if self.link is None:
             raise RuntimeError("no hybridmem link: call init_weight_transfer_engine first")
         self.link.update(self._reload, update_info.sync, update_info.link)
