@@ -28,7 +28,12 @@ MODULE = "tests.gpu.vllm_sleep_scenarios"
 
 
 def test_hybridmem_composes_with_vllms_pool_toggle() -> None:
-    facts = run_scenario("composition", MODULE, PYTORCH_CUDA_ALLOC_CONF=USER_ENV)
+    facts = run_scenario(
+        "composition",
+        MODULE,
+        PYTORCH_CUDA_ALLOC_CONF=USER_ENV,
+        HYBRIDMEM_VLLM_FILES=os.environ[FILES_ENV],
+    )
     print("\n" + json.dumps(facts, indent=1))
     rows = {row["at"]: row for row in facts["rows"]}
     # never a value torch is not running with
@@ -59,7 +64,9 @@ def test_hybridmem_composes_with_vllms_pool_toggle() -> None:
 
 @pytest.mark.parametrize("gib", [1, 4, 16])
 def test_level1_sleep_beside_pinned_copies(gib: int) -> None:
-    facts = run_scenario("level1", MODULE, SIZE_GIB=str(gib))
+    facts = run_scenario(
+        "level1", MODULE, SIZE_GIB=str(gib), HYBRIDMEM_VLLM_FILES=os.environ[FILES_ENV]
+    )
     row = facts["rows"][0]
     print(f"\n{gib} GiB: {json.dumps(row)}")
     assert row["intact"] is True
