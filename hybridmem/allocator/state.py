@@ -273,18 +273,8 @@ class SettingsEngine:
             top = self._top()
             # What torch runs with: hybridmem's view, or the model of torch after a
             # write from outside that reset some of the view's settings.
-            now = self._current if self._current is not None else top
-            pending: dict[str, Setting] = {}
-            if now is not top:
-                rules = self.rules()
-                held, running = top.state(rules), now.state(rules)
-                pending = {
-                    key: setting
-                    for key, setting in top.items()
-                    if held.get(key) != running.get(key)
-                }
-                if not pending:
-                    now = top
+            pending = self._pending()
+            now = self._current if pending and self._current is not None else top
             return AllocatorState(
                 settings=MappingProxyType(dict(now)),
                 backend=self.backend(),
@@ -307,6 +297,15 @@ class SettingsEngine:
                 pending=MappingProxyType(pending),
                 sees_outside=_torch.sees_settings_writes(),
             )
+
+    def _pending(self) -> dict[str, Setting]:
+        """Settings of hybridmem's view that torch is not running with (a write reset them)."""
+        top, now = self._top(), self._current
+        if now is None or now is top:
+            return {}
+        rules = self.rules()
+        held, running = top.state(rules), now.state(rules)
+        return {key: setting for key, setting in top.items() if held.get(key) != running.get(key)}
 
     # ------------------------------------------------------------------ #
     # Changes
@@ -379,10 +378,7 @@ class SettingsEngine:
             layers.append(
                 Layer(changes, label, overlay(below, changes, origin, "outside"), "outside")
             )
-        top = layers[-1].effective if layers else below
-        lost = sorted(
-            key for key in top if key not in changes and held.get(key) != running.get(key)
-        )
+        lost = sorted(self._pending())
         logger.info(
             "allocator settings were written outside hybridmem: %r; hybridmem %s",
             last,
@@ -407,12 +403,9 @@ class SettingsEngine:
         index = 1
         while index < len(layers):
             if layers[index].outside and layers[index - 1].outside:
-                merged = {**layers[index - 1].changes, **layers[index].changes}
-                later = layers.pop(index)
                 earlier = layers[index - 1]
-                earlier.changes = merged
-                earlier.label = f"outside hybridmem ({format_settings(merged.items())})"
-                del later
+                earlier.changes = {**earlier.changes, **layers.pop(index).changes}
+                earlier.label = f"outside hybridmem ({format_settings(earlier.changes.items())})"
                 self._recompute(index - 1)
             else:
                 index += 1
