@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hybridmem._errors import (
         AllocatorSettingsError,
+        EngineAsleepError,
         HybridMemWarning,
         HybridSwitchError,
         IpcUnavailableError,
@@ -79,6 +80,7 @@ _LAZY = {
     "SGLangEngine": "hybridmem.scopes.engines",
     "Step": "hybridmem.scopes.profiles",
     "SyncError": "hybridmem._errors",
+    "EngineAsleepError": "hybridmem._errors",
     "TensorHandle": "hybridmem.ipc.export",
     "VLLMEngine": "hybridmem.scopes.engines",
     "WeightBucket": "hybridmem.ipc.bucket",
@@ -167,6 +169,7 @@ __all__ = [
     "BackendProfile",
     "BucketReceiver",
     "EngineAdapter",
+    "EngineAsleepError",
     "HybridMemWarning",
     "HybridSwitch",
     "HybridSwitchError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "AllocatorSettingsError",
+    "EngineAsleepError",
     "HybridMemWarning",
     "HybridSwitchError",
     "IpcUnavailableError",
@@ -74,4 +75,12 @@ class HybridSwitchError(RuntimeError):
 
     The message says which rank failed at which stage and what remains (an engine
     still awake, trainer state still offloaded and how to get it back).
+    """
+
+
+class EngineAsleepError(RuntimeError):
+    """A step that needs an engine's memory came while that memory sleeps.
+
+    Raised before anything is received, written or generated: the engine's state is
+    unchanged. The message names the tags asleep and the call that wakes them.
     """

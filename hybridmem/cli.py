@@ -19,6 +19,11 @@ runs a synthetic hybrid engine under four strategies on a GPU (see
 [--plot P]`` prints (and draws) saved results anywhere. ``hybridmem bench --scale
 [GIB...]`` times the switch at trainer states of 8, 32 and 64 GiB against the
 pinned-copy ceiling, and plots time against size.
+
+Why this module is long: it is the one place that says what each command accepts,
+the bench's flags with the checks between them (``--scale`` with ``--need``, the
+engine with ``--vllm-files``) refused before any work starts, with argparse's usage.
+The work itself lives in :mod:`hybridmem.bench` and :mod:`hybridmem.observe`.
 """
 
 from __future__ import annotations
@@ -376,10 +381,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument(
         "--engine",
-        choices=["auto", "tms", "tms-torch", "handmade"],
+        choices=["auto", "tms", "tms-torch", "vllm", "vllm-l1", "handmade"],
         default="auto",
         help="the rollout engine's memory: torch_memory_saver regions in preload (tms) or "
-        "torch (tms-torch) hook mode, or by hand; auto: tms where it is installed",
+        "torch (tms-torch) hook mode (SGLang's), vLLM's sleep-mode pool slept at level 2 "
+        "(vllm) or 1 (vllm-l1) as verl drives it, or by hand; auto: tms where it is installed",
+    )
+    bench.add_argument(
+        "--vllm-files",
+        metavar="PATH",
+        help="with --engine vllm/vllm-l1 where vLLM is not installed: a vLLM wheel "
+        "(pip download --no-deps vllm==0.33.0) or a folder of its allocator's files "
+        "(sets HYBRIDMEM_VLLM_FILES for the engine process)",
     )
     bench.add_argument(
         "--anatomy",
@@ -470,6 +483,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     elif args.command == "bench" and {"planned", "fraction"} & set(args.strategies or []):
         parser.error("strategies planned and fraction run with --scale SIZES --need SHARES")
+    if args.command == "bench" and args.vllm_files is not None:
+        if not args.engine.startswith("vllm"):
+            parser.error(f"--vllm-files is for --engine vllm or vllm-l1, not {args.engine}")
+        if not os.path.exists(args.vllm_files):
+            parser.error(
+                f"--vllm-files {args.vllm_files}: no such wheel or folder "
+                "(pip download --no-deps vllm==0.33.0)"
+            )
+        # the engine process is started with this process's environment
+        os.environ["HYBRIDMEM_VLLM_FILES"] = os.path.abspath(args.vllm_files)
     if args.command == "bench":
         from hybridmem.bench.plan import MAX_PHASE_S, MIN_CYCLES
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import multiprocessing as mp
 import os
 import sys
@@ -185,7 +186,12 @@ def patch_seam(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> Non
 
     Callers outside the seam call through the face (``_torch.name``); seam modules
     that use each other's functions bound them at import, so those are patched too.
+    Every seam module is imported first: one imported lazily while a patch is in
+    force would bind the fake for the rest of the session (``pin_host_tensor`` kept a
+    fake ``cuda_available`` after a FakeTorch test, and later tests reached CUDA).
     """
+    for module_name in sorted(set(_torch._LAZY.values())):
+        importlib.import_module(module_name)
     original = getattr(_torch, name)
     monkeypatch.setattr(_torch, name, value)
     for module in (sys.modules[m] for m in list(sys.modules) if m.startswith("hybridmem._torch.")):

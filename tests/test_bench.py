@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import sys
 from dataclasses import asdict
@@ -117,6 +118,26 @@ def test_bench_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None
         main(["bench", "--cycles", "5"])
     assert exit_info.value.code == 2
     assert "--cycles must be at least 6 (the first is a warm-up" in capsys.readouterr().err
+
+
+def test_bench_vllm_files_are_checked_and_reach_the_engine_process(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HYBRIDMEM_VLLM_FILES", "")  # so that the test's end restores it
+    monkeypatch.delenv("HYBRIDMEM_VLLM_FILES")
+    for argv, said in (
+        (["--vllm-files", str(tmp_path)], "--vllm-files is for --engine vllm or vllm-l1, not auto"),
+        (["--engine", "vllm", "--vllm-files", str(tmp_path / "x")], "x: no such wheel or folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "--quick", *argv])
+        assert exit_info.value.code == 2
+        assert said in capsys.readouterr().err
+    assert "HYBRIDMEM_VLLM_FILES" not in os.environ
+    # a folder that is there: set for the engine process, then the run needs a GPU
+    assert main(["bench", "--quick", "--engine", "vllm-l1", "--vllm-files", str(tmp_path)]) == 2
+    assert os.environ["HYBRIDMEM_VLLM_FILES"] == str(tmp_path)
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_table_lists_every_figure_and_the_shortfall() -> None:

@@ -18,6 +18,7 @@ from hybridmem.bench.engine_memory import (
     KV_ALIGN,
     HandmadeMemory,
     SaverMemory,
+    VllmSleepMemory,
     kv_pieces,
     kv_unit,
     make_engine_memory,
@@ -141,7 +142,121 @@ def test_torch_hook_mode_is_set_before_first_use(cpu_cuda: FakeCuda, saver: Fake
     assert memory.name == "torch_memory_saver (torch)"
     assert isinstance(make_engine_memory("handmade", SHAPES, 0, 0), HandmadeMemory)
     with pytest.raises(ValueError, match="unknown engine memory"):
-        make_engine_memory("vllm", SHAPES, 0, 0)
+        make_engine_memory("sglang", SHAPES, 0, 0)
+
+
+class FakeCuMem:
+    """vLLM's ``CuMemAllocator`` as the bench engine drives it: pool by tag, sleep, wake."""
+
+    instance: FakeCuMem | None = None
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.tag: str | None = None
+
+    @classmethod
+    def get_instance(cls) -> FakeCuMem:
+        if cls.instance is None:
+            cls.instance = cls()
+        return cls.instance
+
+    @contextlib.contextmanager
+    def use_memory_pool(self, tag: str | None = None) -> Iterator[None]:
+        self.calls.append(f"pool:{tag}")
+        self.tag = tag
+        try:
+            yield
+        finally:
+            self.tag = None
+
+    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        self.calls.append(f"sleep:{offload_tags!r}")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append(f"wake_up:{tags!r}")
+
+
+@pytest.fixture
+def cumem(monkeypatch: pytest.MonkeyPatch) -> FakeCuMem:
+    from hybridmem.integrations.vllm import sleep_files
+
+    FakeCuMem.instance = None
+    module = types.SimpleNamespace(CuMemAllocator=FakeCuMem, cumem_available=True)
+    sources: list[object] = []
+
+    def load(source: object = None) -> object:
+        sources.append(source)
+        return module
+
+    monkeypatch.setattr(sleep_files, "load_cumem", load)
+    monkeypatch.setenv("HYBRIDMEM_VLLM_FILES", "/files")
+    allocator = FakeCuMem.get_instance()
+    allocator.sources = sources  # type: ignore[attr-defined]
+    return allocator
+
+
+@pytest.mark.parametrize(("kind", "offload"), [("vllm", "()"), ("vllm-l1", "('weights',)")])
+def test_vllm_engine_sleeps_its_pool_as_verl_asks_at_each_level(
+    kind: str, offload: str, cpu_cuda: FakeCuda, cumem: FakeCuMem
+) -> None:
+    memory = make_engine_memory(kind, SHAPES, 1 << 30, 0)
+    assert isinstance(memory, VllmSleepMemory)
+    assert cumem.sources == ["/files"]  # type: ignore[attr-defined]
+    assert memory.name == f"vllm sleep level {2 if kind == 'vllm' else 1}"
+    memory.wake(["weights"])
+    assert memory.wake(["kv_cache"]) == 1 << 30
+    weights, kv = memory.weights, memory.kv
+    assert kv is not None
+    assert cumem.calls == ["pool:weights", "pool:kv_cache"]
+    held_awake = memory.held()
+    memory.sleep()
+    # the whole pool in one call, as vLLM's worker does: level 2 keeps nothing
+    assert cumem.calls[-1] == f"sleep:{offload}"
+    assert memory.held() == (0, 0)
+    memory.sleep()  # asleep already: vLLM is not asked again
+    assert cumem.calls.count(f"sleep:{offload}") == 1
+    # verl's order: weights, the sync, then the KV cache; the same tensors again
+    memory.wake(["weights"])
+    assert cumem.calls[-1] == "wake_up:['weights']"
+    assert memory.weights is weights
+    assert memory.held()[0] == held_awake[0] - kv.nbytes
+    assert memory.wake(["kv_cache"]) == 1 << 30
+    assert cumem.calls[-1] == "wake_up:['kv_cache']"
+    assert memory.kv is kv
+    assert memory.held() == held_awake
+
+
+def test_vllm_engine_refuses_a_level_vllm_has_no_pool_for(
+    cpu_cuda: FakeCuda, cumem: FakeCuMem
+) -> None:
+    with pytest.raises(ValueError, match="level must be 1 or 2, got 0"):
+        VllmSleepMemory(SHAPES, 0, 0, level=0)
+
+
+def test_vllm_engine_needs_vllms_files_and_says_where_to_get_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from hybridmem.integrations.vllm.sleep_files import FILES
+
+    monkeypatch.delenv("HYBRIDMEM_VLLM_FILES", raising=False)
+    monkeypatch.setattr(engine_memory.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"engine 'vllm': vLLM is not installed here.*--vllm"):
+        resolve("vllm")
+    monkeypatch.setenv("HYBRIDMEM_VLLM_FILES", str(tmp_path / "nowhere"))
+    with pytest.raises(RuntimeError, match="nowhere: no such wheel or folder"):
+        resolve("vllm-l1")
+    monkeypatch.setenv("HYBRIDMEM_VLLM_FILES", str(tmp_path))
+    with pytest.raises(RuntimeError, match=f"lacks {FILES[0]}"):
+        resolve("vllm")
+    for name in FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    assert resolve("vllm") == "vllm"
+    assert resolve("vllm-l1") == "vllm-l1"
+    wheel = tmp_path / "vllm-0.33.0.whl"
+    wheel.write_bytes(b"")
+    monkeypatch.setenv("HYBRIDMEM_VLLM_FILES", str(wheel))  # a wheel: checked when loaded
+    assert resolve("vllm") == "vllm"
 
 
 def test_resolve_picks_tms_only_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -546,6 +546,36 @@ def test_vllm_adapter_keeps_the_lifecycle_in_order_once_it_slept_the_engine(
     assert any("woke already since the last sleep" in m for m in said)
 
 
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_vllm_adapter_refuses_to_generate_while_it_has_the_engine_asleep(level: int) -> None:
+    """Before vLLM is called; once both tags woke, generate passes through."""
+    log: list[str] = []
+
+    class Engine:
+        def sleep(self, level: int = 1) -> None:
+            log.append("sleep")
+
+        def wake_up(self, tags: list[str] | None = None) -> None:
+            log.append(f"wake:{','.join(tags or [])}")
+
+        def generate(self, prompts: list[str], params: object = None) -> list[str]:
+            log.append("generate")
+            return [p.upper() for p in prompts]
+
+    adapter = hm.VLLMEngine(Engine(), level=level)
+    assert adapter.generate(["a"]) == ["A"]  # never slept through the adapter
+    adapter.sleep()
+    with pytest.raises(hm.EngineAsleepError, match=r"weights, kv_cache sleep .*at level") as info:
+        adapter.generate(["b"])
+    assert ("syncing the weights" in str(info.value)) == (level == 2)
+    adapter.wake_up(["weights"])
+    with pytest.raises(hm.EngineAsleepError, match=r"kv_cache sleeps .*wake_up\(\['kv_cache'\]\)"):
+        adapter.generate(["b"])
+    adapter.wake_up(["kv_cache"])
+    assert adapter.generate(["c"], params=None) == ["C"]
+    assert log.count("generate") == 2  # the refused calls never reached vLLM
+
+
 def test_vllm_adapter_level_0_pauses_scheduling_only() -> None:
     """Level 0 moves no memory: the weights stage does nothing, the last one resumes."""
     log: list[object] = []

@@ -253,3 +253,19 @@ def test_the_cuda_tensor_rebuild_takes_the_device_where_the_seam_puts_it() -> No
     names = list(inspect.signature(rebuild_cuda_tensor).parameters)
     assert len(names) == ipc._REBUILD_ARG_COUNT, names
     assert names[ipc._REBUILD_DEVICE_ARG] == "storage_device", names
+
+
+def test_a_patched_seam_is_restored_in_every_seam_module_after_the_test() -> None:
+    """No seam module is first imported while a fake is in force (it would keep the fake)."""
+    import sys
+
+    from hybridmem._torch import device
+    from tests.conftest import patch_seam
+
+    real = device.cuda_available
+    with pytest.MonkeyPatch.context() as patched:
+        patch_seam(patched, "cuda_available", lambda: True)
+        assert all(name in sys.modules for name in set(_torch._LAZY.values()))
+    for name in set(_torch._LAZY.values()):
+        bound = getattr(sys.modules[name], "cuda_available", real)
+        assert bound is real, name

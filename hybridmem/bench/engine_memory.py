@@ -1,4 +1,4 @@
-"""Where a rollout engine keeps its weights and KV cache: torch_memory_saver, or by hand.
+"""Where a rollout engine keeps its weights and KV cache: torch_memory_saver, vLLM's pool, by hand.
 
 SGLang keeps both in torch_memory_saver (TMS) regions (tags ``weights`` and
 ``kv_cache``): allocated once, freed by ``pause()`` in ``release_memory_occupation``
@@ -8,7 +8,15 @@ addresses. :class:`SaverMemory` does exactly that, in TMS's ``preload`` hook mod
 see :func:`preload_env`) or its ``torch`` mode. :class:`HandmadeMemory` is the
 fallback where TMS is missing: tensors freed and allocated again, the cache emptied.
 
-Either makes its weights the way engines do, one classic segment each, or packed
+vLLM keeps both in its sleep-mode pool (``CuMemAllocator``, tags ``weights`` and
+``kv_cache``), the engine verl runs by default. :class:`VllmSleepMemory` runs vLLM's
+own allocator code (installed vLLM, or its wheel's files named by
+``HYBRIDMEM_VLLM_FILES``: :mod:`hybridmem.integrations.vllm.sleep_files`) the way verl
+0.9.1 drives it: ``sleep`` at level 2 discards weights and KV cache (``vllm``), at
+level 1 backs the weights up in host memory first (``vllm-l1``: LoRA adapters, MTP
+drafters); each step wakes ``["weights"]``, syncs, then wakes ``["kv_cache"]``.
+
+Any of them makes its weights the way engines do, one classic segment each, or packed
 (``pack``, what the bench's ``hybridmem`` strategy asks for): back to back in one
 segment, made inside :func:`hybridmem.one_segment`.
 
@@ -37,9 +45,11 @@ from hybridmem.memory.one_segment import one_segment
 __all__ = [
     "ENGINE_MEMORIES",
     "KV_ALIGN",
+    "VLLM_FILES_ENV",
     "EngineMemory",
     "HandmadeMemory",
     "SaverMemory",
+    "VllmSleepMemory",
     "available",
     "kv_pieces",
     "kv_unit",
@@ -50,11 +60,16 @@ __all__ = [
     "preload_library",
     "preloaded",
     "resolve",
+    "vllm_files_problem",
 ]
 
-#: What ``--engine`` accepts: TMS in either hook mode, the hand-made engine, or
-#: ``auto`` (TMS in preload mode when it is installed, else hand-made).
-ENGINE_MEMORIES = ("auto", "tms", "tms-torch", "handmade")
+#: What ``--engine`` accepts: TMS in either hook mode, vLLM's sleep-mode pool at sleep
+#: level 2 (``vllm``) or 1 (``vllm-l1``), the hand-made engine, or ``auto`` (TMS in
+#: preload mode when it is installed, else hand-made).
+ENGINE_MEMORIES = ("auto", "tms", "tms-torch", "vllm", "vllm-l1", "handmade")
+#: Where vLLM's allocator files are, where vLLM is not installed: its wheel, or a
+#: folder of the files (:func:`hybridmem.integrations.vllm.sleep_files.extract`).
+VLLM_FILES_ENV = "HYBRIDMEM_VLLM_FILES"
 GiB = 1 << 30
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -94,12 +109,53 @@ def preload_library() -> str | None:
     return None
 
 
+def vllm_files_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """Why vLLM's sleep-mode allocator cannot load here (None: it can; nothing imported).
+
+    From ``HYBRIDMEM_VLLM_FILES`` (a vLLM wheel, or a folder of its allocator's files)
+    where it is set, else from an installed vLLM.
+
+    Example:
+        >>> vllm_files_problem({"HYBRIDMEM_VLLM_FILES": "/nowhere"}).split(": ")[1]
+        'no such wheel or folder (pip download --no-deps vllm==0.33.0)'
+    """
+    from hybridmem.integrations.vllm.sleep_files import FILES
+
+    env = os.environ if env is None else env
+    source = env.get(VLLM_FILES_ENV)
+    if source is None:
+        if importlib.util.find_spec("vllm") is None:
+            return (
+                f"vLLM is not installed here: set {VLLM_FILES_ENV} to a vLLM wheel or a folder "
+                "of its allocator's files (pip download --no-deps vllm==0.33.0; "
+                "docs/backends/vllm.md says how), or pass --vllm-files"
+            )
+        return None
+    path = Path(source)
+    if path.is_file():
+        return None  # a wheel: load_cumem extracts and checks it
+    if not path.is_dir():
+        return (
+            f"{VLLM_FILES_ENV}={source}: no such wheel or folder "
+            "(pip download --no-deps vllm==0.33.0)"
+        )
+    missing = [name for name in FILES if not (path / name).is_file()]
+    if missing:
+        return (
+            f"{VLLM_FILES_ENV}={source} lacks {missing[0]}: "
+            "hybridmem.integrations.vllm.sleep_files.extract(wheel, folder) puts vLLM's files there"
+        )
+    return None
+
+
 def resolve(kind: str) -> str:
     """Turn ``auto`` into what will run here; check the others.
 
     Raises:
         ValueError: an unknown kind.
-        RuntimeError: ``tms``/``tms-torch`` asked for where TMS is not installed.
+        RuntimeError: ``tms``/``tms-torch`` asked for where TMS is not installed;
+            ``vllm``/``vllm-l1`` where vLLM's allocator cannot load
+            (:func:`vllm_files_problem`).
     """
     if kind not in ENGINE_MEMORIES:
         raise ValueError(f"engine must be one of {', '.join(ENGINE_MEMORIES)}, got {kind!r}")
@@ -110,6 +166,10 @@ def resolve(kind: str) -> str:
             f"engine {kind!r} needs torch_memory_saver: pip install torch-memory-saver "
             "(or pass --engine handmade)"
         )
+    if kind.startswith("vllm"):
+        problem = vllm_files_problem()
+        if problem is not None:
+            raise RuntimeError(f"engine {kind!r}: {problem}")
     return kind
 
 
@@ -306,29 +366,36 @@ class HandmadeMemory(EngineMemory):
         torch.cuda.empty_cache()
 
 
-class SaverMemory(EngineMemory):
-    """SGLang's way: weights and KV cache in TMS regions, paused and resumed by tag.
+class _TaggedMemory(EngineMemory):
+    """Weights and KV cache made once in an engine's tagged regions, put to sleep by tag.
 
-    The regions are allocated at the first wake of each tag (the KV cache as large as
-    ``kv_target`` allows then, as SGLang sizes it at start-up), and resumed at the
-    same addresses after. Weights have no CPU backup (SGLang's default): the trainer
-    syncs them after every wake.
+    The regions are made at the first wake of each tag (the KV cache as large as
+    ``kv_target`` allows then, as engines size it at start-up) and woken at the same
+    addresses after. torch keeps counting a sleeping region as allocated and reserved,
+    though its memory is back on the device: :meth:`held` takes it out.
     """
 
-    def __init__(self, shapes: Shapes, kv_target: int, device: int, *, hook_mode: str) -> None:
+    def __init__(self, shapes: Shapes, kv_target: int, device: int) -> None:
         super().__init__(shapes, kv_target, device)
-        self.saver = memory_saver()
-        if hook_mode == "torch":
-            self.saver.hook_mode = "torch"
-        self.name = f"torch_memory_saver ({hook_mode})"
-        self.hook_mode = hook_mode
-        self._paused: set[str] = set()
-        # What torch counts for each region (it keeps counting a paused one).
+        self._asleep: set[str] = set()
+        # What torch counts for each region (it keeps counting a sleeping one).
         self._counted: dict[str, tuple[int, int]] = {}
+
+    def _region(self, tag: str) -> contextlib.AbstractContextManager[Any]:
+        """Where the engine allocates ``tag``'s tensors."""
+        raise NotImplementedError
+
+    def _wake_tag(self, tag: str) -> None:
+        """Map ``tag``'s sleeping region again."""
+        raise NotImplementedError
+
+    def _sleep_tags(self, tags: list[str]) -> None:
+        """Put the regions of ``tags`` (awake, in the engine's order) to sleep."""
+        raise NotImplementedError
 
     def _in_region(self, tag: str, make: Any) -> Any:
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        with self.saver.region(tag=tag):
+        with self._region(tag):
             made = make()
         torch.cuda.synchronize()
         self._counted[tag] = (
@@ -342,9 +409,9 @@ class SaverMemory(EngineMemory):
         for tag in ("weights", "kv_cache"):
             if tag not in tags:
                 continue
-            if tag in self._paused:
-                self.saver.resume(tag)
-                self._paused.discard(tag)
+            if tag in self._asleep:
+                self._wake_tag(tag)
+                self._asleep.discard(tag)
             elif tag == "weights" and self.weights is None:
                 self.weights = self._in_region("weights", self._new_weights)
             elif tag == "kv_cache" and self.kv is None:
@@ -355,19 +422,83 @@ class SaverMemory(EngineMemory):
 
     def sleep(self) -> None:
         torch.cuda.synchronize()
-        for tag in ("kv_cache", "weights"):  # SGLang's order
-            if tag in self._counted and tag not in self._paused:
-                self.saver.pause(tag)
-                self._paused.add(tag)
+        awake: list[str] = [
+            t for t in ("kv_cache", "weights") if t in self._counted and t not in self._asleep
+        ]
+        if awake:
+            self._sleep_tags(awake)
+            self._asleep.update(awake)
         torch.cuda.empty_cache()  # what the engine made outside its regions
 
     def held(self) -> tuple[int, int]:
         allocated, reserved = super().held()
-        for tag in self._paused:
+        for tag in self._asleep:
             counted_allocated, counted_reserved = self._counted[tag]
             allocated -= counted_allocated
             reserved -= counted_reserved
         return allocated, reserved
+
+
+class SaverMemory(_TaggedMemory):
+    """SGLang's way: weights and KV cache in TMS regions, paused and resumed by tag.
+
+    Weights have no CPU backup (SGLang's default): the trainer syncs them after every
+    wake.
+    """
+
+    def __init__(self, shapes: Shapes, kv_target: int, device: int, *, hook_mode: str) -> None:
+        super().__init__(shapes, kv_target, device)
+        self.saver = memory_saver()
+        if hook_mode == "torch":
+            self.saver.hook_mode = "torch"
+        self.name = f"torch_memory_saver ({hook_mode})"
+        self.hook_mode = hook_mode
+
+    def _region(self, tag: str) -> contextlib.AbstractContextManager[Any]:
+        return self.saver.region(tag=tag)  # type: ignore[no-any-return]
+
+    def _wake_tag(self, tag: str) -> None:
+        self.saver.resume(tag)
+
+    def _sleep_tags(self, tags: list[str]) -> None:
+        for tag in tags:  # SGLang's order: the KV cache, then the weights
+            self.saver.pause(tag)
+
+
+class VllmSleepMemory(_TaggedMemory):
+    """vLLM's way: weights and KV cache in its ``CuMemAllocator`` pool, by tag.
+
+    vLLM's own code runs (:func:`~hybridmem.integrations.vllm.sleep_files.load_cumem`:
+    installed vLLM, or the files ``HYBRIDMEM_VLLM_FILES`` names). ``sleep`` is vLLM's
+    worker's: level 2 discards both tags (``allocator.sleep(offload_tags=())``, the
+    trainer syncs the weights after every wake), level 1 copies the weights into host
+    memory first (``offload_tags=("weights",)``: vLLM pins that memory at the first
+    sleep and reuses torch's cached pinned blocks after). Waking is vLLM's
+    ``wake_up(tags)``, one tag at a time as verl 0.9.1 asks.
+    """
+
+    def __init__(self, shapes: Shapes, kv_target: int, device: int, *, level: int) -> None:
+        from hybridmem.integrations.vllm.sleep_files import load_cumem
+
+        super().__init__(shapes, kv_target, device)
+        if level not in (1, 2):
+            raise ValueError(f"vLLM sleep level must be 1 or 2, got {level!r}")
+        cumem = load_cumem(os.environ.get(VLLM_FILES_ENV))
+        if not cumem.cumem_available:
+            raise RuntimeError("vLLM's cumem_allocator extension did not load on this machine")
+        self.allocator = cumem.CuMemAllocator.get_instance()
+        self.level = level
+        self.name = f"vllm sleep level {level}"
+
+    def _region(self, tag: str) -> contextlib.AbstractContextManager[Any]:
+        return self.allocator.use_memory_pool(tag=tag)  # type: ignore[no-any-return]
+
+    def _wake_tag(self, tag: str) -> None:
+        self.allocator.wake_up([tag])
+
+    def _sleep_tags(self, tags: list[str]) -> None:
+        # vLLM's worker sleeps the whole pool in one call; what is asleep stays so.
+        self.allocator.sleep(offload_tags=("weights",) if self.level == 1 else ())
 
 
 def make_engine_memory(kind: str, shapes: Shapes, kv_target: int, device: int) -> EngineMemory:
@@ -377,4 +508,6 @@ def make_engine_memory(kind: str, shapes: Shapes, kv_target: int, device: int) -
     if kind in ("tms", "tms-torch"):
         mode = "torch" if kind == "tms-torch" else "preload"
         return SaverMemory(shapes, kv_target, device, hook_mode=mode)
+    if kind in ("vllm", "vllm-l1"):
+        return VllmSleepMemory(shapes, kv_target, device, level=1 if kind == "vllm-l1" else 2)
     raise ValueError(f"unknown engine memory {kind!r}")

@@ -53,7 +53,7 @@ NEED_SPARE_BYTES = 256 << 20
 #: Which trainer model to build (see :class:`BenchPlan`).
 MODELS = ("auto", "torch", "transformers")
 #: Where the rollout engine keeps its memory (``hybridmem.bench.engine_memory``).
-ENGINES = ("auto", "tms", "tms-torch", "handmade")
+ENGINES = ("auto", "tms", "tms-torch", "vllm", "vllm-l1", "handmade")
 GiB = 2**30
 #: The fewest cycles a bench point runs: the first is a warm-up (one-time allocations,
 #: the driver's first mappings) and is not counted; each figure is the median of the
@@ -243,7 +243,8 @@ def plan(
             is a warm-up, every figure is the median of the rest).
         model: the trainer's model: ``"auto"``, ``"torch"`` or ``"transformers"``.
         engine: the rollout engine's memory: ``"auto"``, ``"tms"`` (torch_memory_saver,
-            preload mode), ``"tms-torch"`` (its torch mode) or ``"handmade"``.
+            preload mode), ``"tms-torch"`` (its torch mode), ``"vllm"`` / ``"vllm-l1"``
+            (vLLM's sleep-mode pool, slept at level 2 / 1) or ``"handmade"``.
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")

@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from hybridmem._errors import EngineAsleepError
 from hybridmem._log import logger
 from hybridmem._names import suggests_keywords
 
@@ -180,8 +181,10 @@ class VLLMEngine(_StagedWake):
     ``sleep()`` before any wake is a no-op (at level 2 vLLM would back up its buffers
     again from memory it has unmapped), and waking a tag already woken since that
     sleep is a no-op (vLLM would put back the buffers saved at sleep over the synced
-    ones). Both log an INFO line. Before its first ``sleep()`` the adapter passes every
-    call through (the engine may have been slept by other code).
+    ones). Both log an INFO line. :meth:`generate` refuses while ``weights`` or
+    ``kv_cache`` sleep (vLLM would read unmapped memory, or at level 0 queue the
+    request behind paused scheduling). Before its first ``sleep()`` the adapter passes
+    every call through (the engine may have been slept by other code).
 
     Example:
         >>> adapter = hm.VLLMEngine(llm, level=1)   # doctest: +SKIP
@@ -231,6 +234,31 @@ class VLLMEngine(_StagedWake):
             self._woken.update(fresh)  # once vLLM took the call (a failed one: retried)
             return result
         return self._wake(tags)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``llm.generate(*args, **kwargs)``, refused while this adapter has the engine asleep.
+
+        Raises:
+            EngineAsleepError: the adapter slept the engine and has not woken both
+                ``weights`` and ``kv_cache`` since; vLLM was not called. After a level-2
+                sleep, sync the weights after waking them: woken, they hold no data.
+
+        Example:
+            >>> adapter.wake_up(["weights"]); adapter.wake_up(["kv_cache"])  # doctest: +SKIP
+            >>> outputs = adapter.generate(prompts, sampling_params)  # doctest: +SKIP
+        """
+        if self._woken is not None:
+            asleep = [t for t in ("weights", "kv_cache") if t not in self._woken]
+            if asleep:
+                wake = ", ".join(f"wake_up([{t!r}])" for t in asleep)
+                verb = "sleeps" if len(asleep) == 1 else "sleep"
+                raise EngineAsleepError(
+                    f"generate came while {', '.join(asleep)} {verb}"
+                    f" (this adapter slept the engine at level {self.level}): vLLM was not "
+                    f"called. Wake first: {wake}"
+                    + (", syncing the weights after waking them" if self.level == 2 else "")
+                )
+        return self.engine.generate(*args, **kwargs)  # type: ignore[attr-defined]
 
     def _wake(self, tags: Sequence[str]) -> Awaitable[Any] | bool | None:
         if self.level == 0 and self._tags:

@@ -138,3 +138,40 @@ def test_the_bench_measures_both_copy_rates_and_keeps_nothing() -> None:
     assert facts["kernel"] is not None, "pinned memory did not map for kernels"
     assert facts["kernel"] > 0
     assert facts["left"] == 0
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HYBRIDMEM_VLLM_FILES"),
+    reason="needs vLLM 0.33's allocator files: HYBRIDMEM_VLLM_FILES=<vllm wheel or folder> "
+    "(pip download --no-deps vllm==0.33.0; docs/backends/vllm.md says how)",
+)
+@pytest.mark.parametrize("engine", ["vllm", "vllm-l1"])
+def test_quick_bench_on_vllms_own_sleep_mode_pool(engine: str, tmp_path: Path) -> None:
+    """The engine's weights and KV cache in vLLM's ``CuMemAllocator``, slept as verl does.
+
+    vLLM's own files run in the engine process; the hand-back and the KV cache are
+    judged as for torch_memory_saver's engine.
+    """
+    out = tmp_path / "bench.json"
+    done = run_alone(
+        "-m", "hybridmem.cli", "bench", "--quick", "--engine", engine,
+        "--vllm-files", os.environ["HYBRIDMEM_VLLM_FILES"],
+        "--strategies", "handrolled", "hybridmem", "--json", str(out),
+        timeout=540,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    print("\n" + done.stdout)
+    saved = json.loads(out.read_text())
+    rows = {name: result["summary"] for name, result in saved["results"].items()}
+    assert sorted(rows) == ["handrolled", "hybridmem"]
+    level = 2 if engine == "vllm" else 1
+    for name, row in rows.items():
+        assert row["errors"] == [], name
+        assert row["engine"] == f"vllm sleep level {level}", name
+        assert row["kv_obtained_gib"] > 0, name
+        raw = saved["results"][name]["raw"]
+        # asleep, vLLM's pool holds nothing physically and the engine caches nothing else
+        later = raw["engine_cached_after_sleep"][1:]
+        assert max(later) < 16 * MiB, (name, [m / MiB for m in later])
+    assert rows["hybridmem"]["handback"] >= 0.998
+    assert rows["hybridmem"]["handback"] >= rows["handrolled"]["handback"] - 0.0005

@@ -63,14 +63,53 @@ def test_hybridmem_composes_with_vllms_pool_toggle() -> None:
 
 
 @pytest.mark.parametrize("gib", [1, 4, 16])
-def test_level1_sleep_beside_pinned_copies(gib: int) -> None:
+def test_level1_sleep_beside_hybridmems_backup_and_pinned_copies(gib: int) -> None:
     facts = run_scenario(
         "level1", MODULE, SIZE_GIB=str(gib), HYBRIDMEM_VLLM_FILES=os.environ[FILES_ENV]
     )
     row = facts["rows"][0]
     print(f"\n{gib} GiB: {json.dumps(row)}")
-    assert row["intact"] is True
-    # a measurement: the figures go to docs/backends/vllm.md; the test asserts only
-    # that every figure was taken
-    assert row["sleep_first_s"] > 0
+    # the weights come back byte for byte after every sleep, either way
+    assert row["vllm"]["intact"] is True
+    assert row["hybridmem"]["intact"] is True
+    # hybridmem pins exactly the weights' bytes, once, before the first sleep
+    assert row["hybridmem"]["host_pinned_gib"] == gib
+    # a measurement otherwise: the figures go to docs/backends/vllm.md
+    for way in ("vllm", "hybridmem", "discard"):
+        assert row[way]["sleep_first_s"] > 0
     assert row["pinned_down_s"] > 0
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_vllms_lifecycle_out_of_order_is_refused_or_ignored_never_a_crash(level: int) -> None:
+    """Through hm.VLLMEngine and the backend's worker steps, against vLLM's own pool."""
+    facts = run_scenario(
+        "lifecycle",
+        "tests.gpu.vllm_lifecycle_scenarios",
+        SLEEP_LEVEL=str(level),
+        HYBRIDMEM_VLLM_FILES=os.environ[FILES_ENV],
+    )
+    print("\n" + json.dumps(facts, indent=1))
+    assert facts["in_order"] is True  # verl's step: the synced weights generate
+    assert facts["asleep"] == ["kv_cache", "weights"]
+    assert facts["second_sleep"] is True  # no second call reached vLLM's pool
+    assert facts["second_wake"] is True
+    # weights sent while they sleep: refused by the worker before anything was sent
+    assert "EngineAsleepError" in facts["sync_asleep"]
+    assert "llm.wake_up(tags=['weights'])" in facts["sync_asleep"]
+    # generate while asleep: refused by the adapter, and by the worker past it
+    assert facts["generate_asleep_adapter"].startswith("EngineAsleepError: generate came")
+    assert (
+        "generation came while vLLM's 'weights' memory sleeps" in (facts["generate_asleep_worker"])
+    )
+    assert "kv_cache sleeps" in facts["generate_half_awake"]
+    assert facts["after_refusals"] is True  # nothing of the refused steps was applied
+    # a trainer that died between the wake and the sync: the link closes on its own,
+    # an update through it is refused at once, the engine serves a new trainer
+    assert facts["dying_exit"] == 3
+    assert facts["engine_after_death"]["link_closed"] is True
+    assert facts["link_closed_s"] < 10
+    assert "is closed" in facts["update_after_death"]
+    assert "level-2" in facts["update_after_death"]
+    assert facts["after_death"] is True
+    assert facts["engine_alive"] is True

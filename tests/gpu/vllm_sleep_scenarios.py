@@ -173,15 +173,25 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def _pinned_host_bytes() -> int:
+    """What torch's caching host allocator holds pinned now (its stats; 0 if none)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return 0
+    return int(stats().get("reserved_bytes.current", 0))
+
+
 def level1() -> dict[str, Any]:
-    """vLLM's level-1 sleep (weights backed up in host memory) beside pinned-once copies.
+    """vLLM's level-1 sleep beside hybridmem's PoolBackup, and pinned-once copies.
 
     One size (``SIZE_GIB``) per process: a pool's freed blocks stay mapped and would
-    be backed up by the next size's sleeps.
+    be backed up by the next size's sleeps. Each way sleeps and wakes the same
+    allocations four times; the bytes must come back each time.
     """
+    from hybridmem.integrations.vllm.sleep_backup import PoolBackup
+
     torch.zeros(1, device="cuda")
     alloc = _allocator()
-    rows = []
     gib = int(os.environ.get("SIZE_GIB", "1"))
     with alloc.use_memory_pool(tag="weights"):
         # 256 MiB tensors, as a model's layers
@@ -189,11 +199,35 @@ def level1() -> dict[str, Any]:
             torch.full((256 * MiB,), i % 251, dtype=torch.uint8, device="cuda")
             for i in range(gib * 4)
         ]
-    sleeps, wakes = [], []
-    for _ in range(4):
-        sleeps.append(_timed(lambda: alloc.sleep(offload_tags=("weights",))))
-        wakes.append(_timed(lambda: alloc.wake_up(["weights"])))
-    intact = all(bool((p[:: 64 * MiB] == i % 251).all()) for i, p in enumerate(parts))
+    with alloc.use_memory_pool(tag="kv_cache"):
+        kv = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+
+    def intact() -> bool:
+        return all(bool((p[:: 64 * MiB] == i % 251).all()) for i, p in enumerate(parts))
+
+    def cycles(sleep: Callable[[], Any], wake: Callable[[list[str]], Any]) -> dict[str, Any]:
+        sleeps, wakes, kept = [], [], True
+        for _ in range(4):
+            sleeps.append(_timed(sleep))
+            wakes.append(_timed(lambda: wake(["weights"])))
+            kept = kept and intact()
+            wake(["kv_cache"])
+        return {
+            "sleep_first_s": sleeps[0],
+            "sleep_steady_s": sorted(sleeps[1:])[1],
+            "wake_s": sorted(wakes)[1],
+            "intact": kept,
+        }
+
+    pinned_before = _pinned_host_bytes()
+    vllm = cycles(lambda: alloc.sleep(offload_tags=("weights",)), alloc.wake_up)
+    vllm["host_pinned_gib"] = (_pinned_host_bytes() - pinned_before) / GiB
+    backup = PoolBackup(alloc)
+    reserve_s = _timed(backup.reserve)
+    hm_row = cycles(backup.sleep, backup.wake_up)
+    hm_row.update(reserve_s=reserve_s, host_pinned_gib=backup.host_bytes / GiB)
+    # vLLM's level 2 (nothing kept): what a sleep costs beside its copies
+    discard = cycles(lambda: alloc.sleep(offload_tags=()), alloc.wake_up)
     # the same bytes into host memory pinned once, and back
     host = torch.empty(gib * GiB, dtype=torch.uint8, pin_memory=True)
     flat = [host[i * 256 * MiB : (i + 1) * 256 * MiB] for i in range(len(parts))]
@@ -208,21 +242,14 @@ def level1() -> dict[str, Any]:
 
     pinned_down = min(_timed(down) for _ in range(3))
     pinned_up = min(_timed(up) for _ in range(3))
-    rows.append(
-        {
-            "gib": gib,
-            "sleep_first_s": sleeps[0],
-            "sleep_steady_s": sorted(sleeps[1:])[1],
-            "wake_s": sorted(wakes)[1],
-            "pinned_down_s": pinned_down,
-            "pinned_up_s": pinned_up,
-            "first_vs_pinned": pinned_down / sleeps[0],
-            "steady_vs_pinned": pinned_down / sorted(sleeps[1:])[1],
-            "wake_vs_pinned": pinned_up / sorted(wakes)[1],
-            "intact": intact,
-        }
-    )
-    return {"torch": torch.__version__, "rows": rows}
+    del kv
+    row: dict[str, Any] = {"gib": gib, "pinned_down_s": pinned_down, "pinned_up_s": pinned_up}
+    for name, way in (("vllm", vllm), ("hybridmem", hm_row), ("discard", discard)):
+        row[name] = way
+        way["first_vs_pinned"] = pinned_down / way["sleep_first_s"]
+        way["steady_vs_pinned"] = pinned_down / way["sleep_steady_s"]
+        way["wake_vs_pinned"] = pinned_up / way["wake_s"]
+    return {"torch": torch.__version__, "rows": [row]}
 
 
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {

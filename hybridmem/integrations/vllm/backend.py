@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 from hybridmem._log import logger
 from hybridmem.integrations.vllm import BACKEND_NAME
 from hybridmem.integrations.vllm.engine import EngineLink
-from hybridmem.integrations.vllm.link import DEFAULT_TIMEOUT_S, Weights
+from hybridmem.integrations.vllm.link import DEFAULT_TIMEOUT_S, UNTOUCHED, Weights
 from hybridmem.integrations.vllm.schema import checkpoint_schema
 from hybridmem.integrations.vllm.sleep_state import refuse_while_asleep
 from hybridmem.integrations.vllm.trainer import TrainerLink
@@ -215,7 +215,7 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         if self.link is None or self.link.closed:
             raise RuntimeError(
                 "no live hybridmem link: call init_weight_transfer_engine first (the "
-                "trainer's trainer_init does); the model keeps its weights"
+                f"trainer's trainer_init does); {UNTOUCHED}"
             )
 
     def receive_weights(self, update_info: HybridmemUpdateInfo) -> None:
@@ -223,8 +223,8 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
 
         Raises:
             EngineAsleepError: the engine's weights sleep in vLLM's pool; nothing was
-                received (the trainer's send times out or is aborted, the model keeps
-                its weights).
+                received (the trainer's send times out or is aborted; the model's
+                weights are as they were).
         """
         refuse_while_asleep("weights", "a weight update")
         if self.link is None:

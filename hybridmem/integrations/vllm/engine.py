@@ -17,7 +17,7 @@ import torch
 from hybridmem._errors import SyncError
 from hybridmem._log import logger
 from hybridmem._platform import unix_socket
-from hybridmem.integrations.vllm.link import Weights, parse_init_info
+from hybridmem.integrations.vllm.link import UNTOUCHED, Weights, parse_init_info
 from hybridmem.integrations.vllm.schema import Schema, check_weights
 from hybridmem.ipc._wire import BucketHandle, Peer, recv_within, send_to
 from hybridmem.ipc.receiver import BucketReceiver
@@ -144,14 +144,14 @@ class EngineLink:
             raise RuntimeError(
                 "this update_weights comes from a trainer link that a later "
                 "init_weight_transfer_engine replaced: sync through the newest trainer_init's "
-                "engine (the old one's link is closed); the model keeps its weights"
+                f"engine (the old one's link is closed); {UNTOUCHED}"
             )
         with self._lock:
             if self._closed:
                 raise RuntimeError(
                     f"the hybridmem link to trainer pid {self.trainer_pid} is closed (the "
                     "trainer exited or the link was shut down): initialise a new one "
-                    "(init_weight_transfer_engine); the model keeps its weights"
+                    f"(init_weight_transfer_engine); {UNTOUCHED}"
                 )
             try:
                 if sync is not None:
@@ -165,8 +165,7 @@ class EngineLink:
                 if gone:
                     self._close_locked()
                 raise SyncError(
-                    f"the weight sync failed before anything was loaded ({exc}); the model "
-                    "keeps its previous weights"
+                    f"the weight sync failed before anything was loaded ({exc}); {UNTOUCHED}"
                     + (
                         "; the trainer is gone (or closed the link), so the link is closed"
                         if gone

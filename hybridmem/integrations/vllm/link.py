@@ -66,6 +66,14 @@ INIT_KEYS = frozenset({"address", "token", "timeout", "protocol", "transport", "
 Weights = list[tuple[str, torch.Tensor]]
 
 
+#: What a refused or failed sync leaves of the model, said in each such error: its
+#: weights as they were, which after vLLM's level-2 sleep and wake is no data at all.
+UNTOUCHED = (
+    "the model's weights are as they were before this sync (after a level-2 sleep and "
+    "wake they hold no data: sync in full before generating)"
+)
+
+
 def bounded_timeout(timeout: object) -> float:
     """Validate a link's ``timeout=``: seconds > 0; None is refused (no unbounded wait)."""
     return check_seconds("timeout", timeout)

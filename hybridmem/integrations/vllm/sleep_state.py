@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import sys
 
+from hybridmem._errors import EngineAsleepError
+
 __all__ = ["EngineAsleepError", "asleep_tags", "refuse_while_asleep"]
 
 _CUMEM = "vllm.device_allocator.cumem"
-
-
-class EngineAsleepError(RuntimeError):
-    """A step that needs an engine's memory came while that memory sleeps.
-
-    Raised before anything is received or written: the engine's state is unchanged.
-    """
 
 
 def asleep_tags() -> frozenset[str]:
