@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -72,17 +73,38 @@ def engine_versions() -> dict[str, str | None]:
     return versions
 
 
+#: The first vLLM release checked to toggle expandable segments off inside its
+#: sleep-mode pool by itself (``vllm/device_allocator/alloc_conf.py``); earlier ones
+#: assert instead.
+_VLLM_TOGGLES_ITSELF = (0, 32)
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
 def _engine_notes(engines: dict[str, str | None], expandable_env: bool) -> list[str]:
     """Known incompatibilities between the installed engines and this environment."""
     notes: list[str] = []
     if not expandable_env:
         return notes
-    if engines.get("vllm"):
-        notes.append(
-            f"vllm {engines['vllm']} with expandable_segments:True in the env: vLLM's sleep-mode "
-            "pool asserts 'Expandable segments are not compatible with memory pool'. Keep the "
-            "env off and turn them on for training only (hm.phase('train'))"
-        )
+    vllm = engines.get("vllm")
+    if vllm:
+        known = _major_minor(vllm)
+        if known is not None and known >= _VLLM_TOGGLES_ITSELF:
+            notes.append(
+                f"vllm {vllm} with expandable_segments:True in the env: vLLM turns them off "
+                "inside its sleep-mode pool and back on after, keeping your other settings; "
+                "hybridmem sees that write and leaves it in force (docs/backends/vllm.md)"
+            )
+        else:
+            notes.append(
+                f"vllm {vllm} with expandable_segments:True in the env: vLLM's sleep-mode "
+                "pool asserts 'Expandable segments are not compatible with memory pool' "
+                "(vLLM 0.32 and later turn them off inside it instead). Keep the env off and "
+                "turn them on for training only (hm.phase('train'))"
+            )
     return notes
 
 

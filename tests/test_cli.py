@@ -168,6 +168,14 @@ def test_doctor_engine_versions_and_known_incompatibilities(
         "torch_memory_saver": "0.0.8",
     }
     assert any("Expandable segments are not compatible" in n for n in report["notes"])
+    installed["vllm"] = "0.33.0"  # toggles them off inside its pool by itself
+    main(["doctor", "--json", "--no-probe"])
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert not any("not compatible" in n for n in notes)
+    assert any(
+        "vllm 0.33.0 with expandable_segments:True in the env: vLLM turns" in n for n in notes
+    )
+    installed["vllm"] = "0.10.1"
     assert any("torch_memory_saver 0.0.8: PYTORCH_CUDA_ALLOC_CONF" in p for p in report["problems"])
     saver = report["torch_memory_saver"]
     assert (saver["version"], saver["hook_mode"], saver["refuses_to_start"]) == (
