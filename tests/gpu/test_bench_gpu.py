@@ -150,9 +150,11 @@ def test_quick_bench_on_vllms_own_sleep_mode_pool(engine: str, tmp_path: Path) -
     """The engine's weights and KV cache in vLLM's ``CuMemAllocator``, slept as verl does.
 
     vLLM's own files run in the engine process; the hand-back and the KV cache are
-    judged as for torch_memory_saver's engine.
+    judged as for torch_memory_saver's engine. ``HYBRIDMEM_GPU_ARTIFACTS=DIR`` keeps the
+    results there (``bench-ENGINE.json``).
     """
-    out = tmp_path / "bench.json"
+    keep = os.environ.get("HYBRIDMEM_GPU_ARTIFACTS")
+    out = (Path(keep) if keep else tmp_path) / f"bench-{engine}.json"
     done = run_alone(
         "-m", "hybridmem.cli", "bench", "--quick", "--engine", engine,
         "--vllm-files", os.environ["HYBRIDMEM_VLLM_FILES"],
