@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import types
@@ -239,7 +240,7 @@ def test_vllm_engine_needs_vllms_files_and_says_where_to_get_them(
     from hybridmem.integrations.vllm.sleep_files import FILES
 
     monkeypatch.delenv("HYBRIDMEM_VLLM_FILES", raising=False)
-    monkeypatch.setattr(engine_memory.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no vLLM here
     with pytest.raises(RuntimeError, match=r"engine 'vllm': vLLM is not installed here.*--vllm"):
         resolve("vllm")
     monkeypatch.setenv("HYBRIDMEM_VLLM_FILES", str(tmp_path / "nowhere"))
