@@ -67,8 +67,9 @@ def _recipes(
 
 
 _VLLM_POOL = (
-    "vLLM's sleep-mode pool asserts 'Expandable segments are not compatible with memory "
-    "pool' (vllm/device_allocator/cumem.py); weights, KV cache and generation live in it"
+    "vLLM's sleep-mode pool cannot use expandable segments (torch#147851): vLLM before 0.32 "
+    "asserts, 0.32 and later turn them off inside it (vllm/device_allocator/cumem.py); "
+    "weights, KV cache and generation live in it"
 )
 VLLM = BackendProfile(
     name="vllm",
