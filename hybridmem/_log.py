@@ -15,7 +15,7 @@ from hybridmem._errors import HybridMemWarning
 
 __all__ = [
     "info_once",
-    "log_warning_once",
+    "log_once",
     "logger",
     "reset_once",
     "user_stacklevel",
@@ -104,16 +104,19 @@ def warn_at(key: str, message: str, code: types.CodeType) -> None:
         )
 
 
+def log_once(key: str, message: str, level: int = logging.INFO) -> None:
+    """Log ``message`` at ``level`` on the ``hybridmem`` logger the first time ``key`` is seen.
+
+    For facts (a WARNING here is something outside hybridmem, not misuse of it: misuse
+    goes through :func:`warn_once`).
+    """
+    if _first_time(f"log{level}:{key}"):
+        logger.log(level, message)
+
+
 def info_once(key: str, message: str) -> None:
-    """Log ``message`` at INFO on the ``hybridmem`` logger once per process."""
-    if _first_time("info:" + key):
-        logger.info(message)
-
-
-def log_warning_once(key: str, message: str) -> None:
-    """Log ``message`` at WARNING the first time ``key`` is seen (a fact, not misuse of ours)."""
-    if _first_time("log:" + key):
-        logger.warning(message)
+    """Log ``message`` at INFO once per process (:func:`log_once` at INFO)."""
+    log_once(key, message)
 
 
 def reset_once() -> None:

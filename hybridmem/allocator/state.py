@@ -28,6 +28,7 @@ after a refusal) must read and write that state under the lock together.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -36,7 +37,7 @@ from types import MappingProxyType
 
 from hybridmem import _torch
 from hybridmem._errors import AllocatorSettingsError
-from hybridmem._log import log_warning_once, logger, warn_once, warn_user
+from hybridmem._log import log_once, logger, warn_once, warn_user
 from hybridmem._names import suggests_keywords
 from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Effective, Setting
 from hybridmem.allocator.grammar import format_settings
@@ -387,7 +388,7 @@ class SettingsEngine:
             else "sees no change from its own settings",
         )
         if lost:
-            log_warning_once(
+            log_once(
                 f"outside-reset:{last}",
                 f"allocator settings {last!r} were written outside hybridmem, and torch's "
                 f"setter reset {', '.join(lost)} with it: torch runs without "
@@ -395,6 +396,7 @@ class SettingsEngine:
                 f"{'them' if len(lost) > 1 else 'it'} back (hm.allocator_state().pending). "
                 "Write the whole string (hm.allocator_state().to_settings_string()) or use "
                 "hm.expandable_segments() to keep them",
+                logging.WARNING,
             )
 
     def _merge_outside(self) -> None:
