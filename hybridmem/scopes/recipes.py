@@ -85,7 +85,9 @@ VLLM = BackendProfile(
         "sync, free staging, then wake the KV cache (vLLM RFC #15254, verl #302)",
         "weight_sync": "classic-segment staging (ipc_safe), then ipc_collect + release",
         "rollout": "classic segments while generating",
-        "sleep": "release what sleep freed (level 1 offloads weights to CPU, level 2 drops them)",
+        "sleep": "release what sleep freed (level 1 offloads weights to CPU, level 2 drops them); "
+        "level 1: integrations.vllm.sleep_backup.PoolBackup pins their host copy once at "
+        "start-up (vLLM pins it at the first sleep: 6.6 s at 16 GiB on an H100, 0.4 s after)",
     },
     adapter=VLLMEngine,
 )
