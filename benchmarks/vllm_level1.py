@@ -49,12 +49,17 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _pinned_by_torch() -> int:
-    """What torch's caching host allocator holds pinned now (its stats; 0 without them)."""
+def _pinned_by_torch() -> int | None:
+    """What torch's caching host allocator holds pinned now (None: its stats say nothing).
+
+    torch 2.11 (cu130) on an H100 reported 0 after vLLM's sleeps had pinned gigabytes:
+    a 0 is taken for "not read", never for "nothing pinned".
+    """
     import torch
 
     stats = getattr(torch.cuda, "host_memory_stats", None)
-    return 0 if stats is None else int(stats().get("reserved_bytes.current", 0))
+    read = 0 if stats is None else int(stats().get("reserved_bytes.current", 0))
+    return read or None
 
 
 def one_size(gib: int, files: str | None) -> dict[str, Any]:
@@ -91,9 +96,10 @@ def one_size(gib: int, files: str | None) -> dict[str, Any]:
             "intact": kept,
         }
 
-    before = _pinned_by_torch()
+    before = _pinned_by_torch() or 0
     vllm = cycles(lambda: alloc.sleep(offload_tags=("weights",)), alloc.wake_up)
-    vllm["host_pinned_gib"] = (_pinned_by_torch() - before) / GiB
+    after = _pinned_by_torch()
+    vllm["host_pinned_gib"] = None if after is None else (after - before) / GiB
     backup = PoolBackup(alloc)
     reserve_s = _timed(backup.reserve)
     ours = cycles(backup.sleep, backup.wake_up)
@@ -117,6 +123,10 @@ def one_size(gib: int, files: str | None) -> dict[str, Any]:
         way["wake_of_pinned"] = up / way["wake_s"]
         row[name] = way
     return row
+
+
+def _gib(value: float | None) -> str:
+    return "not read" if value is None else f"{value:.2f}"
 
 
 def main() -> int:
@@ -168,7 +178,7 @@ def main() -> int:
                 f"{row['gib']:>4} {name:10} {way['sleep_first_s']:10.3f} "
                 f"{way['sleep_steady_s']:10.3f} {way['wake_s']:10.3f} "
                 f"{way['first_of_pinned']:10.3f} {way['steady_of_pinned']:10.3f} "
-                f"{way['wake_of_pinned']:10.3f} {way['host_pinned_gib']:10.2f} "
+                f"{way['wake_of_pinned']:10.3f} {_gib(way['host_pinned_gib']):>10} "
                 f"{way['intact']!s:>10}"
                 + (f"  (reserve {way['reserve_s']:.3f} s)" if "reserve_s" in way else "")
             )
