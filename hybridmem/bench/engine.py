@@ -1,9 +1,9 @@
 """The bench's rollout engine: a process that sleeps, wakes and generates on the same GPU.
 
 It holds a copy of the trainer's weights and a KV cache of a fixed fraction of the
-device, frees both when it sleeps and takes them back when it wakes, the way SGLang
-does: in torch_memory_saver regions, paused and resumed by tag (or, where that is
-not installed, by hand: see :mod:`hybridmem.bench.engine_memory`). The KV cache it
+device, frees both when it sleeps and takes them back when it wakes, by tag, the way
+SGLang does (torch_memory_saver regions) or vLLM does (its sleep-mode pool, at level 2 or
+1), or by hand where neither is there: see :mod:`hybridmem.bench.engine_memory`. The KV cache it
 obtains is what the trainer's switch left it. Weights arrive three ways: per-tensor
 CUDA IPC exports, a fresh exported buffer per batch, or a
 :class:`hybridmem.WeightBucket`.
