@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -45,7 +44,7 @@ from hybridmem._files import FileProblem, timeline_env_problem
 
 # Nothing here imports torch at module level: `hybridmem doctor` starts its IPC probe
 # first, so the probe's interpreters import torch while this one does.
-from hybridmem._version import __version__
+from hybridmem._version import __version__, major_minor
 from hybridmem.allocator.import_check import env_kills_torch
 from hybridmem.engine.memory_saver import memory_saver_facts
 from hybridmem.ipc import _launch as _probe_launch
@@ -79,11 +78,6 @@ def engine_versions() -> dict[str, str | None]:
 _VLLM_TOGGLES_ITSELF = (0, 32)
 
 
-def _major_minor(version: str) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return None if match is None else (int(match.group(1)), int(match.group(2)))
-
-
 def _engine_notes(engines: dict[str, str | None], expandable_env: bool) -> list[str]:
     """Known incompatibilities between the installed engines and this environment."""
     notes: list[str] = []
@@ -91,7 +85,7 @@ def _engine_notes(engines: dict[str, str | None], expandable_env: bool) -> list[
         return notes
     vllm = engines.get("vllm")
     if vllm:
-        known = _major_minor(vllm)
+        known = major_minor(vllm)
         if known is not None and known >= _VLLM_TOGGLES_ITSELF:
             notes.append(
                 f"vllm {vllm} with expandable_segments:True in the env: vLLM turns them off "

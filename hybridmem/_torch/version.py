@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
+
+from hybridmem._version import major_minor
 
 
 def _parse_version(text: str) -> tuple[int, int]:
-    match = re.match(r"(\d+)\.(\d+)", text)
-    if match is None:  # pragma: no cover - torch always has a numeric version
-        return (0, 0)
-    return (int(match.group(1)), int(match.group(2)))
+    # torch always has a numeric version; (0, 0) keeps every version check false
+    return major_minor(text) or (0, 0)
 
 
 _TORCH_VERSION = _parse_version(torch.__version__)

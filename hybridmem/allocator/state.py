@@ -97,6 +97,15 @@ def _misreads(outcome: Outcome, reads: Mapping[str, str]) -> list[str]:
     return found
 
 
+#: The origin of a setting a write from outside hybridmem set (``Setting.origin``).
+_OUTSIDE_ORIGIN = "written outside hybridmem"
+
+
+def _outside_label(changes: dict[str, str]) -> str:
+    """How a write from outside is named among the scopes (``allocator_state().scopes``)."""
+    return f"outside hybridmem ({format_settings(changes.items())})"
+
+
 class SettingsEngine:
     """The merged allocator view and what has been applied to torch (process-global)."""
 
@@ -349,7 +358,7 @@ class SettingsEngine:
             )
             return
         written = {k: v for k, v in outcome.items if k != "backend"}
-        origin = "written outside hybridmem"
+        origin = _OUTSIDE_ORIGIN
         # torch now: the keys it resets went back to their defaults, the string's
         # keys are set, every other key kept its value (an earlier outside write's too).
         model = Effective(
@@ -375,7 +384,7 @@ class SettingsEngine:
             else:
                 del model[key]
         if changes:
-            label = f"outside hybridmem ({format_settings(changes.items())})"
+            label = _outside_label(changes)
             layers.append(
                 Layer(changes, label, overlay(below, changes, origin, "outside"), "outside")
             )
@@ -407,7 +416,7 @@ class SettingsEngine:
             if layers[index].outside and layers[index - 1].outside:
                 earlier = layers[index - 1]
                 earlier.changes = {**earlier.changes, **layers.pop(index).changes}
-                earlier.label = f"outside hybridmem ({format_settings(earlier.changes.items())})"
+                earlier.label = _outside_label(earlier.changes)
                 self._recompute(index - 1)
             else:
                 index += 1
@@ -620,7 +629,7 @@ class SettingsEngine:
                 # A write from outside under every scope: the newer process default
                 # goes on top of it (it joins the defaults, keeping its source).
                 first = self._layers.pop(0)
-                base = overlay(base, first.changes, "written outside hybridmem", "outside")
+                base = overlay(base, first.changes, _OUTSIDE_ORIGIN, "outside")
             self._defaults = overlay(base, changes, "set_allocator_defaults")
             try:
                 self._defaults.state(self.rules())

@@ -119,7 +119,7 @@ def vllm_files_problem(env: Mapping[str, str] | None = None) -> str | None:
         >>> vllm_files_problem({"HYBRIDMEM_VLLM_FILES": "/nowhere"}).split(": ")[1]
         'no such wheel or folder (pip download --no-deps vllm==0.33.0)'
     """
-    from hybridmem.integrations.vllm.sleep_files import FILES
+    from hybridmem.integrations.vllm.sleep_files import first_missing
 
     env = os.environ if env is None else env
     source = env.get(VLLM_FILES_ENV)
@@ -139,10 +139,10 @@ def vllm_files_problem(env: Mapping[str, str] | None = None) -> str | None:
             f"{VLLM_FILES_ENV}={source}: no such wheel or folder "
             "(pip download --no-deps vllm==0.33.0)"
         )
-    missing = [name for name in FILES if not (path / name).is_file()]
-    if missing:
+    missing = first_missing(path)
+    if missing is not None:
         return (
-            f"{VLLM_FILES_ENV}={source} lacks {missing[0]}: "
+            f"{VLLM_FILES_ENV}={source} lacks {missing}: "
             "hybridmem.integrations.vllm.sleep_files.extract(wheel, folder) puts vLLM's files there"
         )
     return None

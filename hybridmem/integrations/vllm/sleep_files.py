@@ -36,7 +36,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FILES", "extract", "load_cumem"]
+__all__ = ["FILES", "extract", "first_missing", "load_cumem"]
 
 #: The wheel's files that run, by their path inside the wheel.
 FILES = (
@@ -82,6 +82,16 @@ def extract(wheel: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Pa
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(archive.read(name))
     return out
+
+
+def first_missing(folder: str | os.PathLike[str]) -> str | None:
+    """The first of :data:`FILES` that ``folder`` lacks (None: it holds them all).
+
+    Example:
+        >>> first_missing("/nowhere")
+        'vllm/cumem_allocator.abi3.so'
+    """
+    return next((name for name in FILES if not (Path(folder) / name).is_file()), None)
 
 
 def _installed() -> Any | None:
@@ -195,15 +205,15 @@ def load_cumem(source: str | os.PathLike[str] | None = None) -> Any:
     root = Path(source)
     if root.is_file():
         folder = root.with_name(root.name + ".files")
-        if not all((folder / name).is_file() for name in FILES):
+        if first_missing(folder) is not None:
             extract(root, folder)
         root = folder
-    for name in FILES:
-        if not (root / name).is_file():
-            raise FileNotFoundError(
-                f"{root / name}: missing; {root} must hold vLLM's files {', '.join(FILES)} "
-                "(hybridmem.integrations.vllm.sleep_files.extract(wheel, folder) puts them there)"
-            )
+    missing = first_missing(root)
+    if missing is not None:
+        raise FileNotFoundError(
+            f"{root / missing}: missing; {root} must hold vLLM's files {', '.join(FILES)} "
+            "(hybridmem.integrations.vllm.sleep_files.extract(wheel, folder) puts them there)"
+        )
     loaded = sys.modules.get("vllm")
     if loaded is not None:
         if getattr(loaded, "__path__", None) == [str(root / "vllm")]:
