@@ -200,6 +200,15 @@ def run_alone(
     return run_python(*args, timeout=timeout, env=env)
 
 
+def artifacts_dir(tmp_path: Path) -> Path:
+    """Where a GPU test keeps its results: ``$HYBRIDMEM_GPU_ARTIFACTS``, else ``tmp_path``.
+
+    Set it to keep a run's raw results for docs/benchmarks.md and the results' READMEs.
+    """
+    keep = os.environ.get("HYBRIDMEM_GPU_ARTIFACTS")
+    return Path(keep) if keep else tmp_path
+
+
 def run_scenario(name: str, module: str = "tests.gpu.scenarios", **env: str) -> dict[str, Any]:
     """Run ``python -m module name`` alone on the GPU; return the facts it printed as JSON.
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu.runner import run_alone
+from tests.gpu.runner import artifacts_dir, run_alone
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -25,8 +25,7 @@ MiB = 1 << 20
 def test_quick_bench_runs_every_strategy(tmp_path: Path) -> None:
     # HYBRIDMEM_GPU_ARTIFACTS=DIR keeps the results and the timelines there (the run
     # quoted in docs/benchmarks.md is this test's).
-    keep = os.environ.get("HYBRIDMEM_GPU_ARTIFACTS")
-    folder = Path(keep) if keep else tmp_path
+    folder = artifacts_dir(tmp_path)
     out = folder / "bench.json"
     done = run_alone(
         "-m",
@@ -153,8 +152,7 @@ def test_quick_bench_on_vllms_own_sleep_mode_pool(engine: str, tmp_path: Path) -
     judged as for torch_memory_saver's engine. ``HYBRIDMEM_GPU_ARTIFACTS=DIR`` keeps the
     results there (``bench-ENGINE.json``).
     """
-    keep = os.environ.get("HYBRIDMEM_GPU_ARTIFACTS")
-    out = (Path(keep) if keep else tmp_path) / f"bench-{engine}.json"
+    out = artifacts_dir(tmp_path) / f"bench-{engine}.json"
     done = run_alone(
         "-m", "hybridmem.cli", "bench", "--quick", "--engine", engine,
         "--vllm-files", os.environ["HYBRIDMEM_VLLM_FILES"],

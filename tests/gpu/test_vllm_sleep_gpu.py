@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu.runner import run_alone, run_scenario
+from tests.gpu.runner import artifacts_dir, run_alone, run_scenario
 from tests.gpu.vllm_sleep_scenarios import FILES_ENV, USER_ENV
 
 pytestmark = [
@@ -67,8 +67,7 @@ def test_hybridmem_composes_with_vllms_pool_toggle() -> None:
 
 def test_level1_sleep_beside_hybridmems_backup_and_pinned_copies(tmp_path: Path) -> None:
     """``benchmarks/vllm_level1.py`` at 1, 4 and 16 GiB: the bytes come back every way."""
-    keep = os.environ.get("HYBRIDMEM_GPU_ARTIFACTS")
-    out = (Path(keep) if keep else tmp_path) / "vllm_level1.json"
+    out = artifacts_dir(tmp_path) / "vllm_level1.json"
     done = run_alone(
         "benchmarks/vllm_level1.py", "--gib", "1", "4", "16", "--json", str(out),
         "--vllm-files", os.environ[FILES_ENV], timeout=600,
