@@ -10,6 +10,7 @@ code are not headings.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -31,8 +32,9 @@ def slug(heading: str) -> str:
     return kept.replace(" ", "-")
 
 
-def anchors(page: Path) -> set[str]:
-    """The anchors GitHub gives ``page``'s headings (fenced code skipped)."""
+@functools.cache
+def anchors(page: Path) -> frozenset[str]:
+    """The anchors GitHub gives ``page``'s headings (fenced code skipped; read once a run)."""
     found: set[str] = set()
     seen: dict[str, int] = {}
     fenced = False
@@ -46,7 +48,7 @@ def anchors(page: Path) -> set[str]:
         count = seen.get(base, 0)
         seen[base] = count + 1
         found.add(base if count == 0 else f"{base}-{count}")
-    return found
+    return frozenset(found)
 
 
 def _shown(path: Path) -> str:
