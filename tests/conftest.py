@@ -7,6 +7,7 @@ import importlib
 import multiprocessing as mp
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -260,6 +261,11 @@ class FakeTorch:
     private_pools: list[tuple[int, int]] = field(default_factory=list)  # (address, size)
     allocator_snapshot: dict[str, Any] | None = None  # what the seam's snapshot() returns
     sees: bool = True  # whether the seam can see strings set outside hybridmem (2.12+)
+    # torch 2.10 - 2.11's way of seeing writes: every caller reaches torch's setter by
+    # its name on ``owner`` (as ``torch._C._accelerator_setAllocatorSettings``), and
+    # hybridmem reads what the watch noted there (see :meth:`watch_writes`)
+    owner: Any = None
+    watch: Any = None
 
     @property
     def rules(self) -> TorchRules:
@@ -293,7 +299,49 @@ class FakeTorch:
             patch_seam(monkeypatch, name, value)
         monkeypatch.setattr(gc, "collect", self.gc_collect)
 
+    def watch_writes(self) -> None:
+        """See writes as hybridmem does on torch 2.10 - 2.11: by the name every caller uses.
+
+        Writers (hybridmem's seam and the stand-ins) then call ``owner.setter``, which is
+        torch's (this fake's) until hybridmem's first read starts the watch, and the
+        watch's wrapper from then on; hybridmem reads what the watch noted.
+        """
+        from hybridmem._torch.write_watch import WriteWatch
+
+        self.owner = types.SimpleNamespace(setter=self.torch_setter)
+        self.watch = WriteWatch(self.owner, "setter", self.true_last)
+
+    def true_last(self) -> str | None:
+        """The last string torch parsed, as its snapshot says (the watch's first read)."""
+        if not self.sees:
+            return None
+        if self.last is not None:
+            return self.last
+        name, _ = self.rules.env_variable(os.environ)
+        return os.environ[name] if name is not None else ""
+
+    def torch_setter(self, text: str) -> None:
+        """torch's binding: refuses with ValueError (the seam maps it)."""
+        from hybridmem import AllocatorSettingsError
+
+        try:
+            self.apply(text)
+        except AllocatorSettingsError as exc:
+            raise ValueError(str(exc)) from None
+
     def set_allocator_settings(self, text: str) -> bool:
+        """The seam's setter: torch's, reached by its name where writes are watched."""
+        if self.owner is None or not self.has_setter:
+            return self.apply(text)
+        from hybridmem import AllocatorSettingsError
+
+        try:
+            self.owner.setter(text)
+        except ValueError as exc:
+            raise AllocatorSettingsError(str(exc)) from None
+        return True
+
+    def apply(self, text: str) -> bool:
         """What torch's setter does, by the model of its parser (and ``reject`` on top)."""
         if not self.has_setter:
             return False
@@ -337,12 +385,10 @@ class FakeTorch:
             self.torch_state.update(dict(outcome.items))
 
     def last_allocator_settings(self) -> str | None:
-        if not self.sees:
-            return None
-        if self.last is not None:
-            return self.last
-        name, _ = self.rules.env_variable(os.environ)
-        return os.environ[name] if name is not None else ""
+        if self.watch is not None and self.sees:
+            last: str | None = self.watch.last()
+            return last
+        return self.true_last()
 
     def empty_cache(self) -> None:
         self.events.append("empty_cache")

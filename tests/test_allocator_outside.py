@@ -67,11 +67,16 @@ def reported(fake: FakeTorch) -> dict[str, object]:
     return fake.rules.run(text).state
 
 
-@pytest.fixture
-def user_env(fake: FakeTorch, monkeypatch: pytest.MonkeyPatch) -> FakeTorch:
+@pytest.fixture(params=["getter", "watch"])
+def user_env(
+    fake: FakeTorch, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> FakeTorch:
+    """The user's env, CUDA up; writes seen by torch's getter (2.12+) or the watch (2.10-2.11)."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", USER_ENV)
     fake.initialized = True
     fake.devices = {}
+    if request.param == "watch":
+        fake.watch_writes()
     return fake
 
 
@@ -254,6 +259,8 @@ def test_random_nesting_with_outside_writes_keeps_both_guarantees(
     _reset_state_for_tests()
     fake.applied.clear()
     fake.last = None
+    if fake.watch is not None:
+        fake.watch.stop()  # a fresh process: started again at hybridmem's first read
     fake.torch_state = dict(fake.rules.run(USER_ENV).items)  # torch parsed the env
     open_: list[tuple[str, Any]] = []
 

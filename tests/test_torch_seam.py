@@ -12,6 +12,7 @@ import torch
 from hybridmem import AllocatorSettingsError, _torch
 from hybridmem._torch import settings as torch_settings
 from hybridmem._torch import version as torch_version_module
+from hybridmem._torch.write_watch import WriteWatch
 
 
 def test_version_parsing() -> None:
@@ -57,6 +58,7 @@ def test_old_setter_without_leaking_its_future_warning(monkeypatch: pytest.Monke
 
     _fake_c(monkeypatch, _cuda_cudaCachingAllocator_set_allocator_settings=old)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", old)
+    monkeypatch.setattr(torch_settings, "_OLD_NAME_WARNS", True)  # a 2.10+ build without the new
     assert _torch.settings_setter_name() == "torch.cuda.memory._set_allocator_settings"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -79,23 +81,80 @@ def test_getter_only_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None
     assert _torch.last_allocator_settings() == "expandable_segments:True"
 
 
-def test_without_the_getter_torch_2_10_to_2_11_say_the_string_in_their_snapshot(
+def test_without_the_getter_torch_2_10_to_2_11_see_writes_where_they_are_made(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """torch 2.10 - 2.11 keep the last string in the snapshot's settings; older say nothing."""
+    """torch 2.10 - 2.11: the string in force read once from the snapshot, then noted at
+    torch's setter for every caller that looks it up; older torch says nothing."""
+    calls: list[str] = []
+
+    def setter(text: str) -> None:
+        if "bad" in text:
+            raise ValueError("torch refuses it")
+        calls.append(text)
+
+    fake_c = _fake_c(monkeypatch, _accelerator_setAllocatorSettings=setter)
+    snapshots: list[int] = []
+
+    def snapshot() -> dict[str, Any]:
+        snapshots.append(1)
+        return {"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}}
+
+    watch = WriteWatch(fake_c, torch_settings.NEW_SETTER, torch_settings._snapshot_settings_string)
     monkeypatch.setattr(torch_settings, "_GETTER_FN", None)
-    monkeypatch.setattr(torch_settings, "cuda_initialized", lambda: True)
-    snap = {"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}}
-    monkeypatch.setattr(torch_settings, "snapshot", lambda: snap)
-    for version, seen in (((2, 11), "expandable_segments:False"), ((2, 9), None)):
-        monkeypatch.setattr(torch_settings, "torch_version", lambda v=version: v)
-        assert _torch.last_allocator_settings() == seen
-        assert _torch.sees_settings_writes() is (seen is not None)
-    monkeypatch.setattr(torch_settings, "torch_version", lambda: (2, 11))
+    monkeypatch.setattr(torch_settings, "_WATCHED", True)
+    monkeypatch.setattr(torch_settings, "_WATCH", watch)
+    monkeypatch.setattr(torch_settings, "snapshot", snapshot)
     monkeypatch.setattr(torch_settings, "cuda_initialized", lambda: False)
-    assert _torch.last_allocator_settings() is None  # no CUDA: no snapshot, no string
+    assert _torch.last_allocator_settings() is None  # no CUDA yet: no snapshot, no string
     assert _torch.sees_settings_writes() is False
-    monkeypatch.setattr(torch_settings, "_GETTER_FN", lambda: "x")
+    assert not _torch.settings_writes_watched()
+    monkeypatch.setattr(torch_settings, "cuda_initialized", lambda: True)
+    assert _torch.sees_settings_writes() is True
+    assert _torch.last_allocator_settings() == "expandable_segments:False"  # the string in force
+    assert _torch.settings_writes_watched()
+    assert fake_c._accelerator_setAllocatorSettings is not setter  # the watch is in place
+    # hybridmem's own write and another library's (looked up by name, as vLLM and verl do)
+    assert _torch.set_allocator_settings("expandable_segments:True") is True
+    assert _torch.last_allocator_settings() == "expandable_segments:True"
+    fake_c._accelerator_setAllocatorSettings("max_split_size_mb:64")
+    assert _torch.last_allocator_settings() == "max_split_size_mb:64"
+    assert calls == ["expandable_segments:True", "max_split_size_mb:64"]
+    # torch notes a string before parsing it: a refused one is the last string too
+    with pytest.raises(AllocatorSettingsError, match="torch refuses it"):
+        _torch.set_allocator_settings("bad:1")
+    assert _torch.last_allocator_settings() == "bad:1"
+    assert len(snapshots) == 1  # read once, when the watch started: never on the hot path
+    _torch.stop_watching_settings_writes()
+    assert fake_c._accelerator_setAllocatorSettings is setter  # torch's own back
+    monkeypatch.setattr(torch_settings, "_WATCHED", False)  # torch <= 2.9: nothing to read
+    assert _torch.last_allocator_settings() is None
+
+
+def test_where_the_watch_cannot_start_every_read_is_a_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reference to torch's setter bound before the watch started bypasses it: snapshots."""
+    calls: list[str] = []
+    fake_c = _fake_c(monkeypatch, _accelerator_setAllocatorSettings=calls.append)
+    bound_early = {"set_settings": fake_c._accelerator_setAllocatorSettings}  # a module's import
+    state = {"last": ""}
+
+    def snapshot() -> dict[str, Any]:
+        return {"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": state["last"]}}
+
+    watch = WriteWatch(fake_c, torch_settings.NEW_SETTER, torch_settings._snapshot_settings_string)
+    for name, value in (
+        ("_GETTER_FN", None), ("_WATCHED", True), ("_WATCH", watch), ("snapshot", snapshot),
+        ("cuda_initialized", lambda: True),
+    ):  # fmt: skip
+        monkeypatch.setattr(torch_settings, name, value)
+    assert _torch.last_allocator_settings() == ""
+    assert not _torch.settings_writes_watched()
+    assert watch.captured == ("a dict ('set_settings')",)
+    bound_early["set_settings"]("expandable_segments:True")
+    state["last"] = "expandable_segments:True"  # what torch's snapshot now says
+    assert _torch.last_allocator_settings() == "expandable_segments:True"  # seen all the same
     assert _torch.sees_settings_writes() is True
 
 

@@ -140,7 +140,14 @@ class ScopedContext(abc.ABC):
     # ------------------------------------------------------------------ #
     def __enter__(self: _Self) -> _Self:
         token = _DISABLED if disabled() else self._enter()
-        self._push(token)
+        # _push, inlined: every scope entry runs this (hot path)
+        loop = _get_running_loop()
+        key = (_get_ident(), id(_current_task(loop)) if loop is not None else 0)
+        stack = self._frames.get(key)
+        if stack is None:
+            self._frames[key] = [token]
+        else:
+            stack.append(token)
         return self
 
     def __exit__(
@@ -149,7 +156,15 @@ class ScopedContext(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        token = self._pop()
+        # _pop's usual case, inlined: every scope exit runs this (hot path)
+        loop = _get_running_loop()
+        key = (_get_ident(), id(_current_task(loop)) if loop is not None else 0)
+        stack = self._frames.get(key)
+        if stack is not None and len(stack) == 1:
+            del self._frames[key]
+            token = stack[0]
+        else:
+            token = self._pop()
         if token is not _DISABLED:
             self._exit(token, exc)
 

@@ -12,6 +12,7 @@ from hybridmem._errors import AllocatorSettingsError
 from hybridmem._format import first_line
 from hybridmem._torch.device import cuda_built, cuda_initialized
 from hybridmem._torch.version import torch_version
+from hybridmem._torch.write_watch import WriteWatch
 
 # torch 2.10+ moved the setter to the accelerator-generic binding; the old
 # ``torch.cuda.memory._set_allocator_settings`` still exists there but emits a
@@ -79,10 +80,13 @@ def set_allocator_settings(settings: str) -> bool:
         old = _old_setter()
         if old is None:
             return False
-        # On 2.10+ this path is never taken (the new setter exists); the filter
-        # only guards odd builds so that torch's FutureWarning never reaches users.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
+        if _OLD_NAME_WARNS:
+            # On 2.10+ this path is never taken (the new setter exists); the filter
+            # only guards odd builds so that torch's FutureWarning never reaches users.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                old(settings)
+        else:  # torch <= 2.9: the old name is the only one, and says nothing
             old(settings)
         return True
     except _REFUSALS as exc:
@@ -102,17 +106,19 @@ def last_allocator_settings() -> str | None:
 
     This is the env string at start-up or the last string given to the setter, by
     anyone, not the effective configuration; hybridmem uses it to see settings
-    written outside it. torch 2.12+: its getter (cheap). torch 2.10 - 2.11, once CUDA
-    is initialised: the ``PYTORCH_CUDA_ALLOC_CONF`` entry of the allocator snapshot's
-    settings, the same string (the snapshot walks every segment: see
-    :func:`sees_settings_writes`). The getter's first call makes torch parse its env
-    variable.
+    written outside it, at every scope entry and exit (hot path). torch 2.12+: its
+    getter (microseconds). torch 2.10 - 2.11, once CUDA is initialised: the string
+    noted where it is written (:class:`~hybridmem._torch.write_watch.WriteWatch`,
+    started at the first read; nanoseconds), or, where a reference to the setter
+    bypasses that, the ``PYTORCH_CUDA_ALLOC_CONF`` entry of the allocator snapshot's
+    settings (a walk of every block). The getter's first call makes torch parse its
+    env variable.
 
     Raises:
         AllocatorSettingsError: torch refused the env string on that first parse.
     """
     if _GETTER_FN is None:
-        return _snapshot_settings_string()
+        return _WATCH.last() if _WATCHED and (_WATCH.started or cuda_initialized()) else None
     try:
         value = _GETTER_FN()
     except _REFUSALS as exc:  # its first call parses the env, which may be malformed
@@ -124,26 +130,47 @@ def last_allocator_settings() -> str | None:
 
 def _snapshot_settings_string() -> str | None:
     """The last settings string, from the snapshot (torch 2.10 - 2.11 with CUDA up)."""
-    if torch_version() < (2, 10) or not cuda_initialized():
+    if not cuda_initialized():
         return None
     settings = snapshot_allocator_settings()
     value = settings.get("PYTORCH_CUDA_ALLOC_CONF") if settings is not None else None
     return value if isinstance(value, str) else None
 
 
+def settings_writes_watched() -> bool:
+    """Whether this process sees settings writes without reading the snapshot (hot path).
+
+    True on torch 2.12+ (its getter) and on torch 2.10 - 2.11 once the write watch is in
+    place; False where reads go to the allocator snapshot or nothing can be read.
+    """
+    return _GETTER_FN is not None or _WATCH.watching
+
+
+def stop_watching_settings_writes() -> None:
+    """Put torch's own setter back where the write watch replaced it (tests; teardown)."""
+    _WATCH.stop()
+
+
 def sees_settings_writes() -> bool:
     """Whether :func:`last_allocator_settings` can see a string set by anyone, now.
 
     True on torch 2.12+ (its getter), and on torch 2.10 - 2.11 once CUDA is
-    initialised (the snapshot); False otherwise (earlier torch, or no CUDA yet).
+    initialised (the write watch, or the snapshot where the watch cannot start); False
+    otherwise (earlier torch, or no CUDA yet).
     """
-    return _GETTER_FN is not None or (torch_version() >= (2, 10) and cuda_initialized())
+    return _GETTER_FN is not None or (_WATCHED and cuda_initialized())
 
 
 # Bound once: it is called on every scope entry and exit (hot path).
 _GETTER_FN: Callable[[], object] | None = getattr(torch._C, GETTER, None)
 if not callable(_GETTER_FN):
     _GETTER_FN = None
+# torch 2.10+ deprecated the old setter's name (a FutureWarning); catching it costs
+# microseconds, so only where it can be raised.
+_OLD_NAME_WARNS = torch_version() >= (2, 10)
+# torch 2.10 - 2.11 (the setter exists, the getter does not): writes are watched.
+_WATCHED = _GETTER_FN is None and torch_version() >= (2, 10)
+_WATCH = WriteWatch(torch._C, NEW_SETTER, _snapshot_settings_string)
 
 
 def snapshot() -> dict[str, Any] | None:

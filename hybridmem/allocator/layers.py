@@ -15,6 +15,8 @@ from hybridmem.allocator.grammar import KEYS
 
 __all__ = ["Layer", "expandable", "overlay", "same_value"]
 
+_get_ident = threading.get_ident  # bound once: a layer is made at every scope entry
+
 
 class Layer:
     """One active change, with the effective settings once it applies.
@@ -35,7 +37,7 @@ class Layer:
     ) -> None:
         self.changes = changes
         self.label = label
-        self.thread = threading.get_ident()
+        self.thread = _get_ident()
         self.effective = effective
         self.source: Source = source
 

@@ -40,7 +40,7 @@ from hybridmem._errors import AllocatorSettingsError
 from hybridmem._log import log_once, logger, warn_once, warn_user
 from hybridmem._names import suggests_keywords
 from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Effective, Setting
-from hybridmem.allocator.grammar import format_settings
+from hybridmem.allocator.grammar import KEYS, format_settings
 from hybridmem.allocator.layers import Layer, expandable, overlay
 from hybridmem.allocator.rules import (
     CUDA_ALLOC_CONF,
@@ -131,6 +131,8 @@ class SettingsEngine:
             self._out_of_order: tuple[int, ...] = ()  # the layers the last warning named
             self._applied: str | None = None
             self._seen: str | None = None  # the last string torch had, as far as hybridmem saw
+            # what torch's last string is while nobody else wrote: _seen, else the env's
+            self._expect = ""
             self._current: Effective | None = None  # what torch has; None = env state
             self._can_apply_cache: bool | None = None
             self._rules: TorchRules | None = None
@@ -196,6 +198,8 @@ class SettingsEngine:
         self._env_ignored = tuple(ignored)
         self._env_error = error
         self._torch_env_text = text
+        if self._seen is None:
+            self._expect = text
         self._env_effective = effective
         self._env_explicit = explicit
         self._env_reads = MappingProxyType(reads)
@@ -306,6 +310,7 @@ class SettingsEngine:
                 ),
                 pending=MappingProxyType(pending),
                 sees_outside=_torch.sees_settings_writes(),
+                known=tuple(k for k, spec in KEYS.items() if spec.since <= self.rules().version),
             )
 
     def _pending(self) -> dict[str, Setting]:
@@ -342,10 +347,9 @@ class SettingsEngine:
         last = _torch.last_allocator_settings()
         if last is None:
             return
-        expected = self._seen if self._seen is not None else self._torch_env_text
-        if last == expected:
+        if last == self._expect:
             return
-        self._seen = last
+        self._seen = self._expect = last
         rules = self.rules()
         current = self._current if self._current is not None else self._env_effective
         outcome = rules.run(last, current.state(rules))
@@ -503,7 +507,7 @@ class SettingsEngine:
             self._roll_back(current, text, exc)
             raise
         self._env_frozen = True
-        self._applied = self._seen = text
+        self._applied = self._seen = self._expect = text
         self._current = target
         logger.debug("allocator settings applied: %s", text)
 
@@ -534,7 +538,7 @@ class SettingsEngine:
                 "now has part of the refused string",
             )
             return
-        self._applied = self._seen = restore
+        self._applied = self._seen = self._expect = restore
         self._env_frozen = True
         extra = f"; {'; '.join(kept)}" if kept else ""
         exc.args = (f"{exc}. hybridmem put the settings before it back{extra}",)
@@ -562,21 +566,49 @@ class SettingsEngine:
             return False
         return True
 
-    def push(self, changes: dict[str, str], label: str, *, release_cache: bool) -> Layer:
+    def _observe_now(self) -> None:
+        """:meth:`_observe` at a scope's entry and exit: one read, when nobody wrote."""
+        if self._env_frozen:  # the env was read and holds no error
+            last = _torch.last_allocator_settings()
+            if last is None or last == self._expect:
+                return
+        self._observe()
+
+    def push(
+        self,
+        changes: dict[str, str],
+        label: str,
+        *,
+        release_cache: bool,
+        memo: list[Effective | None] | None = None,
+    ) -> Layer:
+        """Enter a scope: its changes on top of the active ones, applied when they change.
+
+        ``memo``: the caller's ``[view below, view with the changes]`` from its last
+        entry, for these same ``changes``; reused when the view below is the same object
+        (a scope entered again and again costs no merge), updated otherwise.
+        """
         with self.lock:
-            self._observe()
+            self._observe_now()
             layers = self._layers
             top = layers[-1].effective if layers else self._base()
-            layer = Layer(changes, label, overlay(top, changes, label))
-            if layer.effective is not top:
+            remembered = memo[1] if memo is not None and memo[0] is top else None
+            if remembered is not None:
+                effective = remembered
+            else:
+                effective = overlay(top, changes, label)
+                if memo is not None:
+                    memo[:] = (top, effective)
+            layer = Layer(changes, label, effective)
+            if effective is not top:
                 rules = self.rules()
                 # Refuse what torch would refuse, before anything is applied...
-                if layer.effective.state(rules) != top.state(rules):
+                if effective.state(rules) != top.state(rules):
                     # ...including an exit that could not go back.
-                    self._settings_string(top, layer.effective)
+                    self._settings_string(top, effective)
             layers.append(layer)
-            current = self._current if self._current is not None else self._env_effective
-            if layer.effective is current:
+            current = self._current
+            if effective is current or (current is None and effective is self._env_effective):
                 return layer  # nothing to apply (the common "no change" entry)
             try:
                 self.sync(release_cache=release_cache)
@@ -589,11 +621,12 @@ class SettingsEngine:
         with self.lock:
             # First: a write from outside made while the scope was active is a layer
             # above it, and stays in force as the scope exits.
-            self._observe()
+            self._observe_now()
             layers = self._layers
             if layers and layers[-1] is layer:  # the usual, LIFO case
                 layers.pop()
-                self._out_of_order = ()
+                if self._out_of_order:
+                    self._out_of_order = ()
                 if (layers[-1].effective if layers else self._base()) is not self._current:
                     self.sync(release_cache=release_cache)
                 return

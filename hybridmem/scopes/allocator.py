@@ -9,7 +9,7 @@ from hybridmem._env import disabled
 from hybridmem._log import info_once, logger
 from hybridmem._names import suggests_keywords
 from hybridmem._scope import ScopedContext
-from hybridmem.allocator.effective import AllocatorState
+from hybridmem.allocator.effective import AllocatorState, Effective
 from hybridmem.allocator.grammar import KEYS, normalize_value
 from hybridmem.allocator.rules import (
     CUDA_ALLOC_CONF,
@@ -54,6 +54,11 @@ class AllocatorScope(ScopedContext):
     _release_cache: bool
     _force: bool
     _label: str  # repr, computed once: it is needed on every entry
+    _memo: list[Effective | None]  # [view below, view with _changes] (ENGINE.push)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._memo = [None, None]
 
     def __repr__(self) -> str:
         return self._label
@@ -62,7 +67,14 @@ class AllocatorScope(ScopedContext):
         changes = self._changes
         if "expandable_segments" in changes:
             changes = _respect_env(changes, force=self._force, who=self._label)
-        return ENGINE.push(changes, self._label, release_cache=self._release_cache)
+        return ENGINE.push(
+            changes,
+            self._label,
+            release_cache=self._release_cache,
+            # the merge of these changes, kept for the next entry (shared by the copies
+            # a decorator makes: the same changes, the same merge)
+            memo=self._memo if changes is self._changes else None,
+        )
 
     def _exit(self, token: object, exc: BaseException | None) -> None:
         ENGINE.pop(token, release_cache=self._release_cache)  # type: ignore[arg-type]

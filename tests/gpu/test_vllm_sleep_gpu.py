@@ -63,6 +63,10 @@ def test_hybridmem_composes_with_vllms_pool_toggle() -> None:
     assert "a weight update came while vLLM's 'weights' memory sleeps" in facts["refused"]
     assert facts["asleep_after_weights"] == ["kv_cache"]
     assert facts["asleep_at_end"] == []
+    # torch 2.10 - 2.11 have no getter: hybridmem saw vLLM's writes where torch's setter is
+    # called (no snapshot per scope), and the rows above agree with torch's own snapshot
+    if (2, 10) <= tuple(int(p) for p in facts["torch"].split(".")[:2]) < (2, 12):
+        assert facts["watched"] is True
 
 
 def test_level1_sleep_beside_hybridmems_backup_and_pinned_copies(tmp_path: Path) -> None:

@@ -147,20 +147,26 @@ def composition() -> dict[str, Any]:
         "refused": refused,
         "asleep_after_weights": asleep_after_weights,
         "asleep_at_end": sorted(asleep_tags()),
-        "snapshot_ms": _snapshot_cost(),
+        "watched": _torch.settings_writes_watched(),
+        "read_cost": _read_cost(),
     }
 
 
-def _snapshot_cost() -> list[dict[str, float]]:
-    """What reading the last settings string from the snapshot costs (torch < 2.12)."""
+def _read_cost() -> list[dict[str, float]]:
+    """What hybridmem's read of the last settings string costs, beside one snapshot."""
     out = []
     for count in (100, 10_000):
         keep = [torch.empty(4096 * (1 + i % 7), device="cuda") for i in range(count)]
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(5):
+        for _ in range(1000):
             _torch.last_allocator_settings()
-        out.append({"blocks": count, "ms": (time.perf_counter() - start) / 5 * 1e3})
+        read_us = (time.perf_counter() - start) / 1000 * 1e6
+        start = time.perf_counter()
+        for _ in range(5):
+            torch.cuda.memory._snapshot()
+        snapshot_us = (time.perf_counter() - start) / 5 * 1e6
+        out.append({"blocks": count, "read_us": read_us, "snapshot_us": snapshot_us})
         del keep
     return out
 
