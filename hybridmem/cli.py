@@ -5,10 +5,12 @@ in this environment: torch and CUDA versions, the allocator backend, the effecti
 allocator settings with the source of each, the version-dependent torch APIs found,
 what CUDA IPC can do here (classic and expandable segments, pidfd_getfd, ptrace
 scope, container hints; probed in child processes), whether expandable segments can
-be toggled at runtime, and the installed vLLM / SGLang / torch_memory_saver with the
-known incompatibilities for them. It never initialises CUDA in its own process. Exit
-code 0 when nothing blocks, 1 when something does (a malformed allocator env
-variable, CUDA IPC broken), 2 for bad command-line usage.
+be toggled at runtime, the installed vLLM / SGLang / torch_memory_saver with the
+known incompatibilities for them, and verl: its version, whether ``HYBRIDMEM_VERL=1``
+asks for the drop-in, and what its workers would fail to import. It never initialises
+CUDA in its own process. Exit code 0 when nothing blocks, 1 when something does (a
+malformed allocator env variable, CUDA IPC broken, the verl drop-in asked for where
+verl's workers cannot import), 2 for bad command-line usage.
 
 ``hybridmem plot TIMELINE... -o out.png`` draws a recorded timeline (see
 :func:`hybridmem.record`): memory over time, phases shaded and annotated.
@@ -47,6 +49,7 @@ from hybridmem._files import FileProblem, timeline_env_problem
 from hybridmem._version import __version__, major_minor
 from hybridmem.allocator.import_check import env_kills_torch
 from hybridmem.engine.memory_saver import memory_saver_facts
+from hybridmem.integrations.verl.facts import verl_facts
 from hybridmem.ipc import _launch as _probe_launch
 
 if TYPE_CHECKING:
@@ -227,6 +230,10 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         == "True"
     )
     notes.extend(_engine_notes(engines, expandable_env))
+    verl = verl_facts()
+    report["verl"] = verl.as_dict()
+    notes.extend(verl.notes)
+    problems.extend(verl.problems)
     saver = memory_saver_facts(
         expandable_effective=expandable_env, version=engines.get("torch_memory_saver")
     )
@@ -290,6 +297,7 @@ def _print_human(report: dict[str, Any]) -> None:
             print(f"  ERROR: {alloc['cuda_build_refuses']}")
     engines = report.get("engines", {})
     print("\nengines: " + ", ".join(f"{k} {v or '(not installed)'}" for k, v in engines.items()))
+    print(report["verl"]["said"])
     saver = report.get("torch_memory_saver")
     if saver:
         library = saver["preload_library"] or "none in LD_PRELOAD"

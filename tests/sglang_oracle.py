@@ -1,7 +1,7 @@
 """SGLang's own flattened-bucket code, read from its wheel, as the SGLang drop-in's oracle.
 
-``HYBRIDMEM_SGLANG_WHEEL`` names SGLang 0.5.23's wheel (``pip download --no-deps
-sglang==0.5.23``). From it: ``sglang/srt/weight_sync/tensor_bucket.py`` (its
+SGLang 0.5.23's wheel is found as :mod:`tests.wheels` says (``HYBRIDMEM_SGLANG_WHEEL``,
+else ``tests/wheels/``). From it: ``sglang/srt/weight_sync/tensor_bucket.py`` (its
 ``FlattenedTensorBucket`` and ``FlattenedTensorMetadata``, pure torch), run as it is;
 and, from ``sglang/srt/model_executor/model_runner_components/weight_updater.py``, the
 server's ``_update_weights_from_flattened_bucket`` (what SGLang does with a
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import os
 import sys
 import types
 import zipfile
@@ -24,24 +23,24 @@ from typing import Any
 
 import torch
 
+from tests import wheels
+
 BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
 UPDATER = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
 _FUNCTIONS = ("_update_weights_from_flattened_bucket", "_unwrap_tensor")
 
 
 def wheel() -> str | None:
-    return os.environ.get("HYBRIDMEM_SGLANG_WHEEL") or None
+    found = wheels.find_wheel("sglang")
+    return None if found is None else str(found)
 
 
 def required() -> bool:
-    return os.environ.get("HYBRIDMEM_REQUIRE_SGLANG") == "1"
+    return wheels.required("sglang")
 
 
 def missing_reason() -> str:
-    return (
-        "SGLang's wheel was not found: `pip download --no-deps sglang==0.5.23` and set "
-        "HYBRIDMEM_SGLANG_WHEEL to it"
-    )
+    return wheels.missing_reason("sglang")
 
 
 @functools.cache

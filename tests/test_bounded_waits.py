@@ -58,9 +58,20 @@ def _unbounded(path: Path) -> list[str]:
         for call in _calls(tree)
         if _called(call) == "wait_for" and call.args and len(call.args) + len(call.keywords) >= 2
     }
+    # A ContextVar's get() reads a value; it never waits.
+    context_vars = {
+        _name(target)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and isinstance(node.value, ast.Call)
+        and _called(node.value) == "ContextVar"
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    }
     for call in _calls(tree):
         func = call.func
         if not isinstance(func, ast.Attribute) or id(call) in bounded:
+            continue
+        if func.attr == "get" and _name(func.value) in context_vars:
             continue
         where = f"{shown(path)}:{call.lineno}"
         bare = not call.args and not call.keywords
@@ -162,5 +173,7 @@ def test_the_rules_catch_what_they_are_for(tmp_path: Path, monkeypatch: pytest.M
         "    ', '.join(['a'])\n"
         "    subprocess.run(['x'], timeout=60)\n"
         "    asyncio.wait_for(tasks.get(), 60)\n"
+        "    flag = contextvars.ContextVar('flag', default=False)\n"
+        "    flag.get()\n"
     )
     assert _unbounded(good) == []

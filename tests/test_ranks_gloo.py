@@ -8,7 +8,6 @@ weights or syncing; the next cycle succeeds everywhere; nothing hangs.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -162,10 +161,10 @@ def test_context_parallel_unpack_gathers_through_the_group(tmp_path: Path, world
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_verl_pair_gathers_through_the_group_as_verls_own(tmp_path: Path, world: int) -> None:
     """Each rank is a cp rank; postprocess gathers over gloo; outputs and gradients = verl's."""
-    from tests import verl_oracle
+    from tests import verl_oracle, wheels
 
-    found = verl_oracle.verl_source()
-    wheel = os.environ.get("HYBRIDMEM_VERL_WHEEL", "-") if found else "-"
+    found = wheels.find_wheel("verl")
+    wheel = str(found) if found is not None else "-"
     if wheel == "-" and verl_oracle.required():
         pytest.fail(verl_oracle.missing_reason() + " (HYBRIDMEM_REQUIRE_VERL=1)")
     start_ranks("tests.gloo_packing_verl", [str(tmp_path), wheel], world)

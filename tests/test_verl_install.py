@@ -13,8 +13,10 @@ import importlib.util
 import logging
 import sys
 import textwrap
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -220,3 +222,116 @@ def test_verl_that_fails_to_import_is_a_warning_with_its_error(
         "named 'ray_not_installed_here')"
     )
     assert not install.installed()
+
+
+def test_a_worker_module_that_misses_verl_core_names_the_install_line(
+    fake_verl: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """verl 0.9.1 without its verl-core extra: `No module named 'uvicorn'` from its workers."""
+    (fake_verl / "verl" / "workers" / "engine_workers.py").write_text("import uvicorn_not_here\n")
+    install.install()
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("verl.workers.engine_workers")
+    (warning,) = _said(caplog, logging.WARNING)
+    assert warning.startswith(
+        "verl drop-in not in place: import verl.workers.engine_workers failed "
+        "(ModuleNotFoundError: No module named 'uvicorn_not_here')"
+    )
+    assert install.install_line() in warning
+    assert install.install_line().startswith('pip install "verl[verl-core]')
+
+
+def test_an_error_of_verls_own_is_not_blamed_on_its_extra(
+    fake_verl: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (fake_verl / "verl" / "workers" / "engine_workers.py").write_text("raise KeyError('cfg')\n")
+    install.install()
+    with pytest.raises(KeyError):
+        importlib.import_module("verl.workers.engine_workers")
+    (warning,) = _said(caplog, logging.WARNING)
+    assert "an error of verl's own" in warning
+    assert "verl-core" not in warning
+
+
+@pytest.mark.parametrize("error", ["import uvicorn_not_here", "raise RuntimeError('verl')"])
+def test_verls_import_errors_keep_their_frames_through_the_hook(
+    fake_verl: Path, error: str
+) -> None:
+    """The hook's frames go with the import machinery's: the traceback verl's alone gives."""
+    (fake_verl / "verl" / "workers" / "engine_workers.py").write_text(f"x = 1\n{error}\n")
+
+    def frames() -> list[tuple[str, str]]:
+        for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+            del sys.modules[name]
+        try:  # an import statement: the one Python trims the machinery's frames from
+            exec(compile("import verl.workers.engine_workers", "<user>", "exec"), {})
+        except (ImportError, RuntimeError) as exc:
+            return [(f.filename, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+        raise AssertionError("the import did not fail")
+
+    without = frames()
+    install.install()
+    with_hook = frames()
+    assert with_hook == without
+    assert not any(file.endswith("verl/install.py") or "importlib" in file for file, _ in with_hook)
+    assert with_hook[-1][0].endswith("engine_workers.py")
+
+
+def test_every_call_says_what_it_did(
+    fake_verl: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hybridmem")
+    monkeypatch.delenv(install.ENV, raising=False)
+    assert not install.install_from_env()
+    assert _said(caplog, logging.INFO) == [
+        "verl drop-in not installed: HYBRIDMEM_VERL is unset (set HYBRIDMEM_VERL=1 to install it)"
+    ]
+    caplog.clear()
+    monkeypatch.setenv(install.ENV, "yes")
+    assert not install.install_from_env()
+    assert "HYBRIDMEM_VERL is 'yes'" in _said(caplog, logging.INFO)[0]
+    caplog.clear()
+    importlib.import_module("verl.utils.device")
+    assert install.install() == ["verl.utils.device.set_expandable_segments"]
+    caplog.clear()
+    assert install.install() == []
+    assert _said(caplog, logging.INFO) == [
+        "verl drop-in: install() called again; already in place "
+        "(verl.utils.device.set_expandable_segments)"
+    ]
+    caplog.clear()
+    install.uninstall()
+    assert _said(caplog, logging.INFO) == [
+        "verl drop-in removed: verl's own verl.utils.device.set_expandable_segments put back"
+    ]
+
+
+def test_a_subclass_keeping_restored_on_failure_over_the_drop_in_says_it_once(
+    fake_verl: Path, training: FakeTorch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/backends/verl.md's worker with @restored_on_failure kept, install() as well."""
+    install.install()
+    workers = importlib.import_module("verl.workers.engine_workers")
+
+    class HybridWorker(workers.ActorRolloutRefWorker):  # type: ignore[misc, name-defined]
+        @allocator.restored_on_failure
+        async def update_weights(self, global_steps: Any = None, mode: str = "auto") -> Any:
+            return await super().update_weights(global_steps=global_steps, mode=mode)
+
+    def fail() -> None:
+        async def run() -> Any:
+            return await HybridWorker().update_weights()
+
+        asyncio.run(run())
+
+    with pytest.raises(RuntimeError, match="did not wake") as failed:
+        fail()
+    (warning,) = _said(caplog, logging.WARNING)
+    assert warning.startswith("verl's update_weights failed (RuntimeError)")
+    notes = getattr(failed.value, "__notes__", [])
+    assert sys.version_info < (3, 11) or len(notes) == 1
+    assert hm.allocator_state().expandable_segments  # restored, once
+    # the next failure is restored and said again (the guard is per call)
+    with pytest.raises(RuntimeError):
+        fail()
+    assert len(_said(caplog, logging.WARNING)) == 2

@@ -12,7 +12,11 @@ from __future__ import annotations
 import ast
 import asyncio
 import functools
+import importlib.util
 import inspect
+import json
+import os
+import subprocess
 import sys
 import types
 import zipfile
@@ -24,13 +28,16 @@ import pytest
 
 import hybridmem as hm
 from hybridmem.integrations.verl import allocator
+from hybridmem.integrations.verl import install as install_module
 from tests import verl_oracle
 from tests.conftest import FakeTorch
-from tests.helpers import REPO
+from tests.helpers import REPO, clean_env
 from tests.test_docs import blocks
 
 DOC = REPO / "docs" / "backends" / "verl.md"
 WORKERS = "verl/workers/engine_workers.py"
+#: verl 0.9.1's worker modules import what only its verl-core extra installs (uvicorn...)
+INSTALL = 'pip install "verl[verl-core]==0.9.1"'
 DECORATOR = "verl/single_controller/base/decorator.py"
 
 
@@ -177,3 +184,54 @@ def test_the_subclass_runs_and_a_failed_update_restores_the_allocator(
     failed = training.events.index("update 8 naive")
     assert "empty_cache" in training.events[failed:]  # the failed stages' cache released
     assert hm.allocator_state()["max_split_size_mb"] == "256"  # the user's, kept
+
+
+# --------------------------------------------------------------------------- #
+# On verl itself, installed as the docs say (CI's verl job)
+# --------------------------------------------------------------------------- #
+
+_ON_VERL = """
+import inspect, json, sys
+exec(compile(sys.stdin.read(), "docs/backends/verl.md:HybridWorker", "exec"), globals())
+from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch
+method = HybridWorker.update_weights
+attrs = getattr(method, MAGIC_ATTR)
+print(json.dumps({
+    "coroutine": inspect.iscoroutinefunction(method),
+    "one_to_all": attrs["dispatch_mode"] is Dispatch.ONE_TO_ALL,
+    "blocking": attrs["blocking"],
+    "base": HybridWorker.__mro__[1].__module__,
+}))
+"""
+
+
+def test_the_block_defines_the_worker_on_verls_own_modules(tmp_path: Path) -> None:
+    """With verl installed as docs/backends/verl.md says, the snippet imports and registers."""
+    if importlib.util.find_spec("verl") is None:
+        if os.environ.get("HYBRIDMEM_REQUIRE_VERL_INSTALLED") == "1":
+            pytest.fail(f"verl is not installed (HYBRIDMEM_REQUIRE_VERL_INSTALLED=1): {INSTALL}")
+        pytest.skip(f"needs verl 0.9.1 installed with its verl-core extra: {INSTALL}")
+    result = subprocess.run(
+        [sys.executable, "-c", _ON_VERL],
+        input=_block(),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert facts == {
+        "coroutine": True,  # verl's register awaits it
+        "one_to_all": True,
+        "blocking": False,
+        "base": "verl.workers.engine_workers",
+    }
+
+
+def test_the_docs_and_the_warning_name_the_same_install_line() -> None:
+    text = DOC.read_text()
+    assert INSTALL in text
+    assert install_module.INSTALL_LINE in text

@@ -1,9 +1,9 @@
 """verl's own ``verl/models/mcore/util.py``, loaded as an oracle without verl or Megatron.
 
-The file is read from verl's wheel (``pip download --no-deps verl==0.9.1``), from an
-installed verl, or from a path: ``HYBRIDMEM_VERL_WHEEL`` names a ``.whl`` or a
-``util.py``. Its imports of Megatron and of the rest of verl are answered by stand-ins
-(:class:`FakeMegatron`): the parallel state is what the test sets, and
+The file is read from verl's wheel, found as :mod:`tests.wheels` says
+(``HYBRIDMEM_VERL_WHEEL``, a ``.whl`` or a ``util.py``, else ``tests/wheels/``), or from
+an installed verl. Its imports of Megatron and of the rest of verl are answered by
+stand-ins (:class:`FakeMegatron`): the parallel state is what the test sets, and
 ``PackedSeqParams`` is a plain dataclass of Megatron's seven fields. Nothing of verl is
 copied into this project: the code is read from the user's copy at test time.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import os
 import sys
 import types
 import zipfile
@@ -24,18 +23,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tests import wheels
+
 UTIL = "verl/models/mcore/util.py"
 
 
 def verl_source() -> tuple[str, str] | None:
     """(verl's util.py text, where it came from), or None where none is found."""
-    named = os.environ.get("HYBRIDMEM_VERL_WHEEL")
-    if named:
-        path = Path(named)
-        if path.suffix == ".whl":
-            with zipfile.ZipFile(path) as wheel:
-                return wheel.read(UTIL).decode(), f"{path}:{UTIL}"
-        return path.read_text(), str(path)
+    found = wheels.find_wheel("verl")
+    if found is not None:
+        if found.suffix == ".whl":
+            with zipfile.ZipFile(found) as wheel:
+                return wheel.read(UTIL).decode(), f"{found}:{UTIL}"
+        return found.read_text(), str(found)
     spec = importlib.util.find_spec("verl")
     if spec is not None and spec.submodule_search_locations:
         util = Path(next(iter(spec.submodule_search_locations))) / "models" / "mcore" / "util.py"
@@ -45,14 +45,11 @@ def verl_source() -> tuple[str, str] | None:
 
 
 def missing_reason() -> str:
-    return (
-        "verl's verl/models/mcore/util.py was not found: `pip download --no-deps "
-        "verl==0.9.1` and set HYBRIDMEM_VERL_WHEEL to the wheel"
-    )
+    return wheels.missing_reason("verl")
 
 
 def required() -> bool:
-    return os.environ.get("HYBRIDMEM_REQUIRE_VERL") == "1"
+    return wheels.required("verl")
 
 
 @dataclasses.dataclass

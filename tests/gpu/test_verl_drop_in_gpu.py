@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests import wheels
 from tests.gpu.runner import run_scenario
 
 pytestmark = pytest.mark.gpu
@@ -44,11 +43,11 @@ def test_after_default_syncs_the_drop_in_holds_what_verls_own_pair_holds() -> No
     # by default the drop-in leaves the same: read after ten syncs of each, in both
     # processes and on the device, within one 2 MiB page. The kept bucket (the opt-in)
     # holds its buffers on the trainer, which the same readings see.
-    wheel = os.environ.get("HYBRIDMEM_VERL_WHEEL")
-    if not wheel:
-        pytest.skip("verl's own pair needs HYBRIDMEM_VERL_WHEEL (pip download --no-deps verl)")
+    found = wheels.find_wheel("verl")
+    if found is None:
+        pytest.skip(wheels.missing_reason("verl"))
     facts = run_scenario(
-        "verl_holds", "tests.gpu.verl_memory_scenarios", HYBRIDMEM_VERL_WHEEL=wheel
+        "verl_holds", "tests.gpu.verl_memory_scenarios", HYBRIDMEM_VERL_WHEEL=str(found)
     )
     for row in facts["rows"]:
         print(f"\nverl_holds: {row}")

@@ -1,9 +1,10 @@
 """verl's allocator toggle, keeping the user's settings; its colocated update, restored on failure.
 
 verl's ``set_expandable_segments(enable)`` (``verl/utils/device.py``) writes
-``expandable_segments:{enable}`` through torch's setter, which on torch up to 2.13
-resets ``max_split_size_mb``, ``garbage_collection_threshold`` and
-``roundup_power2_divisions`` to their defaults. :func:`set_expandable_segments` sets
+``expandable_segments:{enable}`` through torch's setter, which on every torch (2.4 to
+2.15) resets ``max_split_size_mb``, ``garbage_collection_threshold`` and
+``roundup_power2_divisions`` to their defaults (and, from 2.11,
+``max_non_split_rounding_mb``). :func:`set_expandable_segments` sets
 the process default through hybridmem's engine instead: every other setting is kept,
 cached blocks of the old kind are released when the mode changes, and an explicit
 ``expandable_segments:False`` in the user's env is never overridden by an enable.
@@ -19,6 +20,7 @@ Scope: process-global (the allocator's settings).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -32,6 +34,12 @@ from hybridmem.scopes.release import release_cache
 __all__ = ["restored_on_failure", "set_expandable_segments"]
 
 _R = TypeVar("_R")
+
+# True while an update wrapped by restored_on_failure runs in this task: a wrapper
+# nested inside it passes through, so one failure is restored and reported once.
+_restoring: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hybridmem_verl_restoring", default=False
+)
 
 
 def set_expandable_segments(enable: bool) -> None:
@@ -99,7 +107,12 @@ def restored_on_failure(
 
     @functools.wraps(update)
     async def wrapper(*args: Any, **kwargs: Any) -> _R:
+        if _restoring.get():
+            # Inside another restored_on_failure (a subclass's override kept over the
+            # one install() put on verl's method): that one restores, says so once.
+            return await update(*args, **kwargs)
         before = allocator_state().expandable_segments
+        armed = _restoring.set(True)
         try:
             return await update(*args, **kwargs)
         except BaseException as exc:
@@ -120,6 +133,8 @@ def restored_on_failure(
                     "released; the engine may still be awake (as the failed stage left it)"
                 )
             raise
+        finally:
+            _restoring.reset(armed)
 
     wrapper.__hybridmem_restored__ = True  # type: ignore[attr-defined]
     return wrapper

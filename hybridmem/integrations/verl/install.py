@@ -40,12 +40,21 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from types import ModuleType
 from typing import Any
 
 from hybridmem._log import logger
 
-__all__ = ["ENV", "install", "installed", "uninstall"]
+__all__ = [
+    "ENV",
+    "INSTALL_LINE",
+    "install",
+    "install_from_env",
+    "install_line",
+    "installed",
+    "uninstall",
+]
 
 #: Set to ``1`` in processes vLLM starts (its plugin then calls :func:`install`).
 ENV = "HYBRIDMEM_VERL"
@@ -103,13 +112,35 @@ def _patch(module: ModuleType) -> list[str]:
     return done
 
 
-def _not_in_place(exc: BaseException) -> None:
-    """Warn that ``import verl`` failed, so nothing of verl can be patched."""
+#: What a verl 0.9 worker needs installed: verl's own dependencies do not include what
+#: its worker modules import (uvicorn, fastapi, zmq...); its ``verl-core`` extra does.
+INSTALL_LINE = 'pip install "verl[verl-core]"'
+
+
+def install_line() -> str:
+    """:data:`INSTALL_LINE` pinned to the verl release installed here, where there is one."""
+    try:
+        version = metadata.version("verl")
+    except metadata.PackageNotFoundError:
+        return INSTALL_LINE
+    return f'pip install "verl[verl-core]=={version}"'
+
+
+def _not_in_place(module: str, exc: BaseException) -> None:
+    """Warn that importing ``module`` (verl or one it patches) failed: not patched."""
+    fix = (
+        f"install verl with its verl-core extra in this process ({install_line()}), which "
+        "its workers need"
+        if isinstance(exc, ImportError)
+        else "an error of verl's own: the drop-in goes in when the import succeeds"
+    )
     logger.warning(
-        "verl drop-in not in place: import verl failed (%s: %s); install verl's "
-        "dependencies in this process (pip install verl), or leave HYBRIDMEM_VERL unset",
+        "verl drop-in not in place: import %s failed (%s: %s); %s (or leave %s unset)",
+        module,
         type(exc).__name__,
         exc,
+        fix,
+        ENV,
     )
 
 
@@ -136,13 +167,14 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
                     try:
                         execute(module)
                     except BaseException as exc:
-                        if module.__name__ == "verl" and _hook is not None:
-                            _not_in_place(exc)
+                        if _hook is not None:
+                            _not_in_place(module.__name__, exc)
                         raise
                     with _lock:
                         if _hook is not None and module.__name__ in _TARGETS:
                             _patch(module)
 
+                _as_import_machinery(exec_module)
                 spec.loader = _Loader(loader, exec_module)
                 found: importlib.machinery.ModuleSpec = spec
                 return found
@@ -165,6 +197,23 @@ class _Loader(importlib.abc.Loader):
         self._exec(module)
 
 
+def _as_import_machinery(function: Callable[..., Any]) -> None:
+    """Have Python hide ``function``'s frames from import tracebacks, as it hides its own.
+
+    An error raised while a module runs reaches its importer through the import
+    machinery; CPython cuts that machinery's frames out of the traceback (``import.c``,
+    ``remove_importlib_frames``: runs of frames from ``<frozen importlib._bootstrap*>``),
+    so the importer sees its own line and the failing module's. The hook's two frames
+    sit inside such a run and would break it, leaving five frames of machinery in every
+    error verl's imports raise. Marked as the machinery's, they go with it.
+    """
+    function.__code__ = function.__code__.replace(co_filename=_MACHINERY)
+
+
+_MACHINERY = "<frozen importlib._bootstrap_external>"
+_as_import_machinery(_Loader.exec_module)
+
+
 def install() -> list[str]:
     """Put hybridmem's drop-ins in verl's place in this process (see the module).
 
@@ -185,6 +234,7 @@ def install() -> list[str]:
     """
     global _hook
     with _lock:
+        again = _hook is not None
         if _hook is None:
             _hook = _PatchOnImport()
             sys.meta_path.insert(0, _hook)
@@ -193,11 +243,20 @@ def install() -> list[str]:
             module = sys.modules.get(name)
             if module is not None:
                 done += _patch(module)
+        if again and not done:
+            replaced = sorted(f"{m}.{n}" for m, n in _originals)
+            logger.info(
+                "verl drop-in: install() called again; already in place (%s)",
+                ", ".join(replaced) if replaced else "verl's modules are patched as they load",
+            )
+            return done
     if not done and not any(name in sys.modules for name in _WATCHED):
         if importlib.util.find_spec("verl") is None:
             logger.warning(
                 "verl drop-in not in place: verl is not installed in this process (No "
-                "module named 'verl'); its modules are patched if they are imported later"
+                "module named 'verl'; %s); its modules are patched if they are imported "
+                "later",
+                INSTALL_LINE,
             )
         else:
             logger.info(
@@ -223,7 +282,9 @@ def uninstall() -> None:
     with _lock:
         if _hook is not None and _hook in sys.meta_path:
             sys.meta_path.remove(_hook)
+        was_installed = _hook is not None
         _hook = None
+        back = []
         for (module_name, name), original in _originals.items():
             module = sys.modules.get(module_name)
             if module is None:
@@ -233,12 +294,27 @@ def uninstall() -> None:
                 setattr(getattr(module, owner), attr, original)
             else:
                 setattr(module, name, original)
+            back.append(f"{module_name}.{name}")
         _originals.clear()
+    if back:
+        logger.info("verl drop-in removed: verl's own %s put back", ", ".join(back))
+    elif was_installed:
+        logger.info("verl drop-in removed: nothing of verl had been replaced")
 
 
 def install_from_env() -> bool:
-    """:func:`install` if ``HYBRIDMEM_VERL=1`` (what the vLLM plugin calls); whether it did."""
-    if os.environ.get(ENV, "").strip() != "1":
+    """:func:`install` if ``HYBRIDMEM_VERL=1`` (what the vLLM plugin calls); whether it did.
+
+    Where the variable is not ``1``, one INFO line says so (and what it holds).
+    """
+    value = os.environ.get(ENV)
+    if (value or "").strip() != "1":
+        logger.info(
+            "verl drop-in not installed: %s is %s (set %s=1 to install it)",
+            ENV,
+            "unset" if value is None else repr(value),
+            ENV,
+        )
         return False
     install()
     return True

@@ -1,0 +1,57 @@
+"""Where the tests find the frameworks' wheels they read as data (verl's, SGLang's).
+
+A framework's own code judges hybridmem's drop-in for it: the tests read it from the
+framework's wheel, never installing it. The wheel is found, in order, at the path an
+environment variable names (``HYBRIDMEM_VERL_WHEEL``, ``HYBRIDMEM_SGLANG_WHEEL``) or in
+``tests/wheels/`` of the checkout, where one command from the checkout's root puts them
+(:func:`fetch_line`; ``tests/wheels/`` is ignored by git):
+
+    pip download --no-deps --only-binary=:all: verl==0.9.1 sglang==0.5.23 -d tests/wheels
+
+``HYBRIDMEM_REQUIRE_VERL=1`` / ``HYBRIDMEM_REQUIRE_SGLANG=1`` (CI sets them) turn a
+missing wheel into a failure instead of a skip.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["FOLDER", "PINNED", "fetch_line", "find_wheel", "missing_reason", "required"]
+
+FOLDER = Path(__file__).resolve().parent / "wheels"
+#: The releases whose code the oracles are written against.
+PINNED = {"verl": "0.9.1", "sglang": "0.5.23"}
+
+
+def _variable(name: str) -> str:
+    return f"HYBRIDMEM_{name.upper()}_WHEEL"
+
+
+def find_wheel(name: str) -> Path | None:
+    """The wheel of ``name`` at its pinned release: the variable's path, else tests/wheels/."""
+    named = os.environ.get(_variable(name))
+    if named:
+        return Path(named)
+    found = sorted(FOLDER.glob(f"{name}-{PINNED[name]}-*.whl"))
+    return found[-1] if found else None
+
+
+def fetch_line(*names: str) -> str:
+    """The command, run from the checkout's root, that puts the wheels where they are found."""
+    wanted = " ".join(f"{n}=={PINNED[n]}" for n in names or tuple(PINNED))
+    return f"pip download --no-deps --only-binary=:all: {wanted} -d tests/wheels"
+
+
+def missing_reason(name: str) -> str:
+    """Why a test of ``name``'s own code cannot run, and the line that fixes it."""
+    return (
+        f"{name} {PINNED[name]}'s wheel is not here ({_variable(name)} is unset and "
+        f"tests/wheels/ has no {name}-{PINNED[name]}-*.whl): from the checkout's root run "
+        f"`{fetch_line(name)}`, then the tests again"
+    )
+
+
+def required(name: str) -> bool:
+    """Whether a missing wheel fails the run (CI) rather than skipping its tests."""
+    return os.environ.get(f"HYBRIDMEM_REQUIRE_{name.upper()}") == "1"
