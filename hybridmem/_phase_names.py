@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from hybridmem._names import nearest
+
 __all__ = ["ALIASES", "PHASES", "canonical_phase"]
 
 #: The canonical phases, in the order a hybrid engine goes through them.
@@ -43,6 +45,6 @@ def canonical_phase(name: str) -> str:
     if name in ALIASES:
         return ALIASES[name]
     raise ValueError(
-        f"unknown phase {name!r}; phases: {', '.join(PHASES)}; aliases: "
-        + ", ".join(f"{a}={c}" for a, c in ALIASES.items())
+        f"unknown phase {name!r}{nearest(name, (*PHASES, *ALIASES))}; phases: "
+        f"{', '.join(PHASES)}; aliases: " + ", ".join(f"{a}={c}" for a, c in ALIASES.items())
     )

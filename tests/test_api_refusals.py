@@ -390,6 +390,36 @@ def test_a_misspelled_backend_names_the_nearest_one(backend: str) -> None:
         hm.phase("rollout", backend=backend)
 
 
+@given(backend=st.sampled_from(["vllm", "sglang", "default"]).flatmap(_typo))
+def test_a_misspelled_backend_in_the_env_names_the_variable(backend: str) -> None:
+    """HYBRIDMEM_BACKEND's value, refused as the variable's: the name meant, how to fix it."""
+    if backend in hm.list_backends() or not backend.strip():
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HYBRIDMEM_BACKEND", backend)
+        with pytest.raises(ValueError, match="names an unknown backend") as raised:
+            hm.phase("rollout")
+    message = str(raised.value)
+    assert message.startswith(f"HYBRIDMEM_BACKEND={backend.strip()} names an unknown backend")
+    assert "set HYBRIDMEM_BACKEND to one of them or unset it" in message
+    if backend.strip().lower() in hm.list_backends():
+        assert f"(did you mean {backend.strip().lower()!r}?)" in message
+
+
+@given(name=st.sampled_from(["train", "wake_up", "weight_sync", "rollout", "sleep"]).flatmap(_typo))
+def test_a_misspelled_phase_names_the_nearest_one(name: str) -> None:
+    from hybridmem._phase_names import ALIASES, PHASES
+
+    if name in PHASES or name in ALIASES:
+        return
+    with pytest.raises(ValueError, match="unknown phase") as raised:
+        hm.phase(name)
+    message = str(raised.value)
+    assert "phases: train, wake_up, weight_sync, rollout, sleep" in message
+    if name.lower() in PHASES:
+        assert f"(did you mean {name.lower()!r}?)" in message
+
+
 @pytest.mark.parametrize(
     ("wrong", "meant"),
     [

@@ -68,8 +68,27 @@ def test_default_backend_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hm.get_backend().name == "sglang"
     assert hm.phase("sleep").profile.name == "sglang"
     monkeypatch.setenv("HYBRIDMEM_BACKEND", "nope")
-    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+    with pytest.raises(ValueError, match="HYBRIDMEM_BACKEND=nope names an unknown backend"):
         hm.phase("sleep")
+    # the variable's misspelling: named as the variable, with the backend meant
+    monkeypatch.setenv("HYBRIDMEM_BACKEND", "VLLM")
+    with pytest.raises(ValueError, match="names an unknown backend") as err:
+        hm.phase("rollout")
+    said = str(err.value)
+    assert said.startswith("HYBRIDMEM_BACKEND=VLLM names an unknown backend (did you mean 'vllm'?)")
+    assert "set HYBRIDMEM_BACKEND to one of them or unset it" in said
+    # the keyword's own message stays the keyword's
+    with pytest.raises(ValueError, match=r"^unknown backend 'VLLM' \(did you mean 'vllm'\?\)"):
+        hm.phase("rollout", backend="VLLM")
+
+
+def test_misspelled_phase_gets_the_phase_meant() -> None:
+    with pytest.raises(ValueError, match=r"unknown phase 'rollot' \(did you mean 'rollout'\?\)"):
+        hm.phase("rollot")
+    with pytest.raises(ValueError, match=r"unknown phase 'wakeup_' \(did you mean 'wakeup'\?\)"):
+        hm.phase("wakeup_")
+    with pytest.raises(ValueError, match=r"^unknown phase 'zzz'; phases:"):
+        hm.phase("zzz")
 
 
 def test_register_and_replace() -> None:

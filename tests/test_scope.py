@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import inspect
 import threading
 from collections.abc import AsyncGenerator, Generator, Iterator
@@ -552,6 +553,66 @@ def test_a_function_returning_a_generator_or_future_warns_once() -> None:
     with pytest.warns(HybridMemWarning, match="covered only the call that made it"):
         assert list(decorated()) == [0, 1, 2]
     list(decorated())  # once only (the test config turns a second warning into an error)
+
+
+def test_a_function_returning_another_awaitable_warns_and_hands_it_back_as_it_is() -> None:
+    """An engine's future or a Ray ref: its work runs when awaited, after the scope."""
+    log: list[str] = []
+
+    class EngineCall:  # awaitable, not a coroutine: what vLLM's or Ray's calls return
+        def __await__(self) -> Any:
+            log.append(f"awaited inside={inside(log)}")
+            yield from asyncio.sleep(0).__await__()
+            return 5
+
+    call = EngineCall()
+
+    def ask_engine() -> Any:
+        return call
+
+    decorated = Recorder(log)(ask_engine)
+    with pytest.warns(HybridMemWarning, match=r"returned a EngineCall \(an awaitable\)"):
+        returned = decorated()
+    assert returned is call  # its caller may need what it is
+
+    async def main() -> Any:
+        return await returned
+
+    assert asyncio.run(main()) == 5
+    assert log[-1] == "awaited inside=0"  # after the scope, as the warning said
+
+
+def test_a_function_returning_a_compiled_coroutine_gets_the_scope_when_it_is_awaited() -> None:
+    """A coroutine that is not a Python one (Cython's) is spanned as a Python one is."""
+    log: list[str] = []
+
+    class Compiled(collections.abc.Coroutine[Any, Any, int]):
+        def __init__(self) -> None:
+            self._inner = self._run()
+
+        async def _run(self) -> int:
+            log.append(f"body inside={inside(log)}")
+            return 3
+
+        def send(self, value: Any) -> Any:
+            return self._inner.send(value)
+
+        def throw(self, *args: Any) -> Any:
+            return self._inner.throw(*args)
+
+        def close(self) -> None:
+            self._inner.close()
+
+        def __await__(self) -> Any:
+            return self._inner.__await__()
+
+    def compiled_call() -> Compiled:
+        return Compiled()
+
+    decorated = Recorder(log)(compiled_call)
+    assert asyncio.run(decorated()) == 3
+    assert "body inside=1" in log
+    assert inside(log) == 0
 
 
 def test_staticmethod_and_classmethod_objects_can_be_decorated() -> None:

@@ -94,10 +94,23 @@ def test_normalize_python_values() -> None:
     assert normalize_value("large_segment_size_mb", 64, R211) == "64"
 
 
+def test_an_unknown_setting_lists_this_torchs_settings_only() -> None:
+    """torch 2.15's reserve keys are not settings of torch 2.13: never listed as known there."""
+    with pytest.raises(ValueError, match="unknown allocator setting") as err:
+        normalize_value("max_splt_size_mb", 256, TorchRules((2, 13)))
+    said = str(err.value)
+    assert said.startswith("unknown allocator setting 'max_splt_size_mb' (did you mean")
+    assert "torch 2.13 knows: " in said
+    assert "pinned_max_cached_size_mb" in said
+    assert "expandable_segments_reserve" not in said
+    with pytest.raises(ValueError, match="expandable_segments_reserve"):
+        normalize_value("max_splt_size_mb", 256, TorchRules((2, 15)))
+
+
 @pytest.mark.parametrize(
     ("key", "value", "rules", "error", "message"),
     [
-        ("max_split_size", 256, R211, ValueError, "known settings: backend"),
+        ("max_split_size", 256, R211, ValueError, "torch 2.11 knows: backend"),
         ("expandable_segments", 1, R211, TypeError, "True or False"),
         ("expandable_segments", "yes", R211, ValueError, "True or False"),
         ("max_split_size_mb", True, R211, TypeError, "bool"),

@@ -46,19 +46,27 @@ def wrap_function(scope: Scope, fn: Callable[..., _T]) -> Callable[..., _T]:
     def wrapper(*args: Any, **kwargs: Any) -> _T:
         with scope._recreate():
             result = fn(*args, **kwargs)
-        if not isinstance(result, _DEFERRED):  # the common case: one type check
+        # the common case: a plain value (two type checks)
+        if not isinstance(result, _DEFERRED) and not hasattr(type(result), "__await__"):
             return result
-        if isinstance(result, types.CoroutineType):
-            # A sync function that hands back a coroutine (a wrapper of an async
-            # def): its body runs when awaited, so the scope must be there then.
+        if isinstance(result, (types.CoroutineType, Coroutine)):
+            # A sync function that hands back a coroutine (a wrapper of an async def,
+            # or a compiled one): its body runs when awaited, so the scope must be
+            # there then.
             return cast(_T, _span(scope, result))
         name = getattr(fn, "__qualname__", repr(fn))
+        kind = type(result).__name__
+        if not isinstance(result, _DEFERRED):
+            # an awaitable of another kind (an engine's future, a Ray ref): whatever it
+            # does when awaited runs after the scope; it is handed back as it is, since
+            # its caller may need what it is, not a coroutine around it
+            kind += " (an awaitable)"
         warn_once(
             f"decorated-returns:{name}",
-            f"{scope!r} decorates {name!r}, which returned a {type(result).__name__}: "
-            "the scope covered only the call that made it, not the work it does "
-            "later. Decorate the async def or generator function itself, or use "
-            "`with` / `async with` where the work runs.",
+            f"{scope!r} decorates {name!r}, which returned a {kind}: the scope covered "
+            "only the call that made it, not the work it does later. Decorate the async "
+            "def or generator function itself, or use `with` / `async with` where the "
+            "work runs.",
         )
         return result
 

@@ -125,9 +125,11 @@ class AllocatorState:
             ``max_split_size_mb`` and the like on every call); hybridmem gives them
             back at its next change. Empty almost always.
         sees_outside: whether this process can see a write made outside hybridmem
-            (torch 2.12+'s getter; on torch 2.10 - 2.11 the allocator snapshot, once
-            CUDA is initialised). Where it cannot, ``settings`` is what hybridmem
-            and the env set.
+            (torch 2.12+'s getter; on torch 2.10 - 2.11, once CUDA is initialised,
+            hybridmem's watch on torch's setter). Where it cannot, ``settings`` is what
+            hybridmem and the env set.
+        known: the settings this torch version has (torch's order; empty: every
+            setting hybridmem knows), listed with their defaults by :meth:`as_dict`.
 
     Example:
         >>> import hybridmem as hm
@@ -148,6 +150,7 @@ class AllocatorState:
     reads: Mapping[str, str] = field(default_factory=dict)
     pending: Mapping[str, Setting] = field(default_factory=dict)
     sees_outside: bool = True
+    known: tuple[str, ...] = field(default=())
 
     def __getitem__(self, key: str) -> str:
         return self.get(key).value
@@ -197,8 +200,9 @@ class AllocatorState:
         return value if read is None else f"{read} (written {value})"
 
     def as_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict, every known key included with its source."""
-        keys = list(self.settings) + [k for k in KEYS if k not in self.settings]
+        """Return a JSON-ready dict, every setting of this torch included with its source."""
+        known = self.known or tuple(KEYS)
+        keys = list(self.settings) + [k for k in known if k not in self.settings]
         return {
             "torch": self.torch,
             "backend": self.backend,

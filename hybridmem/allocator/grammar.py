@@ -162,9 +162,10 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
     """
     spec = KEYS.get(key)
     if spec is None:
-        known = ", ".join(sorted(KEYS))
+        here = sorted(k for k, s in KEYS.items() if s.since <= rules.version)
         raise ValueError(
-            f"unknown allocator setting {key!r}{nearest(key, KEYS)}; known settings: {known}"
+            f"unknown allocator setting {key!r}{nearest(key, here)}; {rules.label} knows: "
+            f"{', '.join(here)}"
         )
     if rules.version < spec.since:
         raise ValueError(

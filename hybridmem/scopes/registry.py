@@ -157,6 +157,7 @@ def get_backend(name: str | None = None) -> BackendProfile:
         TypeError: ``name`` is not a str or None.
         ValueError: no such backend (the message lists the known ones).
     """
+    from_env = name is None and bool(os.environ.get(_BACKEND_ENV, "").strip())
     if name is None:
         name = os.environ.get(_BACKEND_ENV, "").strip() or "default"
     if not isinstance(name, str):
@@ -166,10 +167,12 @@ def get_backend(name: str | None = None) -> BackendProfile:
         profile = _registry.get(name)
         known = sorted(_registry)
     if profile is None:
+        where = f"{_BACKEND_ENV}={name}" if from_env else f"unknown backend {name!r}"
+        fix = f"; set {_BACKEND_ENV} to one of them or unset it" if from_env else ""
         raise ValueError(
-            f"unknown backend {name!r}{nearest(name, known)}; known: {', '.join(known)} "
-            "(backend names are case-sensitive; register others with "
-            f"hm.register_backend or the {ENTRY_POINT_GROUP!r} entry-point group)"
+            f"{where}{' names an unknown backend' if from_env else ''}{nearest(name, known)}; "
+            f"known: {', '.join(known)}{fix} (backend names are case-sensitive; register "
+            f"others with hm.register_backend or the {ENTRY_POINT_GROUP!r} entry-point group)"
         )
     return profile
 
