@@ -140,14 +140,7 @@ class ScopedContext(abc.ABC):
     # ------------------------------------------------------------------ #
     def __enter__(self: _Self) -> _Self:
         token = _DISABLED if disabled() else self._enter()
-        # _push, inlined: every scope entry runs this (hot path)
-        loop = _get_running_loop()
-        key = (_get_ident(), id(_current_task(loop)) if loop is not None else 0)
-        stack = self._frames.get(key)
-        if stack is None:
-            self._frames[key] = [token]
-        else:
-            stack.append(token)
+        self._push(token)
         return self
 
     def __exit__(
