@@ -87,14 +87,12 @@ def main() -> int:
         with toggle_release:
             pass
 
-    setter = (
-        torch._C._accelerator_setAllocatorSettings
-        if hasattr(torch._C, "_accelerator_setAllocatorSettings")
-        else None
-    )
-
     def raw_toggle() -> None:
+        # looked up at each call, as every writer does: a reference bound before the
+        # first scope would keep torch 2.10 - 2.11's write watch from starting
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         if setter is not None:
+            setter = getattr(setter, "__wrapped__", setter)
             setter("expandable_segments:True")
             setter("expandable_segments:False")
 

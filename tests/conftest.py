@@ -37,11 +37,14 @@ settings.load_profile("hybridmem")
 _ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "HYBRIDMEM_DISABLE")
 
 
-_REAL_SETTER = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+# torch's own module, bound at import (tests may swap torch._C); its setter is looked
+# up at each call, as every writer does: a reference to the function itself, held from
+# import on, would keep torch 2.10 - 2.11's write watch from starting in this process.
+_REAL_C = torch._C
 
 
 def _reset_real_torch_settings() -> None:
-    setter = _REAL_SETTER  # bound at import: tests may swap torch._C
+    setter = getattr(_REAL_C, "_accelerator_setAllocatorSettings", None)
     if callable(setter):
         # The CPU build keeps the parsed settings too: put its state back to
         # torch's defaults, then leave "" as the last string (what a fresh

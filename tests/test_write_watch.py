@@ -186,3 +186,47 @@ def test_threads_racing_the_first_read_start_one_watch() -> None:
     assert seen == [""] * 8
     assert torch.module.setter.__wrapped__ == torch.setter  # wrapped once, not twice
     assert torch.snapshots == 1
+
+
+_OUR_MODULES = """
+import importlib, json, pkgutil, sys
+import torch
+import hybridmem
+names = [m.name for m in pkgutil.walk_packages(hybridmem.__path__, "hybridmem.")]
+names += ["tests.conftest", "tests.gpu.vllm_sleep_scenarios", "tests.gpu.settings_scenarios"]
+for name in names:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass  # an optional package (vLLM, SGLang) that is not here
+from hybridmem._torch.write_watch import WriteWatch
+watch = WriteWatch(torch._C, "_accelerator_setAllocatorSettings", lambda: "")
+watch.last()
+print(json.dumps({"watching": watch.watching, "captured": list(watch.captured)}))
+watch.stop()
+"""
+
+
+def test_no_module_of_ours_holds_torchs_setter_where_the_watch_would_find_it() -> None:
+    """hybridmem, the test helpers and the GPU scenarios: none keeps the watch from starting."""
+    import json
+    import subprocess
+
+    import torch
+
+    from tests.helpers import REPO, clean_env
+
+    if not callable(getattr(torch._C, "_accelerator_setAllocatorSettings", None)):
+        pytest.skip("needs torch 2.10 or newer (its allocator-settings setter)")
+    result = subprocess.run(
+        [sys.executable, "-c", _OUR_MODULES],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=clean_env(),
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert facts == {"watching": True, "captured": []}
