@@ -230,3 +230,22 @@ def test_no_module_of_ours_holds_torchs_setter_where_the_watch_would_find_it() -
     assert result.returncode == 0, result.stderr[-3000:]
     facts = json.loads(result.stdout.strip().splitlines()[-1])
     assert facts == {"watching": True, "captured": []}
+
+
+def test_a_module_that_refuses_the_wrapper_keeps_reads_on_the_snapshot() -> None:
+    torch = Torch()
+
+    class Frozen:
+        def __init__(self) -> None:
+            object.__setattr__(self, "setter", torch.setter)
+
+        def __setattr__(self, name: str, value: object) -> None:
+            raise AttributeError(f"{name} is read-only")
+
+    frozen = Frozen()
+    watch = WriteWatch(frozen, "setter", torch.read)
+    assert watch.last() == ""
+    assert not watch.watching
+    assert watch.captured == ()  # nothing held elsewhere: the module refused the wrapper
+    torch.setter("expandable_segments:True")
+    assert watch.last() == "expandable_segments:True"

@@ -121,9 +121,13 @@ class WriteWatch:
                 )
                 return now
             wrapper = _noting(self, original)
+            try:
+                setattr(self._owner, self._name, wrapper)
+            except (AttributeError, TypeError):  # a module that refuses new attributes
+                self._last = _SNAPSHOT
+                return now
             self._original, self._wrapper = original, wrapper
             self._last = now
-            setattr(self._owner, self._name, wrapper)
             logger.debug("allocator settings: writes noted at %s (no getter)", self._name)
             return now
 
