@@ -52,7 +52,7 @@ def test_reads_cost_no_snapshot_once_started_and_every_caller_by_name_is_seen() 
         torch.module.setter(text)  # looked up at call time, as vLLM and verl do
         assert watch.last() == text
     assert torch.calls == ["expandable_segments:True", "expandable_segments:False"]
-    assert torch.snapshots == 1
+    assert torch.snapshots == 2  # when it started: before and after the wrapper went in
 
 
 def test_what_torch_raises_passes_through_and_a_refused_string_is_noted() -> None:
@@ -185,7 +185,7 @@ def test_threads_racing_the_first_read_start_one_watch() -> None:
         thread.join()
     assert seen == [""] * 8
     assert torch.module.setter.__wrapped__ == torch.setter  # wrapped once, not twice
-    assert torch.snapshots == 1
+    assert torch.snapshots == 2
 
 
 _OUR_MODULES = """
@@ -249,3 +249,20 @@ def test_a_module_that_refuses_the_wrapper_keeps_reads_on_the_snapshot() -> None
     assert watch.captured == ()  # nothing held elsewhere: the module refused the wrapper
     torch.setter("expandable_segments:True")
     assert watch.last() == "expandable_segments:True"
+
+
+def test_a_write_while_the_watch_starts_is_not_lost() -> None:
+    """Another thread's write between the first read and the wrapper: read again after."""
+    torch = Torch()
+    reads: list[str | None] = []
+
+    def read() -> str | None:
+        reads.append(torch.last)
+        if len(reads) == 1:
+            torch.setter("expandable_segments:True")  # through torch's own, not yet watched
+            return ""  # what the snapshot said before it
+        return torch.last
+
+    watch = WriteWatch(torch.module, "setter", read)
+    assert watch.last() == "expandable_segments:True"
+    assert watch.watching

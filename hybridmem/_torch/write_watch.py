@@ -13,7 +13,8 @@ torch's parser, ``torch._C._accelerator_setAllocatorSettings`` (which
 ``torch.cuda.memory._set_allocator_settings``, vLLM's ``set_alloc_conf`` and verl's
 platform setter all look up when they call), is replaced by a function that notes the
 string and calls torch's own: the note is what torch's 2.12 getter would say. The
-string in force when the watch starts is read once from the snapshot.
+string in force when the watch starts is read from the snapshot, before the wrapper goes
+in and once more after it (a write another thread made in between is not lost).
 
 What the watch cannot see is a call that does not look the name up: a reference to
 torch's function bound before the watch started (``from torch._C import ...`` at
@@ -50,14 +51,14 @@ class WriteWatch:
         owner: the module that holds torch's setter (``torch._C``).
         name: the setter's attribute name (``"_accelerator_setAllocatorSettings"``).
         read_snapshot: reads the last string from the allocator snapshot (costly):
-            once when the watch starts, and on every read where it cannot start.
+            when the watch starts (twice), and on every read where it cannot start.
 
     Example:
         >>> import types
         >>> calls = []
         >>> owner = types.SimpleNamespace(setter=calls.append)
         >>> watch = WriteWatch(owner, "setter", lambda: "")
-        >>> watch.last()  # starts the watch: the string in force is read once
+        >>> watch.last()  # starts the watch: the string in force is read
         ''
         >>> owner.setter("expandable_segments:True")  # anyone's call, through the name
         >>> watch.last(), calls
@@ -121,15 +122,19 @@ class WriteWatch:
                 )
                 return now
             wrapper = _noting(self, original)
+            self._last = now  # before the wrapper is in place: a note from then on wins
             try:
                 setattr(self._owner, self._name, wrapper)
             except (AttributeError, TypeError):  # a module that refuses new attributes
                 self._last = _SNAPSHOT
                 return now
             self._original, self._wrapper = original, wrapper
-            self._last = now
+            # a write made by another thread between the first read and the wrapper
+            again = self._read_snapshot()
+            if self._last is now and again is not None:
+                self._last = again
             logger.debug("allocator settings: writes noted at %s (no getter)", self._name)
-            return now
+            return self.last()
 
     def note(self, settings: object) -> None:
         """Note ``settings`` as the last string given (a str only, as torch takes)."""
