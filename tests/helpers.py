@@ -53,13 +53,17 @@ def clean_env(**env: str) -> dict[str, str]:
 
 
 def run_python(
-    *args: str, timeout: float = 300, env: dict[str, str] | None = None
+    *args: str,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` from the repository root without the caller's allocator env (see
-    :func:`clean_env`), with ``env`` on top."""
+    :func:`clean_env`), with ``env`` on top and ``input`` on its stdin."""
     clean = clean_env(**(env or {}))
     return subprocess.run(
         [sys.executable, *args],
+        input=input,
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -16,7 +16,6 @@ import importlib.util
 import inspect
 import json
 import os
-import subprocess
 import sys
 import types
 import zipfile
@@ -31,7 +30,7 @@ from hybridmem.integrations.verl import allocator
 from hybridmem.integrations.verl import install as install_module
 from tests import verl_oracle
 from tests.conftest import FakeTorch
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, run_python
 from tests.test_docs import blocks
 
 DOC = REPO / "docs" / "backends" / "verl.md"
@@ -205,22 +204,13 @@ print(json.dumps({
 """
 
 
-def test_the_block_defines_the_worker_on_verls_own_modules(tmp_path: Path) -> None:
+def test_the_block_defines_the_worker_on_verls_own_modules() -> None:
     """With verl installed as docs/backends/verl.md says, the snippet imports and registers."""
     if importlib.util.find_spec("verl") is None:
         if os.environ.get("HYBRIDMEM_REQUIRE_VERL_INSTALLED") == "1":
             pytest.fail(f"verl is not installed (HYBRIDMEM_REQUIRE_VERL_INSTALLED=1): {INSTALL}")
         pytest.skip(f"needs verl 0.9.1 installed with its verl-core extra: {INSTALL}")
-    result = subprocess.run(
-        [sys.executable, "-c", _ON_VERL],
-        input=_block(),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=clean_env(),
-        timeout=300,
-        check=False,
-    )
+    result = run_python("-c", _ON_VERL, input=_block())
     assert result.returncode == 0, result.stderr[-3000:]
     facts = json.loads(result.stdout.strip().splitlines()[-1])
     assert facts == {

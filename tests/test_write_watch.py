@@ -210,23 +210,14 @@ watch.stop()
 def test_no_module_of_ours_holds_torchs_setter_where_the_watch_would_find_it() -> None:
     """hybridmem, the test helpers and the GPU scenarios: none keeps the watch from starting."""
     import json
-    import subprocess
 
     import torch
 
-    from tests.helpers import REPO, clean_env
+    from tests.helpers import run_python
 
     if not callable(getattr(torch._C, "_accelerator_setAllocatorSettings", None)):
         pytest.skip("needs torch 2.10 or newer (its allocator-settings setter)")
-    result = subprocess.run(
-        [sys.executable, "-c", _OUR_MODULES],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=clean_env(),
-        timeout=300,
-        check=False,
-    )
+    result = run_python("-c", _OUR_MODULES)
     assert result.returncode == 0, result.stderr[-3000:]
     facts = json.loads(result.stdout.strip().splitlines()[-1])
     assert facts == {"watching": True, "captured": []}
