@@ -12,10 +12,9 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
-from hybridmem.integrations.verl.install import ENV, INSTALL_LINE, install_line
+from hybridmem.integrations.verl.install import ENV, INSTALL_LINE, asks, install_line, verl_version
 
 __all__ = ["WORKER_MODULES", "VerlFacts", "verl_facts"]
 
@@ -51,7 +50,7 @@ class VerlFacts:
     @property
     def asked(self) -> bool:
         """Whether ``HYBRIDMEM_VERL=1`` asks for the drop-in."""
-        return (self.switch or "").strip() == "1"
+        return asks(self.switch)
 
     def line(self) -> str:
         """One line for the doctor's text."""
@@ -71,7 +70,7 @@ class VerlFacts:
             ENV: self.switch,
             "drop_in_asked": self.asked,
             "missing_for_workers": list(self.missing),
-            "install": install_line() if self.missing else None,
+            "install": install_line(self.version) if self.missing else None,
             "said": self.line(),
         }
 
@@ -83,14 +82,11 @@ def _shown(value: str | None) -> str:
 def verl_facts() -> VerlFacts:
     """Read verl's version, ``HYBRIDMEM_VERL`` and what verl's workers would miss."""
     switch = os.environ.get(ENV)
-    try:
-        version: str | None = metadata.version("verl")
-    except metadata.PackageNotFoundError:
-        version = None
+    version = verl_version()
     notes: list[str] = []
     problems: list[str] = []
     if version is None:
-        if (switch or "").strip() == "1":
+        if asks(switch):
             problems.append(
                 f"{ENV}=1 but verl is not installed here: nothing to put the drop-in into "
                 f"({INSTALL_LINE})"
@@ -103,7 +99,7 @@ def verl_facts() -> VerlFacts:
         said = (
             f"verl {version} is installed without its verl-core extra: its workers "
             f"(verl.workers.engine_workers) fail to import without {', '.join(missing)}. "
-            f"Install it with {install_line()}"
+            f"Install it with {install_line(version)}"
         )
-        (problems if (switch or "").strip() == "1" else notes).append(said)
+        (problems if asks(switch) else notes).append(said)
     return VerlFacts(version, switch, missing, tuple(notes), tuple(problems))

@@ -49,11 +49,13 @@ from hybridmem._log import logger
 __all__ = [
     "ENV",
     "INSTALL_LINE",
+    "asks",
     "install",
     "install_from_env",
     "install_line",
     "installed",
     "uninstall",
+    "verl_version",
 ]
 
 #: Set to ``1`` in processes vLLM starts (its plugin then calls :func:`install`).
@@ -117,13 +119,23 @@ def _patch(module: ModuleType) -> list[str]:
 INSTALL_LINE = 'pip install "verl[verl-core]"'
 
 
-def install_line() -> str:
-    """:data:`INSTALL_LINE` pinned to the verl release installed here, where there is one."""
+def verl_version() -> str | None:
+    """The installed verl's version, from its metadata (verl is not imported), or None."""
     try:
-        version = metadata.version("verl")
+        return metadata.version("verl")
     except metadata.PackageNotFoundError:
-        return INSTALL_LINE
-    return f'pip install "verl[verl-core]=={version}"'
+        return None
+
+
+def install_line(version: str | None = None) -> str:
+    """:data:`INSTALL_LINE` pinned to ``version`` (default: the verl installed here, if any)."""
+    version = version or verl_version()
+    return INSTALL_LINE if version is None else f'pip install "verl[verl-core]=={version}"'
+
+
+def asks(value: str | None) -> bool:
+    """Whether ``value`` (of ``HYBRIDMEM_VERL``) asks for the drop-in: ``1``, spaces aside."""
+    return (value or "").strip() == "1"
 
 
 def _not_in_place(module: str, exc: BaseException) -> None:
@@ -308,7 +320,7 @@ def install_from_env() -> bool:
     Where the variable is not ``1``, one INFO line says so (and what it holds).
     """
     value = os.environ.get(ENV)
-    if (value or "").strip() != "1":
+    if not asks(value):
         logger.info(
             "verl drop-in not installed: %s is %s (set %s=1 to install it)",
             ENV,
