@@ -13,6 +13,7 @@ string ``"25.5"`` is what torch reads as 25).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "KEYS",
     "KeySpec",
     "format_settings",
+    "keys_of",
     "normalize_value",
     "parse_settings",
 ]
@@ -110,6 +112,19 @@ KEYS: dict[str, KeySpec] = {
 }
 
 
+@functools.cache
+def keys_of(version: tuple[int, int]) -> tuple[str, ...]:
+    """The settings torch ``version`` has (its CUDA build), in :data:`KEYS`' order.
+
+    Example:
+        >>> "expandable_segments_reserve" in keys_of((2, 13))
+        False
+        >>> "large_segment_size_mb" in keys_of((2, 11))
+        True
+    """
+    return tuple(k for k, spec in KEYS.items() if spec.since <= version)
+
+
 def parse_settings(
     text: str, rules: TorchRules, *, origin: str = "allocator settings"
 ) -> dict[str, str]:
@@ -162,7 +177,7 @@ def normalize_value(key: str, value: object, rules: TorchRules) -> str:
     """
     spec = KEYS.get(key)
     if spec is None:
-        here = sorted(k for k, s in KEYS.items() if s.since <= rules.version)
+        here = sorted(keys_of(rules.version))
         raise ValueError(
             f"unknown allocator setting {key!r}{nearest(key, here)}; {rules.label} knows: "
             f"{', '.join(here)}"

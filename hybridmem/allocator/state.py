@@ -40,7 +40,7 @@ from hybridmem._errors import AllocatorSettingsError
 from hybridmem._log import log_once, logger, warn_once, warn_user
 from hybridmem._names import suggests_keywords
 from hybridmem.allocator.effective import ENV_VARS, AllocatorState, Effective, Setting
-from hybridmem.allocator.grammar import KEYS, format_settings
+from hybridmem.allocator.grammar import format_settings, keys_of
 from hybridmem.allocator.layers import Layer, expandable, overlay
 from hybridmem.allocator.rules import (
     CUDA_ALLOC_CONF,
@@ -131,8 +131,6 @@ class SettingsEngine:
             self._out_of_order: tuple[int, ...] = ()  # the layers the last warning named
             self._applied: str | None = None
             self._seen: str | None = None  # the last string torch had, as far as hybridmem saw
-            # what torch's last string is while nobody else wrote: _seen, else the env's
-            self._expect = ""
             self._current: Effective | None = None  # what torch has; None = env state
             self._can_apply_cache: bool | None = None
             self._rules: TorchRules | None = None
@@ -198,8 +196,6 @@ class SettingsEngine:
         self._env_ignored = tuple(ignored)
         self._env_error = error
         self._torch_env_text = text
-        if self._seen is None:
-            self._expect = text
         self._env_effective = effective
         self._env_explicit = explicit
         self._env_reads = MappingProxyType(reads)
@@ -310,7 +306,7 @@ class SettingsEngine:
                 ),
                 pending=MappingProxyType(pending),
                 sees_outside=_torch.sees_settings_writes(),
-                known=tuple(k for k, spec in KEYS.items() if spec.since <= self.rules().version),
+                known=keys_of(self.rules().version),
             )
 
     def _pending(self) -> dict[str, Setting]:
@@ -347,9 +343,9 @@ class SettingsEngine:
         last = _torch.last_allocator_settings()
         if last is None:
             return
-        if last == self._expect:
+        if last == self._expected():
             return
-        self._seen = self._expect = last
+        self._seen = last
         rules = self.rules()
         current = self._current if self._current is not None else self._env_effective
         outcome = rules.run(last, current.state(rules))
@@ -507,7 +503,7 @@ class SettingsEngine:
             self._roll_back(current, text, exc)
             raise
         self._env_frozen = True
-        self._applied = self._seen = self._expect = text
+        self._applied = self._seen = text
         self._current = target
         logger.debug("allocator settings applied: %s", text)
 
@@ -538,7 +534,7 @@ class SettingsEngine:
                 "now has part of the refused string",
             )
             return
-        self._applied = self._seen = self._expect = restore
+        self._applied = self._seen = restore
         self._env_frozen = True
         extra = f"; {'; '.join(kept)}" if kept else ""
         exc.args = (f"{exc}. hybridmem put the settings before it back{extra}",)
@@ -566,11 +562,16 @@ class SettingsEngine:
             return False
         return True
 
+    def _expected(self) -> str:
+        """The string torch reports while nobody else writes: hybridmem's last, else the env's."""
+        return self._seen if self._seen is not None else self._torch_env_text
+
     def _observe_now(self) -> None:
         """:meth:`_observe` at a scope's entry and exit: one read, when nobody wrote."""
         if self._env_frozen:  # the env was read and holds no error
             last = _torch.last_allocator_settings()
-            if last is None or last == self._expect:
+            seen = self._seen  # _expected(), inline: every entry and exit runs this
+            if last is None or last == (seen if seen is not None else self._torch_env_text):
                 return
         self._observe()
 
@@ -625,8 +626,7 @@ class SettingsEngine:
             layers = self._layers
             if layers and layers[-1] is layer:  # the usual, LIFO case
                 layers.pop()
-                if self._out_of_order:
-                    self._out_of_order = ()
+                self._out_of_order = ()
                 if (layers[-1].effective if layers else self._base()) is not self._current:
                     self.sync(release_cache=release_cache)
                 return
