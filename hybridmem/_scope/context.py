@@ -149,15 +149,7 @@ class ScopedContext(abc.ABC):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # _pop's usual case, inlined: every scope exit runs this (hot path)
-        loop = _get_running_loop()
-        key = (_get_ident(), id(_current_task(loop)) if loop is not None else 0)
-        stack = self._frames.get(key)
-        if stack is not None and len(stack) == 1:
-            del self._frames[key]
-            token = stack[0]
-        else:
-            token = self._pop()
+        token = self._pop()
         if token is not _DISABLED:
             self._exit(token, exc)
 
