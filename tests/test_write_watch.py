@@ -150,6 +150,52 @@ def test_a_key_of_a_dict_and_a_local_of_a_running_call_do_not_bypass() -> None:
     del rules, local
 
 
+def _extension_module(torch: Torch) -> types.ModuleType:
+    module = types.ModuleType("fake_C")
+    module.setter = torch.setter  # type: ignore[attr-defined]
+    torch.module = module  # type: ignore[assignment]
+    return module
+
+
+def test_the_interpreters_init_copy_of_the_namespace_does_not_bypass() -> None:
+    torch = Torch()
+    module = _extension_module(torch)
+    init_copy = dict(module.__dict__)  # as CPython keeps for a single-phase-init module
+    watch = torch.watch()
+    watch.last()
+    assert watch.watching, watch.captured
+    assert init_copy["setter"] == torch.setter
+
+
+@pytest.mark.parametrize(
+    "hold",
+    [lambda d: [d], lambda d: types.SimpleNamespace(namespace=d)],
+    ids=["list", "object"],
+)
+def test_a_namespace_copy_something_holds_keeps_reads_on_the_snapshot(
+    hold: Callable[[dict[str, Any]], object],
+) -> None:
+    torch = Torch()
+    module = _extension_module(torch)
+    held = hold(dict(module.__dict__))  # reachable: someone could call through it
+    watch = torch.watch()
+    watch.last()
+    assert not watch.watching
+    assert watch.captured == ("a dict ('setter')",)
+    del held
+
+
+def test_a_dict_named_otherwise_is_never_taken_for_the_init_copy() -> None:
+    torch = Torch()
+    module = _extension_module(torch)
+    other = {"__name__": "elsewhere", "setter": module.setter}
+    watch = torch.watch()
+    watch.last()
+    assert not watch.watching
+    assert watch.captured == ("a dict ('setter')",)
+    del other
+
+
 def test_stop_puts_torch_setter_back_but_never_over_someone_elses() -> None:
     torch = Torch()
     watch = torch.watch()

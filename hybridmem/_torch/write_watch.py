@@ -20,7 +20,8 @@ What the watch cannot see is a call that does not look the name up: a reference 
 torch's function bound before the watch started (``from torch._C import ...`` at
 module level, a closure, a ``functools.partial``), or a C++ caller. The first kind is
 looked for when the watch starts (the objects that refer to torch's function,
-``gc.get_referrers``: a dict holding it as a value, a closure cell, a partial); where
+``gc.get_referrers``: a dict holding it as a value, a closure cell, a partial; not the
+interpreter's init-time copy of ``torch._C``'s namespace, which nothing calls through); where
 one is found the watch does not start, and every read is a snapshot as before, said
 once at INFO with where the reference is. A C++ caller of ``parseArgs`` is not looked
 for: none is known (torch's own code does not call it; vLLM's and verl's go through
@@ -177,12 +178,16 @@ def _bound_elsewhere(function: object, owner: object) -> tuple[str, ...]:
     """Where a reference to ``function`` would call it without looking its name up.
 
     Every object that refers to it but ``owner``'s namespace, frames (locals of calls
-    running now), and dicts that hold it only as a key (torch.compile's rule maps).
+    running now), dicts that hold it only as a key (torch.compile's rule maps), and the
+    interpreter's init-time copy of ``owner``'s namespace (see ``_init_copy``).
     """
     home = getattr(owner, "__dict__", None)
     found: list[str] = []
-    for referrer in gc.get_referrers(function):
+    referrers = gc.get_referrers(function)
+    for referrer in referrers:
         if referrer is home or isinstance(referrer, types.FrameType):
+            continue
+        if isinstance(referrer, dict) and _init_copy(referrer, owner, referrers):
             continue
         if isinstance(referrer, dict):
             # a loop, not a comprehension: one would hold `function` in a cell of its own
@@ -197,6 +202,25 @@ def _bound_elsewhere(function: object, owner: object) -> tuple[str, ...]:
         else:
             found.append(type(referrer).__name__)
     return tuple(found)
+
+
+def _init_copy(namespace: dict[Any, Any], owner: object, referrers: list[Any]) -> bool:
+    """True for the interpreter's copy of ``owner``'s namespace as its init left it.
+
+    For an extension module of single-phase init (``torch._C`` is one) CPython keeps a
+    copy of the module's dict as ``PyInit`` left it, in the module's C definition, to
+    fill the module again should it be imported afresh after leaving ``sys.modules``.
+    Nothing calls through that copy, and no Python object refers to it: that, and
+    the owner's ``__name__``, is how it is told from a namespace someone could call
+    through (seen on torch 2.11's CUDA build under CPython 3.12; not on every build).
+    """
+    name = getattr(owner, "__name__", None)
+    if name is None or namespace.get("__name__") != name:
+        return False
+    return all(
+        holder is referrers or isinstance(holder, types.FrameType)
+        for holder in gc.get_referrers(namespace)
+    )
 
 
 def _describe(namespace: dict[Any, Any], name: object) -> str:
