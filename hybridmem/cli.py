@@ -46,7 +46,7 @@ from hybridmem._files import FileProblem, timeline_env_problem
 
 # Nothing here imports torch at module level: `hybridmem doctor` starts its IPC probe
 # first, so the probe's interpreters import torch while this one does.
-from hybridmem._version import __version__, major_minor
+from hybridmem._version import __version__
 from hybridmem.allocator.import_check import env_kills_torch
 from hybridmem.engine.memory_saver import memory_saver_facts
 from hybridmem.integrations.verl.facts import verl_facts
@@ -75,34 +75,12 @@ def engine_versions() -> dict[str, str | None]:
     return versions
 
 
-#: The first vLLM release checked to toggle expandable segments off inside its
-#: sleep-mode pool by itself (``vllm/device_allocator/alloc_conf.py``); earlier ones
-#: assert instead.
-_VLLM_TOGGLES_ITSELF = (0, 32)
+def _engine_notes(engines: dict[str, str | None]) -> list[str]:
+    """What applies to the installed engines, and their known incompatibilities here."""
+    from hybridmem.integrations.vllm.releases import pool_notes
 
-
-def _engine_notes(engines: dict[str, str | None], expandable_env: bool) -> list[str]:
-    """Known incompatibilities between the installed engines and this environment."""
-    notes: list[str] = []
-    if not expandable_env:
-        return notes
     vllm = engines.get("vllm")
-    if vllm:
-        known = major_minor(vllm)
-        if known is not None and known >= _VLLM_TOGGLES_ITSELF:
-            notes.append(
-                f"vllm {vllm} with expandable_segments:True in the env: vLLM turns them off "
-                "inside its sleep-mode pool and back on after, keeping your other settings; "
-                "hybridmem sees that write and leaves it in force (docs/backends/vllm.md)"
-            )
-        else:
-            notes.append(
-                f"vllm {vllm} with expandable_segments:True in the env: vLLM's sleep-mode "
-                "pool asserts 'Expandable segments are not compatible with memory pool' "
-                "(vLLM 0.32 and later turn them off inside it instead). Keep the env off and "
-                "turn them on for training only (hm.phase('train'))"
-            )
-    return notes
+    return pool_notes(vllm, os.environ) if vllm else []
 
 
 def ipc_capabilities() -> IpcCapabilities:
@@ -229,7 +207,7 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         report["allocator"].get("settings", {}).get("expandable_segments", {}).get("value")
         == "True"
     )
-    notes.extend(_engine_notes(engines, expandable_env))
+    notes.extend(_engine_notes(engines))
     verl = verl_facts()
     report["verl"] = verl.as_dict()
     notes.extend(verl.notes)

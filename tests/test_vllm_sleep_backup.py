@@ -138,3 +138,20 @@ def test_misuse_is_refused_with_what_to_pass() -> None:
         PoolBackup(FakePool(), tags="weights")
     with pytest.raises(ValueError, match="that is vLLM's level 2"):
         PoolBackup(FakePool(), tags=())
+
+
+@dataclass
+class OldRecord:
+    """vLLM 0.22-0.24's AllocationData: no is_asleep flag."""
+
+    handle: tuple[int, int, int, int]
+    tag: str
+    cpu_backup_tensor: Any = None
+
+
+def test_a_pool_without_the_asleep_flag_is_refused_before_anything_moves(pool: FakePool) -> None:
+    pool.pointer_to_data = {0x1000: OldRecord((0, 4096, 0x1000, 0), "weights")}  # type: ignore[dict-item]
+    backup = PoolBackup(pool)
+    with pytest.raises(TypeError, match=r"needs vLLM 0\.25 or later"):
+        backup.sleep()
+    assert pool.calls == []

@@ -40,3 +40,14 @@ def test_without_vllm_or_a_path_the_error_says_what_to_pass() -> None:
         pytest.skip("vLLM is installed here")
     with pytest.raises(ModuleNotFoundError, match="pass its wheel or a folder of its files"):
         sleep_files.load_cumem()
+
+
+def test_a_release_before_0_31_loads_without_alloc_conf_and_one_that_imports_it_needs_it(
+    tmp_path: Path,
+) -> None:
+    older = tuple(n for n in sleep_files.FILES if n not in sleep_files.SINCE_0_31)
+    out = sleep_files.extract(_wheel(tmp_path / "vllm-0.29.0.whl", older), tmp_path / "old")
+    assert sleep_files.first_missing(out) is None  # 0.25 - 0.30: the toggle is in cumem.py
+    cumem = out / "vllm/device_allocator/cumem.py"
+    cumem.write_text("from vllm.device_allocator.alloc_conf import set_alloc_conf\n")
+    assert sleep_files.first_missing(out) == "vllm/device_allocator/alloc_conf.py"

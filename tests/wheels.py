@@ -1,14 +1,16 @@
-"""Where the tests find the frameworks' wheels they read as data (verl's, SGLang's).
+"""Where the tests find the frameworks' wheels they read as data (verl's, SGLang's, TRL's).
 
 A framework's own code judges hybridmem's drop-in for it: the tests read it from the
 framework's wheel, never installing it. The wheel is found, in order, at the path an
-environment variable names (``HYBRIDMEM_VERL_WHEEL``, ``HYBRIDMEM_SGLANG_WHEEL``) or in
+environment variable names (``HYBRIDMEM_VERL_WHEEL``, ``HYBRIDMEM_SGLANG_WHEEL``,
+``HYBRIDMEM_TRL_WHEEL``) or in
 ``tests/wheels/`` of the checkout, where one command from the checkout's root puts them
 (:func:`fetch_line`; ``tests/wheels/`` is ignored by git):
 
-    pip download --no-deps --only-binary=:all: verl==0.9.1 sglang==0.5.23 -d tests/wheels
+    pip download --no-deps --only-binary=:all: verl==0.9.1 sglang==0.5.23 trl==1.16.0 \
+        -d tests/wheels
 
-``HYBRIDMEM_REQUIRE_VERL=1`` / ``HYBRIDMEM_REQUIRE_SGLANG=1`` (CI sets them) turn a
+``HYBRIDMEM_REQUIRE_VERL=1`` / ``_SGLANG=1`` / ``_TRL=1`` (CI sets them) turn a
 missing wheel into a failure instead of a skip.
 """
 
@@ -21,7 +23,7 @@ __all__ = ["FOLDER", "PINNED", "fetch_line", "find_wheel", "missing_reason", "re
 
 FOLDER = Path(__file__).resolve().parent / "wheels"
 #: The releases whose code the oracles are written against.
-PINNED = {"verl": "0.9.1", "sglang": "0.5.23"}
+PINNED = {"verl": "0.9.1", "sglang": "0.5.23", "trl": "1.16.0"}
 
 
 def _variable(name: str) -> str:

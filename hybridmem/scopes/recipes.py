@@ -67,8 +67,9 @@ def _recipes(
 
 
 _VLLM_POOL = (
-    "vLLM's sleep-mode pool cannot use expandable segments (torch#147851): vLLM before 0.32 "
-    "asserts, 0.32 and later turn them off inside it (vllm/device_allocator/cumem.py); "
+    "vLLM's sleep-mode pool cannot use expandable segments (torch#147851): vLLM up to 0.19 "
+    "asserts, 0.22 to 0.30 turn them off inside it dropping the other settings, 0.31 and "
+    "later keeping them (vllm/device_allocator/cumem.py); "
     "weights, KV cache and generation live in it"
 )
 VLLM = BackendProfile(

@@ -169,12 +169,34 @@ def malformed() -> dict[str, Any]:
     return out
 
 
+def watch_starts() -> dict[str, Any]:
+    """After the first scope once CUDA is up: is the write watch in place; 1,000 scopes."""
+    import time
+
+    torch.zeros(1, device="cuda")
+    with hm.expandable_segments(False):
+        pass
+    watch = _torch.settings._WATCH
+    start = time.perf_counter()
+    for _ in range(1000):
+        with hm.expandable_segments(False):
+            pass
+    return {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "watched": _torch.settings_writes_watched(),
+        "captured": list(getattr(watch, "captured", ())),
+        "scope_us": (time.perf_counter() - start) * 1e3,
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "parser": parser,
     "env_both": env_both,
     "unrestorable": unrestorable,
     "rollback": rollback,
     "malformed": malformed,
+    "watch_starts": watch_starts,
 }
 
 if __name__ == "__main__":

@@ -127,3 +127,18 @@ def test_a_malformed_env_value_is_one_clear_error() -> None:
     for key in ("error", "scope_error"):
         assert facts[key].startswith("PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:abc': "), facts
         assert "fix it or unset PYTORCH_CUDA_ALLOC_CONF" in facts[key]
+
+
+def test_the_write_watch_starts_on_this_torch_build() -> None:
+    """torch 2.10 - 2.11: nothing on a real CUDA build keeps the watch from starting.
+
+    CPython 3.12 keeps an init-time copy of ``torch._C``'s namespace that holds torch's
+    setter; taken for a caller that bypasses the watch, it kept every scope on the
+    snapshot (a walk of every live block).
+    """
+    facts = run_scenario("watch_starts", MODULE)
+    major, minor = (int(p) for p in facts["torch"].split(".")[:2])
+    if not (2, 10) <= (major, minor) < (2, 12):
+        pytest.skip(f"torch {facts['torch']} reads the string without a watch")
+    assert facts["watched"] is True, facts["captured"]
+    assert facts["captured"] == []

@@ -23,6 +23,7 @@ from hybridmem import _torch
 from hybridmem.integrations.vllm.sleep_files import load_cumem
 from hybridmem.integrations.vllm.sleep_state import (
     EngineAsleepError,
+    asleep_bytes,
     asleep_tags,
     refuse_while_asleep,
 )
@@ -57,6 +58,11 @@ def _hm_says() -> dict[str, Any]:
     }
 
 
+def _same_split(torch_mb: int, hm_says: object) -> bool:
+    """torch's max_split_size (-1 when unset: no limit) against hybridmem's value."""
+    return hm_says == ("unlimited" if torch_mb == -1 else str(torch_mb))
+
+
 def _row(label: str, rows: list[dict[str, Any]]) -> None:
     runs, says = _torch_runs(), _hm_says()
     rows.append(
@@ -65,7 +71,7 @@ def _row(label: str, rows: list[dict[str, Any]]) -> None:
             "torch": runs,
             "hm": says,
             "agree": runs["expandable_segments"] == says["expandable_segments"]
-            and str(runs["max_split_size_mb"]) == says["max_split_size_mb"],
+            and _same_split(runs["max_split_size_mb"], says["max_split_size_mb"]),
         }
     )
 
@@ -171,8 +177,59 @@ def _read_cost() -> list[dict[str, float]]:
     return out
 
 
+def each_tag_once() -> dict[str, Any]:
+    """hybridmem's scopes and the pool as vLLM uses it: each tag's pool entered once.
+
+    vLLM up to 0.31 keeps one pool per tag and replaces it when the tag's pool is
+    entered again: the replaced pool is freed while the new one is in use, which torch
+    2.11 refuses (``captures_underway.empty()`` asserts, the process ends). vLLM
+    itself enters ``weights`` once (the load) and ``kv_cache`` once (its init).
+    """
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == USER_ENV, "run with the user's env"
+    torch.zeros(1, device="cuda")
+    alloc = _allocator()
+    rows: list[dict[str, Any]] = []
+    _row("start", rows)
+    with hm.expandable_segments(True):
+        with alloc.use_memory_pool(tag="weights"):
+            weights = torch.full((64 * MiB,), 7, dtype=torch.uint8, device="cuda")
+            _row("pool inside scope", rows)
+            with hm.expandable_segments(False):
+                _row("scope inside pool", rows)
+            _row("scope left inside pool", rows)
+        _row("pool left", rows)
+    _row("scope left", rows)
+    with alloc.use_memory_pool(tag="kv_cache"):
+        kv = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda")
+        _row("pool", rows)
+        with hm.expandable_segments(True):
+            _row("scope inside pool (on)", rows)
+        _row("scope left inside pool (on)", rows)
+    _row("pool left (2)", rows)
+    with hm.expandable_segments(True):
+        pass
+    _row("end", rows)
+    alloc.sleep(offload_tags=("weights",))
+    asleep = sorted(asleep_tags())
+    kv_asleep = asleep_bytes("kv_cache")
+    alloc.wake_up(["weights"])
+    alloc.wake_up(["kv_cache"])
+    intact = bool((weights == 7).all())
+    del kv
+    return {
+        "torch": torch.__version__,
+        "rows": rows,
+        "weights_intact_after_sleep": intact,
+        "asleep": asleep,
+        "kv_asleep_bytes": kv_asleep,
+        "asleep_at_end": sorted(asleep_tags()),
+        "watched": _torch.settings_writes_watched(),
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "composition": composition,
+    "each_tag_once": each_tag_once,
 }
 
 if __name__ == "__main__":

@@ -86,11 +86,18 @@ class PoolBackup:
         return self._pool.nbytes
 
     def _tagged(self) -> list[tuple[int, Any]]:
-        return [
+        tagged = [
             (address, data)
             for address, data in _records(self.allocator).items()
             if data.tag in self.tags
         ]
+        if tagged and not hasattr(tagged[0][1], "is_asleep"):
+            raise TypeError(
+                "this vLLM's sleep-mode pool keeps no is_asleep flag on its records (vLLM "
+                "before 0.25): PoolBackup cannot tell what sleeps. It needs vLLM 0.25 or "
+                "later; use vLLM's own level-1 sleep here"
+            )
+        return tagged
 
     def reserve(self) -> int:
         """Pin host memory for every tagged allocation that has none yet; return its bytes.

@@ -7,10 +7,12 @@ with torch alone), it loads the wheel's own files under their own module names: 
 wheel (``pip download --no-deps vllm==0.33.0``) or a folder holding
 
 - ``vllm/cumem_allocator.abi3.so``,
-- ``vllm/device_allocator/__init__.py``, ``alloc_conf.py``, ``cumem.py``,
+- ``vllm/device_allocator/__init__.py``, ``cumem.py``, and ``alloc_conf.py`` where the
+  release has it (0.31 and later: :data:`SINCE_0_31`),
 - ``vllm/distributed/device_communicators/cuda_wrapper.py``,
-- ``vllm/utils/system_utils.py`` (only ``find_loaded_libraries`` and
-  ``find_loaded_library`` are taken from it, compiled alone),
+- ``vllm/utils/system_utils.py`` (only ``find_loaded_library``, and
+  ``find_loaded_libraries`` where the release has it (0.33), are taken from it,
+  compiled alone),
 
 with small stand-ins for the modules they import that would pull in the rest of vLLM:
 ``vllm.logger`` (the standard ``logging``), ``vllm.platforms`` (CUDA, not ROCm or
@@ -36,7 +38,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FILES", "extract", "first_missing", "load_cumem"]
+__all__ = ["FILES", "SINCE_0_31", "extract", "first_missing", "load_cumem"]
 
 #: The wheel's files that run, by their path inside the wheel.
 FILES = (
@@ -47,6 +49,9 @@ FILES = (
     "vllm/distributed/device_communicators/cuda_wrapper.py",
     "vllm/utils/system_utils.py",
 )
+#: Files a release before 0.31 does not have (its pool toggles without them); checked
+#: only where ``cumem.py`` imports them. vLLM 0.25 to 0.30 load with the rest.
+SINCE_0_31 = ("vllm/device_allocator/alloc_conf.py",)
 _FROM_SYSTEM_UTILS = ("find_loaded_libraries", "find_loaded_library")
 
 
@@ -73,6 +78,8 @@ def extract(wheel: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Pa
     with zipfile.ZipFile(path) as archive:
         names = set(archive.namelist())
         for name in FILES:
+            if name in SINCE_0_31 and name not in names:
+                continue  # a release before 0.31: its cumem.py does not import it
             if name not in names:
                 raise ValueError(
                     f"{path} has no {name}: not a vLLM wheel with the sleep-mode allocator "
@@ -91,7 +98,15 @@ def first_missing(folder: str | os.PathLike[str]) -> str | None:
         >>> first_missing("/nowhere")
         'vllm/cumem_allocator.abi3.so'
     """
-    return next((name for name in FILES if not (Path(folder) / name).is_file()), None)
+    root = Path(folder)
+    cumem = root / "vllm/device_allocator/cumem.py"
+    text = cumem.read_text() if cumem.is_file() else ""
+    for name in FILES:
+        if name in SINCE_0_31 and Path(name).stem not in text:
+            continue  # not imported by this release's cumem.py
+        if not (root / name).is_file():
+            return name
+    return None
 
 
 def _installed() -> Any | None:
@@ -144,18 +159,19 @@ def _stand_ins(root: Path) -> None:
     sys.modules["vllm.utils.torch_utils"] = torch_utils
     system_utils = types.ModuleType("vllm.utils.system_utils")
     source = (root / "vllm/utils/system_utils.py").read_text()
-    wanted: list[ast.stmt] = [
+    wanted: list[ast.FunctionDef] = [
         node
         for node in ast.parse(source).body
         if isinstance(node, ast.FunctionDef) and node.name in _FROM_SYSTEM_UTILS
     ]
-    if len(wanted) != len(_FROM_SYSTEM_UTILS):
+    if "find_loaded_library" not in {node.name for node in wanted}:
         raise ValueError(
-            f"{root}/vllm/utils/system_utils.py lacks {', '.join(_FROM_SYSTEM_UTILS)}: "
-            "not vLLM 0.33's file"
+            f"{root}/vllm/utils/system_utils.py lacks find_loaded_library: not vLLM's "
+            "file (0.25 to 0.33 have it; 0.33 builds it on find_loaded_libraries)"
         )
+    body: list[ast.stmt] = list(wanted)
     code = compile(
-        ast.Module(body=wanted, type_ignores=[]), str(root / "vllm/utils/system_utils.py"), "exec"
+        ast.Module(body=body, type_ignores=[]), str(root / "vllm/utils/system_utils.py"), "exec"
     )
     exec(code, system_utils.__dict__)
     sys.modules["vllm.utils.system_utils"] = system_utils

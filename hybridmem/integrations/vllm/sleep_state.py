@@ -18,7 +18,7 @@ import sys
 
 from hybridmem._errors import EngineAsleepError
 
-__all__ = ["EngineAsleepError", "asleep_tags", "refuse_while_asleep"]
+__all__ = ["EngineAsleepError", "asleep_bytes", "asleep_tags", "refuse_while_asleep"]
 
 _CUMEM = "vllm.device_allocator.cumem"
 
@@ -40,6 +40,34 @@ def asleep_tags() -> frozenset[str]:
         for data in list(records.values())
         if getattr(data, "is_asleep", False)
     )
+
+
+def asleep_bytes(tag: str) -> int | None:
+    """Bytes of ``tag``'s memory asleep in vLLM's pool: what waking ``tag`` maps (None: no pool).
+
+    Each record's handle carries its size (``handle[1]``, vLLM 0.22 to 0.33). vLLM
+    before 0.29 keeps no ``is_asleep`` flag: there every record of ``tag`` counts,
+    which is what a wake maps when the caller asks before waking.
+
+    Example:
+        >>> asleep_bytes("kv_cache")   # doctest: +SKIP
+        41875931136
+    """
+    module = sys.modules.get(_CUMEM)
+    allocator = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
+    records = getattr(allocator, "pointer_to_data", None)
+    if not isinstance(records, dict):
+        return None
+    total = 0
+    for data in list(records.values()):
+        if getattr(data, "tag", None) != tag or not getattr(data, "is_asleep", True):
+            continue
+        handle = getattr(data, "handle", None)
+        size = handle[1] if isinstance(handle, tuple) and len(handle) > 1 else None
+        if not isinstance(size, int):
+            return None  # a record this reading does not know: say nothing
+        total += size
+    return total
 
 
 def refuse_while_asleep(tag: str, action: str) -> None:
