@@ -7,14 +7,17 @@ marked ``<!-- docs: gpu -->`` on the line before its fence needs a GPU (or a sec
 process): here it is compiled and its imports run, but for those of an optional package
 it names (``<!-- docs: gpu needs=torch_memory_saver -->``; a module of ours that imports
 one, such as ``hybridmem.integrations.vllm.backend``, may be named too) that is not
-installed. A
-block that fails names its file and line.
+installed. A block marked ``<!-- docs: needs=ray -->`` runs whole where every package
+it names is installed, and is compiled with its other imports run where one is not
+(CI's ``trl`` job installs Ray and sets ``HYBRIDMEM_DOCS_REQUIRE=ray``, which makes a
+missing one fail). A block that fails names its file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -27,6 +30,7 @@ import pytest
 from tests.helpers import REPO, clean_env
 
 GPU_MARK = re.compile(r"<!-- docs: gpu(?: needs=([\w.,]+))? -->")
+NEEDS_MARK = re.compile(r"<!-- docs: needs=([\w.,]+) -->")
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
@@ -35,7 +39,8 @@ class Block:
     line: int  # of the fence
     code: str
     gpu: bool
-    needs: tuple[str, ...] = ()  # optional packages a GPU block imports
+    needs: tuple[str, ...] = ()  # optional packages the block imports
+    cpu: bool = False  # needs= alone: runs whole where they are installed
 
 
 def blocks(path: Path) -> list[Block]:
@@ -46,10 +51,12 @@ def blocks(path: Path) -> list[Block]:
     while index < len(lines):
         if lines[index].strip() == "```python":
             end = next(j for j in range(index + 1, len(lines)) if lines[j].startswith("```"))
-            mark = GPU_MARK.fullmatch(lines[index - 1].strip()) if index else None
+            before = lines[index - 1].strip() if index else ""
+            mark = GPU_MARK.fullmatch(before) or NEEDS_MARK.fullmatch(before)
             needs = tuple(mark.group(1).split(",")) if mark and mark.group(1) else ()
+            cpu = mark is not None and mark.re is NEEDS_MARK
             code = "\n".join(lines[index + 1 : end]) + "\n"
-            found.append(Block(index + 1, code, mark is not None, needs))
+            found.append(Block(index + 1, code, mark is not None and not cpu, needs, cpu))
             index = end
         index += 1
     return found
@@ -59,14 +66,17 @@ def blocks(path: Path) -> list[Block]:
 _RUNNER = """
 import ast, importlib.util, json, sys, traceback
 from tests.docs_prelude import namespace
-doc, blocks = json.loads(sys.stdin.read())
+doc, blocks, required = json.loads(sys.stdin.read())
 names = namespace(doc)
 done = []
 for block in blocks:
     where = f"{doc}:{block['line']}"
     try:
         tree = compile(block["code"], where, "exec", flags=ast.PyCF_ONLY_AST)
-        if block["gpu"]:  # compiled; only its imports run here
+        missing = [p for p in block["needs"] if importlib.util.find_spec(p) is None]
+        if block["cpu"] and set(missing) & set(required):  # CI's job that installs them
+            raise ModuleNotFoundError(f"HYBRIDMEM_DOCS_REQUIRE names {missing}: not installed")
+        if block["gpu"] or (block["cpu"] and missing):  # compiled; only its imports run
             def runs(node):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [
                     node.module
@@ -96,13 +106,18 @@ def test_every_doc_with_python_has_its_blocks_found() -> None:
     assert sum(counted.values()) >= 25
 
 
+def _required() -> list[str]:
+    """Packages a ``needs=`` block must find here (``HYBRIDMEM_DOCS_REQUIRE``, comma-separated)."""
+    return [p for p in os.environ.get("HYBRIDMEM_DOCS_REQUIRE", "").split(",") if p]
+
+
 def run_blocks(name: str, found: list[Block], scratch: Path) -> dict[str, Any]:
     """Run ``found`` as the blocks of document ``name``; the runner's verdict."""
     script = scratch / "run_doc.py"
     script.write_text(_RUNNER)
     result = subprocess.run(
         [sys.executable, str(script)],
-        input=json.dumps([name, [dataclasses.asdict(block) for block in found]]),
+        input=json.dumps([name, [dataclasses.asdict(block) for block in found], _required()]),
         capture_output=True,
         text=True,
         cwd=scratch,  # what a block writes (a timeline) lands here
@@ -154,6 +169,22 @@ def test_a_gpu_block_is_compiled_and_imported_and_a_failing_block_is_named(
     assert outcome["done"] == ["doc.md:3"]
     unmarked = [Block(1, "import not_installed_pkg\n", True)]  # no needs=: must import
     assert run_blocks("doc.md", unmarked, tmp_path)["failed"] == "doc.md:1"
+
+
+def test_a_needs_block_runs_whole_where_its_packages_are_and_is_compiled_where_not(
+    tmp_path: Path,
+) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "<!-- docs: needs=not_installed_pkg -->\n```python\nimport json\n"
+        "import not_installed_pkg\nraise SystemExit('ran')\n```\n\n"
+        "<!-- docs: needs=json -->\n```python\nimport json\nassert json.loads('1') == 2\n```\n"
+    )
+    missing, present = blocks(doc)
+    assert (missing.gpu, missing.cpu, missing.needs) == (False, True, ("not_installed_pkg",))
+    assert (present.gpu, present.cpu, present.needs) == (False, True, ("json",))
+    assert run_blocks("doc.md", [missing], tmp_path)["failed"] is None  # imports only
+    assert run_blocks("doc.md", [present], tmp_path)["failed"] == "doc.md:9"  # ran whole
 
 
 def test_the_readmes_first_snippet_runs_as_pasted(tmp_path: Path) -> None:
