@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from hybridmem._errors import OffloadError
 from hybridmem.engine.switch_offload import NEED_MARGIN_BYTES
 from hybridmem.integrations import trl as drop_in
 from tests import trl_source, trl_standin
@@ -342,3 +343,30 @@ def test_without_sleep_mode_the_phases_still_apply_and_a_failure_sleeps_nothing(
     assert ("enter", "rollout") in CALLS
     assert ("sleep", 2) not in CALLS
     assert generation._llm_weights_sleeping is False
+
+
+def test_a_reload_that_finds_no_room_after_a_failure_says_the_state_is_retrievable(
+    by_need: dict[str, int | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="hybridmem")
+    generation = _generation()
+    handle = drop_in.colocate(Trainer(generation, _optimizer()), offload_optimizer=True)
+    generation.llm.fail["generate"] = RuntimeError("boom")
+    offloader_reload = FakeOffloader.reload
+
+    def no_room(self: FakeOffloader) -> None:
+        raise OffloadError("out of memory: everything stays offloaded")
+
+    FakeOffloader.reload = no_room  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            generation.generate([[1]], None, 1)
+    finally:
+        FakeOffloader.reload = offloader_reload  # type: ignore[method-assign]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "was put back to sleep (level 2)" in said  # the sleep is not blamed
+    assert "did not come back" in said
+    assert "Colocated.reload()" in said
+    assert handle.offloaded_groups() == ["optimizer"]
+    handle.reload()  # once there is room
+    assert handle.offloaded_groups() == []

@@ -179,10 +179,14 @@ class Colocated:
         return result
 
     def _sleep(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._put_to_sleep(*args, **kwargs)
+        self.reload()  # the engine let go: the trainer's state comes back
+        return result
+
+    def _put_to_sleep(self, *args: Any, **kwargs: Any) -> Any:
         with phase("sleep", backend="vllm"):
             result = self._original(self._llm, "sleep")(*args, **kwargs)
         self.awake.clear()
-        self.reload()
         return result
 
     # -------------------------------------------------------------- failure
@@ -192,7 +196,7 @@ class Colocated:
         if self.awake:
             woken = sorted(self.awake)
             try:
-                self._sleep(level=SLEEP_LEVEL)
+                self._put_to_sleep(level=SLEEP_LEVEL)
             except BaseException as sleep_exc:  # the engine's state is vLLM's to say now
                 logger.error(
                     "TRL: %s failed (%s) with vLLM awake (%s); putting it back to sleep "
