@@ -46,7 +46,7 @@ def asleep_bytes(tag: str) -> int | None:
     """Bytes of ``tag``'s memory asleep in vLLM's pool: what waking ``tag`` maps (None: no pool).
 
     Each record's handle carries its size (``handle[1]``, vLLM 0.22 to 0.33). vLLM
-    before 0.29 keeps no ``is_asleep`` flag: there every record of ``tag`` counts,
+    before 0.25 keeps no ``is_asleep`` flag: there every record of ``tag`` counts,
     which is what a wake maps when the caller asks before waking.
 
     Example:
