@@ -50,7 +50,8 @@ FILES = (
     "vllm/utils/system_utils.py",
 )
 #: Files a release before 0.31 does not have (its pool toggles without them); checked
-#: only where ``cumem.py`` imports them. vLLM 0.25 to 0.30 load with the rest.
+#: only where ``cumem.py`` imports them. vLLM 0.24 to 0.30 load with the rest (0.24,
+#: 0.29 and 0.31 run on an H100; 0.22 imports a module with no stand-in here).
 SINCE_0_31 = ("vllm/device_allocator/alloc_conf.py",)
 _FROM_SYSTEM_UTILS = ("find_loaded_libraries", "find_loaded_library")
 
