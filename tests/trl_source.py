@@ -14,9 +14,6 @@ the ``.py`` itself, else ``tests/wheels/``), or in an installed TRL.
 from __future__ import annotations
 
 import ast
-import importlib.util
-import zipfile
-from pathlib import Path
 
 from tests import wheels
 
@@ -27,20 +24,7 @@ METHODS = ("_init_vllm", "sync_weights", "generate")
 
 def trl_source() -> tuple[str, str] | None:
     """(TRL's vllm_generation.py text, where it came from), or None where none is found."""
-    found = wheels.find_wheel("trl")
-    if found is not None:
-        if found.suffix == ".whl":
-            with zipfile.ZipFile(found) as wheel:
-                return wheel.read(GENERATION).decode(), f"{found}:{GENERATION}"
-        return found.read_text(), str(found)
-    spec = importlib.util.find_spec("trl")
-    if spec is not None and spec.submodule_search_locations:
-        path = (
-            Path(next(iter(spec.submodule_search_locations))) / "generation" / "vllm_generation.py"
-        )
-        if path.is_file():
-            return path.read_text(), str(path)
-    return None
+    return wheels.read_source("trl", GENERATION)
 
 
 def _dotted(node: ast.expr) -> str | None:

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import sys
 import types
-import zipfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from tests import wheels
@@ -30,18 +27,7 @@ UTIL = "verl/models/mcore/util.py"
 
 def verl_source() -> tuple[str, str] | None:
     """(verl's util.py text, where it came from), or None where none is found."""
-    found = wheels.find_wheel("verl")
-    if found is not None:
-        if found.suffix == ".whl":
-            with zipfile.ZipFile(found) as wheel:
-                return wheel.read(UTIL).decode(), f"{found}:{UTIL}"
-        return found.read_text(), str(found)
-    spec = importlib.util.find_spec("verl")
-    if spec is not None and spec.submodule_search_locations:
-        util = Path(next(iter(spec.submodule_search_locations))) / "models" / "mcore" / "util.py"
-        if util.is_file():
-            return util.read_text(), str(util)
-    return None
+    return wheels.read_source("verl", UTIL)
 
 
 def missing_reason() -> str:

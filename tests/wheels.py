@@ -16,10 +16,20 @@ missing wheel into a failure instead of a skip.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import zipfile
 from pathlib import Path
 
-__all__ = ["FOLDER", "PINNED", "fetch_line", "find_wheel", "missing_reason", "required"]
+__all__ = [
+    "FOLDER",
+    "PINNED",
+    "fetch_line",
+    "find_wheel",
+    "missing_reason",
+    "read_source",
+    "required",
+]
 
 FOLDER = Path(__file__).resolve().parent / "wheels"
 #: The releases whose code the oracles are written against.
@@ -37,6 +47,26 @@ def find_wheel(name: str) -> Path | None:
         return Path(named)
     found = sorted(FOLDER.glob(f"{name}-{PINNED[name]}-*.whl"))
     return found[-1] if found else None
+
+
+def read_source(name: str, member: str) -> tuple[str, str] | None:
+    """(the text of ``member``, where it came from) in ``name``'s code, or None.
+
+    From the wheel :func:`find_wheel` finds (a ``.py`` the variable names is that file),
+    else from an installed ``name`` (``member``'s path under its package's parent).
+    """
+    found = find_wheel(name)
+    if found is not None:
+        if found.suffix == ".whl":
+            with zipfile.ZipFile(found) as wheel:
+                return wheel.read(member).decode(), f"{found}:{member}"
+        return found.read_text(), str(found)
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(next(iter(spec.submodule_search_locations))).parent / member
+        if path.is_file():
+            return path.read_text(), str(path)
+    return None
 
 
 def fetch_line(*names: str) -> str:

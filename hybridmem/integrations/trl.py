@@ -154,19 +154,18 @@ class Colocated:
 
     # -------------------------------------------------------------- the calls
     def _sync_weights(self, *args: Any, **kwargs: Any) -> Any:
-        with phase("weight_sync", backend="vllm"):
-            try:
-                return self._original(self.generation, "sync_weights")(*args, **kwargs)
-            except BaseException as exc:
-                self._after_failure(exc, "sync_weights")
-                raise
+        return self._in_phase("weight_sync", "sync_weights", args, kwargs)
 
     def _generate(self, *args: Any, **kwargs: Any) -> Any:
-        with phase("rollout", backend="vllm"):
+        return self._in_phase("rollout", "generate", args, kwargs)
+
+    def _in_phase(self, name: str, method: str, args: Any, kwargs: Any) -> Any:
+        """TRL's ``method`` in the vLLM profile's phase ``name``; a failure undone, re-raised."""
+        with phase(name, backend="vllm"):
             try:
-                return self._original(self.generation, "generate")(*args, **kwargs)
+                return self._original(self.generation, method)(*args, **kwargs)
             except BaseException as exc:
-                self._after_failure(exc, "generate")
+                self._after_failure(exc, method)
                 raise
 
     def _wake_up(self, tags: list[str] | None = None, **kwargs: Any) -> Any:

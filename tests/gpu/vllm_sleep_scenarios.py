@@ -76,8 +76,12 @@ def _row(label: str, rows: list[dict[str, Any]]) -> None:
     )
 
 
-def composition() -> dict[str, Any]:
-    """hybridmem's scopes and vLLM's ``use_memory_pool``: both orders, errors, a thread."""
+def _both_ways() -> tuple[Any, list[dict[str, Any]], torch.Tensor, torch.Tensor]:
+    """hybridmem's scopes and the pool nested both ways, each tag's pool entered once.
+
+    Returns the allocator, the rows, and the weights (filled with 7) and KV cache made in
+    the pool.
+    """
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == USER_ENV, "run with the user's env"
     torch.zeros(1, device="cuda")
     alloc = _allocator()
@@ -101,6 +105,12 @@ def composition() -> dict[str, Any]:
             _row("scope inside pool (on)", rows)
         _row("scope left inside pool (on)", rows)
     _row("pool left (2)", rows)
+    return alloc, rows, weights, kv
+
+
+def composition() -> dict[str, Any]:
+    """hybridmem's scopes and vLLM's ``use_memory_pool``: both orders, errors, a thread."""
+    alloc, rows, weights, kv = _both_ways()
     # an exception inside each
     try:
         with alloc.use_memory_pool(tag="weights"), hm.allocator_settings(max_split_size_mb=64):
@@ -185,27 +195,7 @@ def each_tag_once() -> dict[str, Any]:
     2.11 refuses (``captures_underway.empty()`` asserts, the process ends). vLLM
     itself enters ``weights`` once (the load) and ``kv_cache`` once (its init).
     """
-    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == USER_ENV, "run with the user's env"
-    torch.zeros(1, device="cuda")
-    alloc = _allocator()
-    rows: list[dict[str, Any]] = []
-    _row("start", rows)
-    with hm.expandable_segments(True):
-        with alloc.use_memory_pool(tag="weights"):
-            weights = torch.full((64 * MiB,), 7, dtype=torch.uint8, device="cuda")
-            _row("pool inside scope", rows)
-            with hm.expandable_segments(False):
-                _row("scope inside pool", rows)
-            _row("scope left inside pool", rows)
-        _row("pool left", rows)
-    _row("scope left", rows)
-    with alloc.use_memory_pool(tag="kv_cache"):
-        kv = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda")
-        _row("pool", rows)
-        with hm.expandable_segments(True):
-            _row("scope inside pool (on)", rows)
-        _row("scope left inside pool (on)", rows)
-    _row("pool left (2)", rows)
+    alloc, rows, weights, kv = _both_ways()
     with hm.expandable_segments(True):
         pass
     _row("end", rows)

@@ -23,6 +23,14 @@ __all__ = ["EngineAsleepError", "asleep_bytes", "asleep_tags", "refuse_while_asl
 _CUMEM = "vllm.device_allocator.cumem"
 
 
+def _records() -> list[object] | None:
+    """The records of the pool vLLM's module holds (a copy of the list), or None: no pool."""
+    module = sys.modules.get(_CUMEM)
+    allocator = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
+    records = getattr(allocator, "pointer_to_data", None)
+    return list(records.values()) if isinstance(records, dict) else None
+
+
 def asleep_tags() -> frozenset[str]:
     """The tags of vLLM's sleep-mode pool with memory asleep now (empty: none, or no pool).
 
@@ -30,15 +38,9 @@ def asleep_tags() -> frozenset[str]:
         >>> asleep_tags()   # doctest: +SKIP
         frozenset({'weights', 'kv_cache'})
     """
-    module = sys.modules.get(_CUMEM)
-    allocator = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
-    records = getattr(allocator, "pointer_to_data", None)
-    if not isinstance(records, dict):
-        return frozenset()
+    records = _records()
     return frozenset(
-        str(getattr(data, "tag", ""))
-        for data in list(records.values())
-        if getattr(data, "is_asleep", False)
+        str(getattr(data, "tag", "")) for data in records or () if getattr(data, "is_asleep", False)
     )
 
 
@@ -53,13 +55,11 @@ def asleep_bytes(tag: str) -> int | None:
         >>> asleep_bytes("kv_cache")   # doctest: +SKIP
         41875931136
     """
-    module = sys.modules.get(_CUMEM)
-    allocator = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
-    records = getattr(allocator, "pointer_to_data", None)
-    if not isinstance(records, dict):
+    records = _records()
+    if records is None:
         return None
     total = 0
-    for data in list(records.values()):
+    for data in records:
         if getattr(data, "tag", None) != tag or not getattr(data, "is_asleep", True):
             continue
         handle = getattr(data, "handle", None)
