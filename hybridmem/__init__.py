@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hybridmem._errors import (
         AllocatorSettingsError,
+        CommunicatorError,
+        CommunicatorSuspendedError,
         EngineAsleepError,
         HybridMemWarning,
         HybridSwitchError,
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from hybridmem.memory.offload import Offloader
     from hybridmem.memory.offload_scope import offloaded
     from hybridmem.memory.one_segment import one_segment
+    from hybridmem.observe.communicators import communicator_memory
     from hybridmem.observe.leakwatch import LeakWatch
     from hybridmem.observe.memory import memory_info
     from hybridmem.observe.timeline import get_timeline, record
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
         expandable_segments,
         set_allocator_defaults,
     )
+    from hybridmem.scopes.communicators import suspend_communicators
     from hybridmem.scopes.engines import EngineAdapter, SGLangEngine, VLLMEngine
     from hybridmem.scopes.ipc_safe import ipc_safe
     from hybridmem.scopes.phases import phase
@@ -69,6 +73,8 @@ _LAZY = {
     "AllocatorSettingsError": "hybridmem._errors",
     "BackendProfile": "hybridmem.scopes.profiles",
     "BucketReceiver": "hybridmem.ipc.receiver",
+    "CommunicatorError": "hybridmem._errors",
+    "CommunicatorSuspendedError": "hybridmem._errors",
     "EngineAdapter": "hybridmem.scopes.engines",
     "HybridMemWarning": "hybridmem._errors",
     "HybridSwitch": "hybridmem.engine.switch",
@@ -88,6 +94,7 @@ _LAZY = {
     "allocator_settings": "hybridmem.scopes.allocator",
     "allocator_state": "hybridmem.allocator.state",
     "allow_ptrace_from_any": "hybridmem.ipc.shareable",
+    "communicator_memory": "hybridmem.observe.communicators",
     "compact": "hybridmem.memory.compact",
     "expandable_segments": "hybridmem.scopes.allocator",
     "get_backend": "hybridmem.scopes.registry",
@@ -106,6 +113,7 @@ _LAZY = {
     "register_backend": "hybridmem.scopes.registry",
     "release_cache": "hybridmem.scopes.release",
     "set_allocator_defaults": "hybridmem.scopes.allocator",
+    "suspend_communicators": "hybridmem.scopes.communicators",
 }
 
 
@@ -168,6 +176,8 @@ __all__ = [
     "AllocatorSettingsError",
     "BackendProfile",
     "BucketReceiver",
+    "CommunicatorError",
+    "CommunicatorSuspendedError",
     "EngineAdapter",
     "EngineAsleepError",
     "HybridMemWarning",
@@ -188,6 +198,7 @@ __all__ = [
     "allocator_settings",
     "allocator_state",
     "allow_ptrace_from_any",
+    "communicator_memory",
     "compact",
     "expandable_segments",
     "get_backend",
@@ -206,4 +217,5 @@ __all__ = [
     "register_backend",
     "release_cache",
     "set_allocator_defaults",
+    "suspend_communicators",
 ]

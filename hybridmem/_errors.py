@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "AllocatorSettingsError",
+    "CommunicatorError",
+    "CommunicatorSuspendedError",
     "EngineAsleepError",
     "HybridMemWarning",
     "HybridSwitchError",
@@ -83,4 +85,33 @@ class EngineAsleepError(RuntimeError):
 
     Raised before anything is received, written or generated: the engine's state is
     unchanged. The message names the tags asleep and the call that wakes them.
+    """
+
+
+class CommunicatorError(RuntimeError):
+    """Suspending or resuming a process group's NCCL communicator failed, here or on a peer.
+
+    The message names the group, the ranks and what state each communicator is in.
+    A communicator left suspended stays refused to collectives (each one raises
+    :class:`CommunicatorSuspendedError`); NCCL's resume is collective, so bring it
+    back by resuming on every rank, or destroy the group
+    (``torch.distributed.destroy_process_group(group)``) and make it again.
+
+    Attributes:
+        group: torch's name for the group.
+        suspended_ranks: the ranks whose communicator is still suspended, as far as
+            this rank knows (empty: none is).
+    """
+
+    def __init__(self, message: str, *, group: str, suspended_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.group = group
+        self.suspended_ranks = suspended_ranks
+
+
+class CommunicatorSuspendedError(CommunicatorError):
+    """A collective came to a process group whose NCCL communicator is suspended.
+
+    Raised before torch or NCCL see the call: NCCL does not check, and a collective
+    on a suspended communicator reads the buffers it released. Nothing ran.
     """

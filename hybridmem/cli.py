@@ -142,6 +142,28 @@ def _cuda_build_refusal(variable: str | None, text: str) -> str | None:
     )
 
 
+def _nccl_section() -> tuple[dict[str, Any], str | None]:
+    """What NCCL this torch loaded and whether it can suspend communicators (a note if not)."""
+    from hybridmem import _torch
+
+    if not _torch.cuda_built():
+        return {"version": None, "suspend": False, "library": None}, None
+    calls = _torch.nccl_calls()
+    section = {
+        "version": _torch.nccl_version(),
+        "suspend": bool(calls is not None and calls.has_suspend),
+        "library": getattr(calls, "path", None),
+    }
+    if section["suspend"] or section["version"] is None:
+        return section, None
+    return section, (
+        f"NCCL {section['version']} cannot suspend communicators (ncclCommSuspend came "
+        "in 2.29.7): the process groups' buffers stay on the device through the rollout "
+        "(verl#6266: 7-10 GB a rank), and hm.suspend_communicators() says so once and "
+        "changes nothing; docs/communicators.md says how to get a newer NCCL"
+    )
+
+
 def doctor_report(*, probe: bool = True) -> dict[str, Any]:
     """Collect the doctor's findings as a JSON-ready dict (no CUDA in this process).
 
@@ -208,6 +230,9 @@ def doctor_report(*, probe: bool = True) -> dict[str, Any]:
         == "True"
     )
     notes.extend(_engine_notes(engines))
+    report["nccl"], nccl_note = _nccl_section()
+    if nccl_note is not None:
+        notes.append(nccl_note)
     verl = verl_facts()
     report["verl"] = verl.as_dict()
     notes.extend(verl.notes)
@@ -275,6 +300,10 @@ def _print_human(report: dict[str, Any]) -> None:
             print(f"  ERROR: {alloc['cuda_build_refuses']}")
     engines = report.get("engines", {})
     print("\nengines: " + ", ".join(f"{k} {v or '(not installed)'}" for k, v in engines.items()))
+    nccl = report.get("nccl") or {}
+    if nccl.get("version"):
+        can = "can" if nccl["suspend"] else "cannot"
+        print(f"NCCL {nccl['version']}: {can} suspend communicators ({nccl['library']})")
     print(report["verl"]["said"])
     saver = report.get("torch_memory_saver")
     if saver:
@@ -421,6 +450,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(fraction)",
     )
     bench.add_argument(
+        "--communicators",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the trainer holds N NCCL process groups of one rank (made after the engine "
+        "starts); runs hybridmem with them held and 'suspended' with them suspended "
+        "through the rollout (NCCL 2.29.7+; docs/communicators.md)",
+    )
+    bench.add_argument(
         "--rollout-s",
         type=float,
         default=0.0,
@@ -496,11 +534,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the engine process is started with this process's environment
         os.environ["HYBRIDMEM_VLLM_FILES"] = os.path.abspath(args.vllm_files)
     if args.command == "bench":
-        from hybridmem.bench.plan import MAX_PHASE_S, MIN_CYCLES
+        from hybridmem.bench.plan import MAX_COMMUNICATORS, MAX_PHASE_S, MIN_CYCLES
 
         for flag, seconds in (("--rollout-s", args.rollout_s), ("--train-s", args.train_s)):
             if not 0 <= seconds <= MAX_PHASE_S:
                 parser.error(f"{flag} must be seconds from 0 to {MAX_PHASE_S:g}, got {seconds:g}")
+        if not 0 <= args.communicators <= MAX_COMMUNICATORS:
+            parser.error(
+                f"--communicators must be 0 to {MAX_COMMUNICATORS} process groups, "
+                f"got {args.communicators}"
+            )
+        if args.communicators and (args.scale is not None or args.from_json):
+            parser.error("--communicators runs the default plan: leave out --scale/--from-json")
         if args.cycles is not None and args.cycles < MIN_CYCLES:
             parser.error(
                 f"--cycles must be at least {MIN_CYCLES} (the first is a warm-up, the figures "
@@ -552,6 +597,7 @@ def _run(args: argparse.Namespace) -> int:
             anatomy=args.anatomy,
             rollout_s=args.rollout_s,
             train_s=args.train_s,
+            communicators=args.communicators,
         )
     if args.command == "plot":
         return _plot(args.timeline, args.output, args.title, args.trace)

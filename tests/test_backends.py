@@ -47,7 +47,10 @@ def test_recipes_follow_the_design() -> None:
         assert [s.action for s in recipes["wake_up"]] == ["release_cache", "expandable_segments"]
         assert [s.action for s in recipes["weight_sync"]] == ["ipc_safe", "release_cache"]
         assert recipes["weight_sync"][1].args["ipc_collect"] is True
-        assert [s.action for s in recipes["rollout"]] == ["expandable_segments"]
+        assert [(s.action, dict(s.args)) for s in recipes["rollout"]] == [
+            ("expandable_segments", {"enabled": False}),
+            ("suspend_communicators", {"enabled": False}),  # opt-in: collective
+        ]
     assert [s.action for s in hm.get_backend("sglang").recipes["sleep"]] == [
         "release_cache",
         "await_free",

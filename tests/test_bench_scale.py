@@ -6,6 +6,7 @@ The runs themselves need a GPU; here every child is faked and everything else is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import time
@@ -716,6 +717,58 @@ def test_the_hand_back_is_read_after_the_switch_with_the_kv_wake_given_back(
     assert client.last_handback == before
 
 
+def test_the_shortfall_names_what_the_trainers_communicators_hold(
+    fake_gpu: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL's buffers held through the rollout: their own part, out of the context's growth."""
+    from hybridmem.observe import memory as observe_memory
+    from hybridmem.observe.communicators import CommunicatorMemory
+
+    device = fake_gpu.devices[0]
+    device.reserved = device.allocated
+    held = [
+        CommunicatorMemory(
+            "0",
+            "default_pg",
+            "nccl",
+            (0,),
+            0,
+            True,
+            s,
+            96 << 20,
+            s + (96 << 20),
+            False,
+            "ncclCommMemStats",
+        )
+        for s in (512 << 20, 0)
+    ]
+    monkeypatch.setattr(observe_memory, "communicator_memory", lambda index: tuple(held))
+
+    def wake(command: Any) -> list[Any]:
+        if command[0] == "wake":
+            device.other += 8 * GiB
+            return [("ok", 8 * GiB)]
+        return [{"stats": ("ok", GiB, GiB), "anatomy": ("ok", {})}[command[0]]]
+
+    client = _client_on(fake_gpu, {})
+    client.conn.answer = wake
+    device.other += (512 << 20) + 2 * (96 << 20)  # what NCCL allocated after the start
+    client.resume_memory_occupation(["kv_cache"])
+    client.read_handback()
+    # what a suspend would give back is missing; the persistent part is context
+    assert client.last_missing["communicators"] == 512 << 20
+    assert client.last_missing["context_growth"] == 2 * (96 << 20)
+    held_back = client.last_handback
+    assert held_back < 0.995
+    held[0] = dataclasses.replace(held[0], suspended=True)  # hm.suspend_communicators()
+    device.other -= 512 << 20
+    client.resume_memory_occupation(["kv_cache"])
+    client.read_handback()
+    assert client.last_missing["communicators"] == 0
+    assert client.last_handback == pytest.approx(1.0)
+    assert client.last_handback > held_back
+
+
 def test_the_rollout_and_training_lengths_are_checked_where_they_are_given() -> None:
     from hybridmem.bench.plan import with_phase_lengths
 
@@ -869,3 +922,69 @@ def test_a_finished_run_replaces_what_it_saved_so_far(
     assert "unfinished" not in final
     assert sorted(final["results"]) == ["hybridmem", "naive"]
     assert final["verdicts"]
+
+
+def test_communicators_are_checked_where_they_are_given() -> None:
+    from hybridmem.bench.plan import MAX_COMMUNICATORS, plan, with_communicators
+
+    p = plan(141 * GiB, quick=True)
+    assert with_communicators(p, 5).communicators == 5
+    assert with_communicators(p, 5).as_dict()["communicators"] == 5
+    with pytest.raises(TypeError, match="communicators must be an int"):
+        with_communicators(p, 2.5)
+    with pytest.raises(ValueError, match=f"0 to {MAX_COMMUNICATORS}"):
+        with_communicators(p, MAX_COMMUNICATORS + 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--communicators", "-1"], "--communicators must be 0 to 64"),
+        (["--communicators", "2", "--scale"], "leave out --scale"),
+    ],
+)
+def test_the_cli_refuses_communicators_it_cannot_run(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hybridmem.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", *argv])
+    assert said in capsys.readouterr().err
+
+
+def test_the_suspended_strategy_holds_the_scope_from_rollout_to_trainer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hybridmem.bench import strategies
+
+    calls: list[str] = []
+
+    class Scope:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            calls.append("suspend")
+
+        def __exit__(self, *exc: object) -> None:
+            calls.append("resume")
+
+    monkeypatch.setattr(strategies, "SuspendCommunicators", Scope)
+    monkeypatch.setattr(strategies.Hybridmem, "__init__", lambda self, *a: None)
+    monkeypatch.setattr(
+        strategies.Hybridmem,
+        "to_rollout",
+        lambda self: calls.append("switch to rollout") or strategies.Moved(stages={"wake": 1.0}),
+    )
+    monkeypatch.setattr(
+        strategies.Hybridmem,
+        "to_trainer",
+        lambda self: calls.append("switch to trainer") or strategies.Moved(),
+    )
+    strategy = strategies.strategy_classes()["suspended"]()  # type: ignore[call-arg]
+    out = strategy.to_rollout()
+    back = strategy.to_trainer()
+    assert calls == ["suspend", "switch to rollout", "switch to trainer", "resume"]
+    assert list(out.stages) == ["suspend communicators", "wake"]
+    assert "resume communicators" in back.stages

@@ -585,3 +585,30 @@ def test_doctor_says_how_this_torchs_rules_are_known(
     _reset_state_for_tests()
     assert main(["doctor", "--no-probe", "--json"]) == 0
     assert expected in json.loads(capsys.readouterr().out)["allocator"]["rules"]
+
+
+@pytest.mark.parametrize(("version", "suspend"), [(22809, False), (23007, True)])
+def test_doctor_says_whether_nccl_can_suspend_communicators(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    version: int,
+    suspend: bool,
+) -> None:
+    from hybridmem import _torch
+    from tests.nccl_standin import StandInNccl
+
+    nccl = StandInNccl(version=version, has_suspend=suspend)
+    monkeypatch.setattr(_torch, "cuda_built", lambda: True)
+    monkeypatch.setattr(_torch, "nccl_calls", lambda: nccl)
+    monkeypatch.setattr(_torch, "nccl_version", lambda: nccl.version_text)
+    assert main(["doctor", "--json", "--no-probe"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["nccl"]["version"] == nccl.version_text
+    assert report["nccl"]["suspend"] is suspend
+    said = [n for n in report["notes"] if "suspend communicators" in n]
+    if suspend:
+        assert said == []
+    else:
+        assert len(said) == 1
+        assert "NCCL 2.28.9 cannot suspend communicators" in said[0]
+        assert "2.29.7" in said[0]

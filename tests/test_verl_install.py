@@ -335,3 +335,22 @@ def test_a_subclass_keeping_restored_on_failure_over_the_drop_in_says_it_once(
     with pytest.raises(RuntimeError):
         fail()
     assert len(_said(caplog, logging.WARNING)) == 2
+
+
+def test_the_communicators_wrapper_is_installed_only_when_asked(
+    fake_verl: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hybridmem.integrations.verl import communicators
+
+    install.install()
+    workers = importlib.import_module("verl.workers.engine_workers")
+    method = vars(workers.ActorRolloutRefWorker)["update_weights"]
+    assert not getattr(method, "__hybridmem_suspends__", False)  # off by default
+    install.uninstall()
+    monkeypatch.setenv(communicators.ENV, "1")
+    install.install()
+    method = vars(workers.ActorRolloutRefWorker)["update_weights"]
+    assert getattr(method, "__hybridmem_suspends__", False)
+    assert getattr(method, "__hybridmem_restored__", False)  # both, once each
+    install.install()
+    assert vars(workers.ActorRolloutRefWorker)["update_weights"] is method

@@ -137,6 +137,39 @@ def _enter_wrapped_again(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -> No
         pass
 
 
+def _suspend_in_a_world(monkeypatch: pytest.MonkeyPatch, nccl: Any) -> None:
+    """``hm.suspend_communicators()`` on a one-rank gloo world the seam takes for NCCL's."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from tests.nccl_standin import as_nccl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/s", rank=0, world_size=1)
+        try:
+            as_nccl(monkeypatch, nccl, [dist.group.WORLD])
+            with hm.suspend_communicators():
+                pass
+        finally:
+            dist.destroy_process_group()
+
+
+def _ranks_disagree(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -> None:
+    from hybridmem.scopes.communicators import SuspendCommunicators
+    from tests.nccl_standin import StandInNccl
+
+    said = {0: "ok", 1: "NCCL 2.28.9 has no ncclCommSuspend"}
+    monkeypatch.setattr(SuspendCommunicators, "_meet", lambda self, *args: said)
+    _suspend_in_a_world(monkeypatch, StandInNccl())
+
+
+def _old_nccl(monkeypatch: pytest.MonkeyPatch, fake: FakeTorch) -> None:
+    from tests.nccl_standin import StandInNccl
+
+    _suspend_in_a_world(monkeypatch, StandInNccl(version=22809, has_suspend=False))
+
+
 # (file, function) of each call site -> what a user does that reaches it.
 TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("_env.py", "parse_flag"): _disable_flag,
@@ -153,6 +186,8 @@ TRIGGERS: dict[tuple[str, str], Trigger] = {
     ("scopes/ipc_safe.py", "_enter"): _ipc_host_fallback,
     ("memory/one_segment.py", "_enter"): _no_room_for_one_segment,
     ("observe/leakwatch.py", "observe"): _leak,
+    ("scopes/communicators.py", "_leave_alone"): _ranks_disagree,
+    ("scopes/communicators.py", "_leave_alone#2"): _old_nccl,
     # observe/timeline.py _start_from_env runs at import: tested in a fresh process below
 }
 _AT_IMPORT = {("observe/timeline.py", "_start_from_env")}

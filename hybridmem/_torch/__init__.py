@@ -15,7 +15,9 @@ the torch version it applies to; one module per concern:
   mapping (a reload right after another process's free);
 - ``ipc``: CUDA IPC export and import of tensors and events, segment kind, device
   identity;
-- ``dist``: torch.distributed.
+- ``dist``: torch.distributed;
+- ``nccl``: the process groups' NCCL communicators (suspend, resume, what they hold),
+  the store the ranks agree through, the collective methods a suspended group refuses.
 
 Some wrappers here are one line over a public API (CUDA streams and events, storage
 resizing): torch ships those untyped, and the typed wrapper keeps ``mypy --strict``
@@ -84,6 +86,22 @@ if TYPE_CHECKING:
         wait_event,
     )
     from hybridmem._torch.mapped import copy_by_kernel, host_device_view
+    from hybridmem._torch.nccl import (
+        default_store,
+        group_communicators,
+        group_is_alive,
+        is_non_member,
+        is_process_group,
+        nccl_calls,
+        nccl_version,
+        store_get,
+        store_has,
+        store_set,
+        store_wait,
+        torch_suspends,
+        unwrap_collectives,
+        wrap_collectives,
+    )
     from hybridmem._torch.settings import (
         last_allocator_settings,
         record_memory_history,
@@ -136,6 +154,7 @@ _LAZY = {
     "cuda_version": "hybridmem._torch.device",
     "current_device": "hybridmem._torch.device",
     "current_stream": "hybridmem._torch.tensors",
+    "default_store": "hybridmem._torch.nccl",
     "dense_parts": "hybridmem._torch.tensors",
     "device_count": "hybridmem._torch.device",
     "device_index_by_uuid": "hybridmem._torch.ipc",
@@ -148,6 +167,8 @@ _LAZY = {
     "empty_cache": "hybridmem._torch.device",
     "event_seconds": "hybridmem._torch.ipc",
     "export_cuda_tensor": "hybridmem._torch.ipc",
+    "group_communicators": "hybridmem._torch.nccl",
+    "group_is_alive": "hybridmem._torch.nccl",
     "has_context": "hybridmem._torch.device",
     "hold_block": "hybridmem._torch.blocks",
     "host_device_view": "hybridmem._torch.mapped",
@@ -157,11 +178,15 @@ _LAZY = {
     "ipc_event_handle": "hybridmem._torch.ipc",
     "is_device_tensor": "hybridmem._torch.tensors",
     "is_legacy_ipc_capable": "hybridmem._torch.ipc",
+    "is_non_member": "hybridmem._torch.nccl",
+    "is_process_group": "hybridmem._torch.nccl",
     "last_allocator_settings": "hybridmem._torch.settings",
     "live_external_tensors": "hybridmem._torch.dlpack",
     "local_tensor": "hybridmem._torch.tensors",
     "mem_get_info": "hybridmem._torch.device",
     "memory_stats": "hybridmem._torch.device",
+    "nccl_calls": "hybridmem._torch.nccl",
+    "nccl_version": "hybridmem._torch.nccl",
     "new_event": "hybridmem._torch.ipc",
     "new_ipc_event": "hybridmem._torch.ipc",
     "new_stream": "hybridmem._torch.tensors",
@@ -189,16 +214,23 @@ _LAZY = {
     "storage_key": "hybridmem._torch.tensors",
     "storage_of": "hybridmem._torch.tensors",
     "storage_resizable": "hybridmem._torch.tensors",
+    "store_get": "hybridmem._torch.nccl",
+    "store_has": "hybridmem._torch.nccl",
+    "store_set": "hybridmem._torch.nccl",
+    "store_wait": "hybridmem._torch.nccl",
     "stream_scope": "hybridmem._torch.tensors",
     "synchronize": "hybridmem._torch.device",
     "synchronize_event": "hybridmem._torch.ipc",
     "synchronize_stream": "hybridmem._torch.tensors",
     "tensor_from_memory": "hybridmem._torch.dlpack",
+    "torch_suspends": "hybridmem._torch.nccl",
     "torch_version": "hybridmem._torch.version",
     "torch_version_string": "hybridmem._torch.version",
     "unpin_host_tensor": "hybridmem._torch.tensors",
+    "unwrap_collectives": "hybridmem._torch.nccl",
     "wait_event": "hybridmem._torch.ipc",
     "wait_stream": "hybridmem._torch.tensors",
+    "wrap_collectives": "hybridmem._torch.nccl",
 }
 
 
@@ -225,6 +257,7 @@ __all__ = [
     "cuda_version",
     "current_device",
     "current_stream",
+    "default_store",
     "dense_parts",
     "device_count",
     "device_index_by_uuid",
@@ -237,6 +270,8 @@ __all__ = [
     "empty_cache",
     "event_seconds",
     "export_cuda_tensor",
+    "group_communicators",
+    "group_is_alive",
     "has_context",
     "hold_block",
     "host_device_view",
@@ -246,11 +281,15 @@ __all__ = [
     "ipc_event_handle",
     "is_device_tensor",
     "is_legacy_ipc_capable",
+    "is_non_member",
+    "is_process_group",
     "last_allocator_settings",
     "live_external_tensors",
     "local_tensor",
     "mem_get_info",
     "memory_stats",
+    "nccl_calls",
+    "nccl_version",
     "new_event",
     "new_ipc_event",
     "new_stream",
@@ -278,16 +317,23 @@ __all__ = [
     "storage_key",
     "storage_of",
     "storage_resizable",
+    "store_get",
+    "store_has",
+    "store_set",
+    "store_wait",
     "stream_scope",
     "synchronize",
     "synchronize_event",
     "synchronize_stream",
     "tensor_from_memory",
+    "torch_suspends",
     "torch_version",
     "torch_version_string",
     "unpin_host_tensor",
+    "unwrap_collectives",
     "wait_event",
     "wait_stream",
+    "wrap_collectives",
 ]
 
 

@@ -399,6 +399,11 @@ class EngineClient:
         # The contexts as they are now: lazily loaded kernels and library
         # workspaces grow them after the start, and no switch can free them.
         context = (total - free) - reserved - engine_reserved
+        # What the trainer's NCCL communicators hold and a suspend would give back
+        # (ncclCommMemStats): not context, since it could be free; 0 with none, with
+        # them suspended, or where NCCL cannot say (then it stays in the context).
+        communicators = sum(c.suspendable or 0 for c in info.communicators if c.suspended is False)
+        context -= communicators
         from hybridmem.bench.figures import handback_ratio
 
         self.last_handback = handback_ratio(free, total, live, context)
@@ -408,10 +413,11 @@ class EngineClient:
         self.last_handback_pages = (
             None if kept is None else handback_ratio(free, total, live + kept, context)
         )
-        # What kept the hand-back below 1: caches either process kept.
+        # What kept the hand-back below 1: caches either process kept, communicators.
         self.last_missing = {
             "trainer_cached": reserved - allocated,
             "engine_cached": engine_reserved - engine_allocated,
+            "communicators": communicators,
             "context_growth": context - self.context_bytes,
         }
         if self.anatomy:  # what those caches are made of, and who holds them

@@ -14,8 +14,10 @@ from hybridmem._checks import check_number
 __all__ = [
     "ALL_STRATEGIES",
     "ANATOMY_NOTE",
+    "COMMUNICATOR_STRATEGIES",
     "ENGINES",
     "FIXED_FRACTION",
+    "MAX_COMMUNICATORS",
     "MIN_CYCLES",
     "MODELS",
     "NEED_SPARE_BYTES",
@@ -29,6 +31,7 @@ __all__ = [
     "plan",
     "scale_plan",
     "sizes_anatomy_note",
+    "with_communicators",
 ]
 
 #: ``hybridmem bench --scale``'s trainer states (GiB of model + grads + AdamW).
@@ -40,8 +43,13 @@ STRATEGIES = ("naive", "handrolled", "tms", "hybridmem")
 #: default), planned by the rollout's need, and a fixed share of the optimizer state
 #: (NeMo-RL's fractional optimizer offload).
 NEED_STRATEGIES = ("hybridmem", "planned", "fraction")
+#: What ``--communicators N`` compares: hybridmem with the trainer's communicators held
+#: through the rollout, and with them suspended (``hm.suspend_communicators``).
+COMMUNICATOR_STRATEGIES = ("hybridmem", "suspended")
+#: The most process groups ``--communicators`` makes (a Megatron rank has five to ten).
+MAX_COMMUNICATORS = 64
 #: Every strategy a bench process runs (the child process checks its name against this).
-ALL_STRATEGIES = tuple(dict.fromkeys(STRATEGIES + NEED_STRATEGIES))
+ALL_STRATEGIES = tuple(dict.fromkeys(STRATEGIES + NEED_STRATEGIES + COMMUNICATOR_STRATEGIES))
 #: The share of the optimizer state the ``fraction`` strategy offloads, whatever is short.
 FIXED_FRACTION = 0.5
 #: The room ``--need`` leaves at its two ends for the processes' contexts, which grow
@@ -104,6 +112,11 @@ class BenchPlan:
     #: start (:func:`need_kv_target`). None: the KV cache is ``kv_fraction`` of the
     #: device, whatever it takes.
     need: float | None = None
+    #: ``--communicators N``: NCCL process groups of one rank the trainer makes once the
+    #: engine has started (the default group and N - 1 subgroups, as a Megatron rank
+    #: holds its TP/PP/DP/EP groups), each with its communicator made by a first
+    #: all-reduce; they hold device memory through the rollout unless suspended.
+    communicators: int = 0
 
     @property
     def params(self) -> int:
@@ -188,6 +201,26 @@ def check_extra_seconds(name: str, seconds: object) -> float:
             expected=f"seconds from 0 to {MAX_PHASE_S:g}",
         )
     )
+
+
+def with_communicators(p: BenchPlan, communicators: object) -> BenchPlan:
+    """``p`` whose trainer makes ``communicators`` NCCL process groups (checked).
+
+    Raises:
+        TypeError: not an int.
+        ValueError: below 0 or above :data:`MAX_COMMUNICATORS`.
+
+    Example:
+        >>> with_communicators(plan(141 * GiB, quick=True), 5).communicators
+        5
+    """
+    if isinstance(communicators, bool) or not isinstance(communicators, int):
+        raise TypeError(f"communicators must be an int, got {communicators!r}")
+    if not 0 <= communicators <= MAX_COMMUNICATORS:
+        raise ValueError(
+            f"communicators must be 0 to {MAX_COMMUNICATORS} process groups, got {communicators}"
+        )
+    return replace(p, communicators=communicators)
 
 
 def with_phase_lengths(p: BenchPlan, *, rollout_s: object, train_s: object) -> BenchPlan:

@@ -94,7 +94,7 @@ TABLE_KEYS = (
 )
 
 
-_MISSING = ("trainer_cached", "engine_cached", "context_growth")
+_MISSING = ("trainer_cached", "engine_cached", "communicators", "context_growth")
 
 
 def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:

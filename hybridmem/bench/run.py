@@ -32,11 +32,13 @@ from hybridmem.bench.peers import run_child
 from hybridmem.bench.plan import (
     ALL_STRATEGIES,
     ANATOMY_NOTE,
+    COMMUNICATOR_STRATEGIES,
     BenchPlan,
     choose_strategies,
     need_kv_target,
     phase_lengths_said,
     plan,
+    with_communicators,
     with_phase_lengths,
 )
 from hybridmem.bench.report import format_table, plot_results, verdicts
@@ -169,6 +171,8 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     free = torch.cuda.mem_get_info()[0]
     context = total - free - torch.cuda.memory_reserved() - engine_reserved
     engine = EngineClient(bounded, context, total, anatomy=p.anatomy)
+    if p.communicators:  # after the start: what they hold is no context
+        _make_communicators(p.communicators)
 
     def train(state_scope: contextlib.AbstractContextManager[Any] | None = None) -> None:
         for _ in range(p.train_steps):
@@ -243,7 +247,32 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     bounded.send(("stop",))
     bounded.recv()
     engine_process.join(timeout=60)
+    if p.communicators:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return {"summary": figures.summary(), "raw": figures.__dict__}
+
+
+def _make_communicators(count: int) -> None:
+    """``count`` NCCL process groups of this one rank, each with its communicator made.
+
+    The default group (bound to the current device) and ``count - 1`` subgroups, each
+    made by a first all-reduce, as a trainer rank holds its parallel groups.
+    """
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    groups = [dist.group.WORLD] + [dist.new_group([0]) for _ in range(count - 1)]
+    for group in groups:
+        dist.all_reduce(torch.ones(1, device=device), group=group)
+    torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
@@ -468,6 +497,7 @@ def bench(
     anatomy: bool = False,
     rollout_s: float = 0.0,
     train_s: float = 0.0,
+    communicators: int = 0,
 ) -> int:
     """``hybridmem bench``: run the strategies, print the table and verdicts; exit code.
 
@@ -487,7 +517,11 @@ def bench(
         anatomy: record what each process's cache is made of at every KV wake.
         rollout_s: seconds each rollout lasts beyond the bench's generation.
         train_s: seconds each cycle's training lasts beyond the bench's own steps.
+        communicators: NCCL process groups the trainer holds (``BenchPlan.communicators``);
+            with no ``strategies``, ``COMMUNICATOR_STRATEGIES`` run (held, suspended).
     """
+    if communicators and strategies is None:
+        strategies = list(COMMUNICATOR_STRATEGIES)
     setup = prepare(
         json_path=json_path,
         plot_path=plot_path,
@@ -501,11 +535,14 @@ def bench(
     p = plan(int(total), quick=quick, cycles=cycles, model=model, engine=engine_kind)
     p = dataclasses.replace(p, anatomy=anatomy)
     p = with_phase_lengths(p, rollout_s=rollout_s, train_s=train_s)
+    p = with_communicators(p, communicators)
     print(
         f"bench plan: {p.params / 1e6:.0f} M parameters "
         f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
         f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps, "
-        f"model {p.model}, engine {engine_kind}" + phase_lengths_said(p)
+        f"model {p.model}, engine {engine_kind}"
+        + phase_lengths_said(p)
+        + (f", {p.communicators} NCCL process groups in the trainer" if p.communicators else "")
     )
     if p.anatomy:
         print(ANATOMY_NOTE)

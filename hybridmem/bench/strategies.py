@@ -19,6 +19,10 @@
   needs (``rollout_need``): it offloads only what is short.
 - ``fraction`` (``--need`` runs): ``hybridmem`` offloading a fixed half of the
   optimizer state whatever is short, as NeMo-RL's fractional optimizer offload does.
+- ``suspended`` (``--communicators`` runs): ``hybridmem`` with the trainer's NCCL
+  communicators suspended through the rollout (:func:`hybridmem.suspend_communicators`,
+  entered before the switch to the rollout, left after the switch back); ``hybridmem``
+  holds them.
 
 Every strategy drives the engine through :class:`hybridmem.SGLangEngine`: the bench's
 engine speaks SGLang's memory API and keeps its memory as SGLang does (see
@@ -47,6 +51,7 @@ from hybridmem.ipc._plan import plan_batches
 from hybridmem.ipc.bucket import WeightBucket
 from hybridmem.memory.compact import compact
 from hybridmem.memory.offload import Offloader
+from hybridmem.scopes.communicators import SuspendCommunicators
 from hybridmem.scopes.engines import EngineAdapter, SGLangEngine
 from hybridmem.scopes.phases import phase
 from hybridmem.scopes.release import release_seconds
@@ -390,6 +395,31 @@ def fixed_share(optimizer: torch.optim.Optimizer, fraction: float) -> list[dict[
     return chosen
 
 
+class Suspended(Hybridmem):
+    """hybridmem with the trainer's NCCL communicators suspended through the rollout."""
+
+    name = "suspended"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.held = SuspendCommunicators(label="bench strategy 'suspended'")
+
+    def to_rollout(self) -> Moved:
+        started = time.perf_counter()
+        self.held.__enter__()  # before the KV cache wakes: into what they give back
+        suspend_s = time.perf_counter() - started
+        moved = super().to_rollout()
+        moved.stages = {"suspend communicators": suspend_s, **moved.stages}
+        return moved
+
+    def to_trainer(self) -> Moved:
+        moved = super().to_trainer()  # the engine asleep first: room to map them again
+        started = time.perf_counter()
+        self.held.__exit__(None, None, None)
+        moved.stages["resume communicators"] = time.perf_counter() - started
+        return moved
+
+
 def strategy_classes() -> dict[str, type[Strategy]]:
     """Each strategy's class by name, in ``STRATEGIES`` and then ``NEED_STRATEGIES`` order."""
     return {
@@ -399,6 +429,7 @@ def strategy_classes() -> dict[str, type[Strategy]]:
         "hybridmem": Hybridmem,
         "planned": Planned,
         "fraction": FixedFraction,
+        "suspended": Suspended,
     }
 
 

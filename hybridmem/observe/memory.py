@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from hybridmem import _torch
 from hybridmem._devices import DeviceArg, resolve_devices
 from hybridmem._format import fmt_bytes
 from hybridmem._names import suggests_keywords
+from hybridmem.observe.communicators import (
+    CommunicatorMemory,
+    communicator_memory,
+    describe_communicators,
+)
 
 __all__ = ["MemoryInfo", "memory_info", "read_memory"]
 
@@ -32,6 +37,10 @@ class MemoryInfo:
             last ``torch.cuda.reset_peak_memory_stats``.
         free, total: device-wide free and total bytes (``cudaMemGetInfo``),
             which count other processes too.
+        communicators: this process's process groups on this device and what their
+            NCCL communicators hold (:func:`hybridmem.communicator_memory`): part of
+            :attr:`non_torch`. Filled by :func:`memory_info`; empty in the readings
+            of a release or a switch (their hot path).
     """
 
     device: int | None
@@ -44,6 +53,19 @@ class MemoryInfo:
     peak_reserved: int = 0
     free: int | None = None
     total: int | None = None
+    communicators: tuple[CommunicatorMemory, ...] = ()
+
+    @property
+    def nccl(self) -> int | None:
+        """Device bytes this process's NCCL communicators hold (None: NCCL cannot say).
+
+        0 with no NCCL communicator on this device. Where NCCL is older than 2.29.7
+        the bytes are in :attr:`non_torch` and :attr:`communicators` names the groups.
+        """
+        totals = [c.total for c in self.communicators]
+        if any(t is None for t in totals):
+            return None
+        return sum(t for t in totals if t is not None)
 
     @property
     def cached(self) -> int:
@@ -54,8 +76,8 @@ class MemoryInfo:
     def non_torch(self) -> int | None:
         """Bytes used on the device but not by torch's allocator here.
 
-        ``total - free - reserved``: the CUDA context, NCCL and cuBLAS workspaces,
-        other allocators in this process, and other processes.
+        ``total - free - reserved``: the CUDA context, NCCL communicators (:attr:`nccl`)
+        and cuBLAS workspaces, other allocators in this process, and other processes.
         """
         if self.free is None or self.total is None:
             return None
@@ -69,7 +91,12 @@ class MemoryInfo:
     def as_dict(self) -> dict[str, Any]:
         """Return the fields and derived figures as a JSON-ready dict."""
         data = asdict(self)
-        data.update(cached=self.cached, non_torch=self.non_torch, fragmentation=self.fragmentation)
+        data.update(
+            cached=self.cached,
+            non_torch=self.non_torch,
+            fragmentation=self.fragmentation,
+            nccl=self.nccl,
+        )
         return data
 
     def __str__(self) -> str:
@@ -87,9 +114,10 @@ class MemoryInfo:
             f"  inactive split  {fmt_bytes(self.inactive_split):>12}  "
             f"({self.fragmentation:.1%} of reserved)",
             f"  device free     {fmt_bytes(self.free):>12}  of {fmt_bytes(self.total)}",
-            f"  not torch's     {fmt_bytes(self.non_torch):>12}  (context, other allocators, "
-            "other processes)",
+            f"  not torch's     {fmt_bytes(self.non_torch):>12}  (context, NCCL, other "
+            "allocators, other processes)",
         ]
+        lines.extend(f"  {line}" for line in describe_communicators(self.communicators))
         return "\n".join(lines)
 
 
@@ -98,7 +126,9 @@ def memory_info(device: DeviceArg = None) -> MemoryInfo:
     """Return torch's allocator counters and the device's free/total memory.
 
     Scope: the current device by default. Never creates a CUDA context: a device
-    without one in this process is reported as not available. Thread-safe.
+    without one in this process is reported as not available. Thread-safe. In a
+    ``torch.distributed`` process it also reads what each process group's NCCL
+    communicator holds on the device (:attr:`MemoryInfo.communicators`).
 
     Args:
         device: None (current device), an index, ``"cuda:N"`` or a ``torch.device``.
@@ -116,7 +146,9 @@ def memory_info(device: DeviceArg = None) -> MemoryInfo:
     if not devices:
         index = device if isinstance(device, int) else None
         return MemoryInfo(device=index, available=False)
-    return read_memory(devices[0])
+    info = read_memory(devices[0])
+    found = communicator_memory(devices[0])
+    return replace(info, communicators=found) if found else info
 
 
 def read_memory(index: int) -> MemoryInfo:

@@ -110,12 +110,15 @@ def _memory(
     info = memory_info(device) if info is None else info
     if not info.available or info.free is None or info.total is None:
         return (device if device is not None else _torch.current_device()), {}
-    return info.device, {
+    figures = {
         "allocated": info.allocated,
         "reserved": info.reserved,
         "free": info.free,
         "used": info.total - info.free,
     }
+    if info.communicators and info.nccl is not None:  # what NCCL says its groups hold
+        figures["nccl"] = info.nccl
+    return info.device, figures
 
 
 @dataclass

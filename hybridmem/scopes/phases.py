@@ -9,12 +9,13 @@ from dataclasses import replace
 from typing import Any, TypeAlias, cast
 
 from hybridmem import _torch
-from hybridmem._checks import check_number, check_seconds, refuse_bare_decoration
+from hybridmem._checks import check_bool, check_number, check_seconds, refuse_bare_decoration
 from hybridmem._log import logger
 from hybridmem._names import nearest, suggests_keywords
 from hybridmem._scope import ScopedContext
 from hybridmem.observe import timeline as _timeline
 from hybridmem.scopes.allocator import ExpandableSegments
+from hybridmem.scopes.communicators import SuspendCommunicators
 from hybridmem.scopes.ipc_safe import IpcSafe
 from hybridmem.scopes.profiles import (
     BackendProfile,
@@ -129,7 +130,11 @@ def check_wait(timeout_s: object, enough: object = None) -> None:
 
 
 def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: str) -> list[Step]:
-    """Apply overrides: False/None switches a step off, True keeps it, a mapping changes args."""
+    """Apply overrides: False/None switches a step off, True keeps it, a mapping changes args.
+
+    A step whose args say ``enabled: False`` (the opt-in ``suspend_communicators``) is
+    left out unless an override names it: True or a mapping switches it on.
+    """
     names = [s.name for s in recipe]
     unknown = sorted(set(overrides) - set(names))
     if unknown:
@@ -141,18 +146,21 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
         )
     steps: list[Step] = []
     for step in recipe:
+        opt_in = step.args.get("enabled") is False and step.action == "suspend_communicators"
         if step.name not in overrides:
-            steps.append(step)
+            if not opt_in:
+                steps.append(step)
             continue
         value = overrides[step.name]
         if value is False or value is None:
             continue
+        on = {"enabled": True} if opt_in else {}
         if value is True:
-            steps.append(step)
+            steps.append(replace(step, args={**step.args, **on}) if on else step)
         elif isinstance(value, Mapping):
             check_step_args(f"{where}: override {step.name}", step.action, value)
             try:
-                steps.append(replace(step, args={**step.args, **value}))
+                steps.append(replace(step, args={**step.args, **on, **value}))
             except (TypeError, ValueError) as exc:  # the step's own check, with the phase
                 raise type(exc)(f"{where}: {exc}") from None
         elif step.action in ("offload", "reload"):  # an Offloader, as a shorthand
@@ -190,6 +198,14 @@ class PhaseStep:
                         release_cache=args.get("release_cache", True),
                         force=args.get("force", False),
                     )
+                elif step.action == "suspend_communicators":
+                    enabled = check_bool(f"{step.name}.enabled", args.get("enabled", True))
+                    scope = SuspendCommunicators(
+                        args.get("groups"),
+                        timeout_s=args.get("timeout_s", 600.0),
+                        label=where,
+                    )
+                    self.scope = scope if enabled else None
                 else:
                     self.scope = IpcSafe(fallback=args.get("fallback", "auto"))
             elif step.action == "release_cache":

@@ -37,6 +37,8 @@ ACTIONS: Mapping[str, str] = MappingProxyType(
     {
         "expandable_segments": "scope: expandable segments on or off (args: enabled)",
         "ipc_safe": "scope: new allocations IPC-exportable without pidfd (args: fallback)",
+        "suspend_communicators": "scope: NCCL communicators' memory given back, collective "
+        "(args: enabled, groups, timeout_s)",
         "release_cache": "action: release cached memory (args: collect_garbage, ipc_collect)",
         "await_free": "action: wait until device free memory stops rising (args: timeout_s)",
         "offload": "action: offload the trainer state (args: offloader, groups)",
@@ -48,6 +50,7 @@ ACTION_ARGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "expandable_segments": ("enabled", "release_cache", "force"),
         "ipc_safe": ("fallback",),
+        "suspend_communicators": ("enabled", "groups", "timeout_s"),
         "release_cache": ("device", "sync", "collect_garbage", "ipc_collect"),
         "await_free": ("device", "timeout_s"),
         "offload": ("offloader", "groups"),
@@ -56,7 +59,7 @@ ACTION_ARGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 #: How a ``reload`` step's offloader copies back (``Offloader.reload(by=...)``).
 RELOAD_WAYS = ("copy_engine", "kernel")
-_SCOPES = ("expandable_segments", "ipc_safe")
+_SCOPES = ("expandable_segments", "ipc_safe", "suspend_communicators")
 
 When = Literal["enter", "exit", "scope"]
 #: When a step runs: entered for the whole phase, or run once on entry or on exit.

@@ -27,6 +27,13 @@ _PIDFD = (
 _STAGING = "staging buffers and IPC leftovers go back before the KV cache wakes (verl #302)"
 _ENGINE_FREED = "what the engine frees in this process stays cached by torch unless released"
 _TORCH = "torch >= 2.1 (runtime expandable segments)"
+_COMMUNICATORS = (
+    "the trainer's NCCL communicators hold device memory through the rollout, outside "
+    "torch's allocator: 7-10 GB a rank in a Megatron 3D+EP MoE run (verl#6266), ~7 GB "
+    "dense and ~9.5 GB MoE given back by ncclCommSuspend (verl#6408); opt-in "
+    "(suspend_communicators=True): collective, every rank must enter the phase"
+)
+_NCCL = "NCCL >= 2.29.7 (ncclCommSuspend); older: one warning, nothing changes"
 
 
 def _expandable(enabled: bool, why: str, versions: str) -> Step:
@@ -61,7 +68,17 @@ def _recipes(
             ),
             _release("exit", _STAGING, collect_garbage=False),
         ),
-        "rollout": (_expandable(False, classic_why, classic_versions),),
+        "rollout": (
+            _expandable(False, classic_why, classic_versions),
+            Step(
+                "suspend_communicators",
+                "suspend_communicators",
+                "scope",
+                {"enabled": False},
+                _COMMUNICATORS,
+                _NCCL,
+            ),
+        ),
         "sleep": (_release("exit", _ENGINE_FREED),),
     }
 

@@ -10,7 +10,10 @@
   which imported it by name) by
   :func:`~hybridmem.integrations.verl.allocator.set_expandable_segments`;
 - ``ActorRolloutRefWorker.update_weights`` (``verl.workers.engine_workers``) by itself
-  wrapped in :func:`~hybridmem.integrations.verl.allocator.restored_on_failure`;
+  wrapped in :func:`~hybridmem.integrations.verl.allocator.restored_on_failure`, and,
+  with ``HYBRIDMEM_VERL_SUSPEND_COMMUNICATORS=1``, in
+  :func:`~hybridmem.integrations.verl.communicators.suspends_through_rollout` (the
+  trainer's NCCL communicators suspended from the KV wake to the next collective);
 - SGLang's ``update_weights`` as verl's SGLang rollout imported it
   (``sgl_update_weights`` in ``verl.workers.rollout.sglang_rollout.sglang_rollout``)
   by :func:`hybridmem.integrations.sglang.update_weights`, which sends SGLang's own
@@ -101,10 +104,13 @@ def _patch(module: ModuleType) -> list[str]:
         done.append(f"{module.__name__}.{name}")
     worker = getattr(module, "ActorRolloutRefWorker", None) if module.__name__ == _WORKERS else None
     if worker is not None and "update_weights" in vars(worker):
+        from hybridmem.integrations.verl import communicators
         from hybridmem.integrations.verl.allocator import restored_on_failure
 
         method = vars(worker)["update_weights"]
         wrapped = restored_on_failure(method)
+        if asks(os.environ.get(communicators.ENV)):
+            wrapped = communicators.suspends_through_rollout(wrapped)
         if wrapped is not method:
             _originals.setdefault((module.__name__, "ActorRolloutRefWorker.update_weights"), method)
             worker.update_weights = wrapped
