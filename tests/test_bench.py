@@ -191,7 +191,9 @@ def test_bench_plot_is_a_non_trivial_png(tmp_path: Path) -> None:
 def test_plot_without_matplotlib_fails_before_running(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(bench_run, "has_matplotlib", lambda: False)
+    from hybridmem.bench import setup as bench_setup
+
+    monkeypatch.setattr(bench_setup, "has_matplotlib", lambda: False)
     assert main(["bench", "--quick", "--plot", str(tmp_path / "x.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
 

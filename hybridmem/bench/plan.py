@@ -242,15 +242,19 @@ def with_phase_lengths(p: BenchPlan, *, rollout_s: object, train_s: object) -> B
 
 
 def phase_lengths_said(p: BenchPlan) -> str:
-    """What a run's header says of ``--rollout-s`` and ``--train-s`` ("" when neither).
+    """What a run's header says of ``--rollout-s``, ``--train-s`` and ``--communicators``.
+
+    "" when none is given.
 
     Example:
         >>> p = with_phase_lengths(plan(141 * GiB, quick=True), rollout_s=2, train_s=1)
         >>> phase_lengths_said(p)
         ', rollouts of 2 s more, training 1 s longer'
     """
-    return (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "") + (
-        f", training {p.train_s:g} s longer" if p.train_s else ""
+    return (
+        (f", rollouts of {p.rollout_s:g} s more" if p.rollout_s else "")
+        + (f", training {p.train_s:g} s longer" if p.train_s else "")
+        + (f", {p.communicators} NCCL process groups in the trainer" if p.communicators else "")
     )
 
 

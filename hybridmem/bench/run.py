@@ -19,12 +19,10 @@ from typing import Any
 
 from hybridmem._format import first_line
 from hybridmem.bench.ceilings import kernel_ceiling, pinned_ceiling
+from hybridmem.bench.communicators import destroy_communicators, make_communicators
 from hybridmem.bench.figures import Figures
 from hybridmem.bench.outputs import (
-    NO_MATPLOTLIB,
-    has_matplotlib,
     load_results,
-    outputs_problem,
     report,
     save_so_far,
 )
@@ -34,7 +32,6 @@ from hybridmem.bench.plan import (
     ANATOMY_NOTE,
     COMMUNICATOR_STRATEGIES,
     BenchPlan,
-    choose_strategies,
     need_kv_target,
     phase_lengths_said,
     plan,
@@ -42,6 +39,7 @@ from hybridmem.bench.plan import (
     with_phase_lengths,
 )
 from hybridmem.bench.report import format_table, plot_results, verdicts
+from hybridmem.bench.setup import prepare
 from hybridmem.observe import timeline as _timeline
 from hybridmem.observe.timeline import record
 
@@ -171,8 +169,7 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     free = torch.cuda.mem_get_info()[0]
     context = total - free - torch.cuda.memory_reserved() - engine_reserved
     engine = EngineClient(bounded, context, total, anatomy=p.anatomy)
-    if p.communicators:  # after the start: what they hold is no context
-        _make_communicators(p.communicators)
+    make_communicators(p.communicators)  # after the start: what they hold is no context
 
     def train(state_scope: contextlib.AbstractContextManager[Any] | None = None) -> None:
         for _ in range(p.train_steps):
@@ -247,32 +244,8 @@ def run_strategy(name: str, p: BenchPlan, timeline: str | None = None) -> dict[s
     bounded.send(("stop",))
     bounded.recv()
     engine_process.join(timeout=60)
-    if p.communicators:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    destroy_communicators(p.communicators)
     return {"summary": figures.summary(), "raw": figures.__dict__}
-
-
-def _make_communicators(count: int) -> None:
-    """``count`` NCCL process groups of this one rank, each with its communicator made.
-
-    The default group (bound to the current device) and ``count - 1`` subgroups, each
-    made by a first all-reduce, as a trainer rank holds its parallel groups.
-    """
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    groups = [dist.group.WORLD] + [dist.new_group([0]) for _ in range(count - 1)]
-    for group in groups:
-        dist.all_reduce(torch.ones(1, device=device), group=group)
-    torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
@@ -428,62 +401,6 @@ def child_run(name: str, p: BenchPlan, timeline: str | None) -> dict[str, Any]:
     return result
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What a bench run starts from: the device's size, the engine, the strategies."""
-
-    total: int
-    engine: str
-    strategies: list[str]
-
-
-def prepare(
-    *,
-    json_path: str | None,
-    plot_path: str | None,
-    timeline: str | None,
-    engine: str,
-    strategies: list[str] | None,
-) -> Setup | None:
-    """Check everything a bench run needs before it starts (``bench`` and ``bench --scale``).
-
-    Returns:
-        The :class:`Setup`, or None once one line on stderr said what is missing (no
-        matplotlib for ``--plot``, an unwritable path, no GPU, an engine or strategy
-        that cannot run here): the caller exits 2, before a run of minutes.
-    """
-    from hybridmem import _torch
-
-    if plot_path and not has_matplotlib():
-        print(NO_MATPLOTLIB, file=sys.stderr)
-        return None
-    problem = outputs_problem(json_path, plot_path, timeline)
-    if problem:
-        print(f"hybridmem bench: {problem}", file=sys.stderr)
-        return None
-    if not _torch.cuda_available():
-        print("hybridmem bench needs a CUDA GPU (none is visible here)", file=sys.stderr)
-        return None
-    import torch
-
-    from hybridmem._devices import device_index
-    from hybridmem.bench.engine_memory import available, preload_library, resolve
-
-    # The device's size without creating a context here (the children do the work).
-    total = torch.cuda.get_device_properties(device_index(None)).total_memory
-    try:
-        engine_kind = resolve(engine)
-        chosen, skipped = choose_strategies(
-            strategies, tms=available() and preload_library() is not None
-        )
-    except (RuntimeError, ValueError) as exc:
-        print(f"hybridmem bench: {exc}", file=sys.stderr)
-        return None
-    if skipped:
-        print(f"bench: {skipped}", file=sys.stderr)
-    return Setup(int(total), engine_kind, chosen)
-
-
 def bench(
     *,
     quick: bool,
@@ -517,17 +434,14 @@ def bench(
         anatomy: record what each process's cache is made of at every KV wake.
         rollout_s: seconds each rollout lasts beyond the bench's generation.
         train_s: seconds each cycle's training lasts beyond the bench's own steps.
-        communicators: NCCL process groups the trainer holds (``BenchPlan.communicators``);
-            with no ``strategies``, ``COMMUNICATOR_STRATEGIES`` run (held, suspended).
+        communicators: NCCL groups the trainer holds; no ``strategies``: held, suspended.
     """
-    if communicators and strategies is None:
-        strategies = list(COMMUNICATOR_STRATEGIES)
     setup = prepare(
         json_path=json_path,
         plot_path=plot_path,
         timeline=timeline,
         engine=engine,
-        strategies=strategies,
+        strategies=strategies or (list(COMMUNICATOR_STRATEGIES) if communicators else None),
     )
     if setup is None:
         return 2
@@ -540,9 +454,7 @@ def bench(
         f"bench plan: {p.params / 1e6:.0f} M parameters "
         f"({p.state_bytes / GiB:.1f} GiB of trainer state), "
         f"KV cache {p.kv_fraction:.0%} of the device, {p.cycles} cycles x {p.train_steps} steps, "
-        f"model {p.model}, engine {engine_kind}"
-        + phase_lengths_said(p)
-        + (f", {p.communicators} NCCL process groups in the trainer" if p.communicators else "")
+        f"model {p.model}, engine {engine_kind}" + phase_lengths_said(p)
     )
     if p.anatomy:
         print(ANATOMY_NOTE)

@@ -74,7 +74,8 @@ def bench_scale(
         >>> bench_scale(sizes=[8], json_path="scale.json", plot_path=None,
         ...             strategies=None)  # doctest: +SKIP
     """
-    from hybridmem.bench.run import child_run, prepare
+    from hybridmem.bench.run import child_run
+    from hybridmem.bench.setup import prepare
 
     if needs is not None and strategies is None:
         strategies = list(NEED_STRATEGIES)

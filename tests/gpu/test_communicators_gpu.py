@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-from tests.gpu.runner import run_scenario
+from tests.gpu.runner import artifacts_dir, run_alone, run_scenario
 
 pytestmark = pytest.mark.gpu
 LIBRARY_ENV = "HM_NCCL_LIBRARY"  # not HYBRIDMEM_*: clean_env keeps it for the child
@@ -64,3 +65,32 @@ def test_torchs_stock_nccl_gets_one_line_and_no_change() -> None:
     assert facts["collective_inside"] == "ran"
     assert all(c["total"] is None for c in facts["communicators"])
     assert "likely hold part of what is not torch's" in facts["lines"][0]
+
+
+@needs_suspend
+def test_the_bench_hands_back_more_with_the_trainers_communicators_suspended(
+    tmp_path: Path,
+) -> None:
+    out = artifacts_dir(tmp_path) / "bench_communicators.json"
+    done = run_alone(
+        "-m",
+        "hybridmem.cli",
+        "bench",
+        "--quick",
+        "--communicators",
+        "5",
+        "--json",
+        str(out),
+        timeout=480,
+        env=_preloaded(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    print("\n" + done.stdout)
+    rows = {n: r["summary"] for n, r in json.loads(out.read_text())["results"].items()}
+    assert sorted(rows) == ["hybridmem", "suspended"]  # held against suspended
+    for name, row in rows.items():
+        assert row["errors"] == [], name
+    held, suspended = rows["hybridmem"], rows["suspended"]
+    assert held["missing_mib"]["communicators"] > 0  # NCCL's buffers kept the hand-back down
+    assert suspended["missing_mib"]["communicators"] == 0
+    assert suspended["handback"] > held["handback"]
