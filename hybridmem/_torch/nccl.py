@@ -188,6 +188,8 @@ COLLECTIVES = (
     "alltoall_base",
     "all_to_all_single",
     "gather",
+    "gather_single",
+    "gather_into_tensor",
     "scatter",
     "send",
     "recv",
