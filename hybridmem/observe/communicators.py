@@ -134,7 +134,7 @@ def communicator_memory(device: int | None = None) -> tuple[CommunicatorMemory, 
     Example:
         >>> for c in hm.communicator_memory():   # doctest: +SKIP
         ...     print(c)
-        0 (default_pg): nccl, ranks [0]; 656.0 MiB on cuda:0 (512.0 MiB suspendable, ...)
+        0 (default_pg): nccl, ranks [0]; ... on cuda:0 (... suspendable, ... persistent)
     """
     try:
         entries = _torch.group_communicators()

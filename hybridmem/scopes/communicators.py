@@ -492,6 +492,6 @@ def suspend_communicators(
         >>> with hm.suspend_communicators() as held:   # doctest: +SKIP
         ...     outputs = llm.generate(prompts)
         >>> print(held.report)   # doctest: +SKIP
-        suspended 5 communicator(s), NCCL released 2.0 GiB ...
+        suspended 5 communicator(s), NCCL released ... (device free +...) in ... ms
     """
     return SuspendCommunicators(groups, timeout_s=timeout_s, label=label)
