@@ -78,7 +78,7 @@ def measure(n_groups: int = 5, cycles: int = 100) -> dict[str, Any]:
     free_start = _free()
     total = int(torch.cuda.mem_get_info()[1])
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    groups = [dist.group.WORLD] + [dist.new_group([0]) for _ in range(n_groups - 1)]
+    groups: list[Any] = [dist.group.WORLD] + [dist.new_group([0]) for _ in range(n_groups - 1)]
     data = torch.randn(1 << 20, device=device, dtype=torch.float32)
     before = _checksums(groups, data)
     free_held = _free()

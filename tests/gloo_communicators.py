@@ -41,6 +41,7 @@ def main(out: Path, case: str) -> None:
     target = int(who) if who else -1
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     sub = dist.new_group(list(range(world)))
+    assert isinstance(sub, dist.ProcessGroup)
     store = dist.distributed_c10d._get_default_store()
     nccl = StandInNccl(store=store, rank=rank)
     if kind == "old" and rank == target:

@@ -972,16 +972,17 @@ def test_the_suspended_strategy_holds_the_scope_from_rollout_to_trainer(
 
     monkeypatch.setattr(strategies, "SuspendCommunicators", Scope)
     monkeypatch.setattr(strategies.Hybridmem, "__init__", lambda self, *a: None)
-    monkeypatch.setattr(
-        strategies.Hybridmem,
-        "to_rollout",
-        lambda self: calls.append("switch to rollout") or strategies.Moved(stages={"wake": 1.0}),
-    )
-    monkeypatch.setattr(
-        strategies.Hybridmem,
-        "to_trainer",
-        lambda self: calls.append("switch to trainer") or strategies.Moved(),
-    )
+
+    def to_rollout(self: Any) -> strategies.Moved:
+        calls.append("switch to rollout")
+        return strategies.Moved(stages={"wake": 1.0})
+
+    def to_trainer(self: Any) -> strategies.Moved:
+        calls.append("switch to trainer")
+        return strategies.Moved()
+
+    monkeypatch.setattr(strategies.Hybridmem, "to_rollout", to_rollout)
+    monkeypatch.setattr(strategies.Hybridmem, "to_trainer", to_trainer)
     strategy = strategies.strategy_classes()["suspended"]()  # type: ignore[call-arg]
     out = strategy.to_rollout()
     back = strategy.to_trainer()

@@ -264,6 +264,7 @@ def test_what_it_is_given_is_checked(
     world: list[Any], nccl: StandInNccl, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gloo = dist.new_group([0])
+    assert isinstance(gloo, dist.ProcessGroup)
     as_nccl(monkeypatch, nccl, world[1:], gloo=(gloo,))
     with pytest.raises(TypeError, match="ProcessGroup or a list"):
         hm.suspend_communicators("world")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,13 @@ def world(tmp_path: Path) -> Iterator[list[Any]]:
         dist.destroy_process_group()
 
 
+def _run(update: Callable[..., Awaitable[str]], worker: Worker) -> str:
+    async def main() -> str:
+        return await update(worker)
+
+    return asyncio.run(main())
+
+
 class Rollout:
     def __init__(self, nccl: StandInNccl) -> None:
         self.nccl = nccl
@@ -100,7 +107,7 @@ def test_suspended_at_the_kv_wake_and_resumed_by_the_next_collective(
     rollout = Rollout(nccl)
     update = communicators.suspends_through_rollout(Worker.update_weights)
     assert communicators.suspends_through_rollout(update) is update  # once
-    assert asyncio.run(update(Worker(rollout))) == "synced"
+    assert _run(update, Worker(rollout)) == "synced"
     # the weights woke with the communicators held; the KV cache into what they gave back
     assert rollout.seen == [(["weights"], 0), (["kv_cache"], 2)]
     assert "resume" not in vars(rollout)  # the rollout's own method is back
@@ -118,8 +125,8 @@ def test_a_step_that_starts_with_update_weights_resumes_first(
     as_nccl(monkeypatch, nccl, world)
     rollout = Rollout(nccl)
     update = communicators.suspends_through_rollout(Worker.update_weights)
-    asyncio.run(update(Worker(rollout)))
-    asyncio.run(update(Worker(rollout)))  # no collective between: resumed at its start
+    _run(update, Worker(rollout))
+    _run(update, Worker(rollout))  # no collective between: resumed at its start
     assert [n for _, n in rollout.seen] == [0, 2, 0, 2]
     assert [c for c, _ in nccl.calls] == ["suspend"] * 2 + ["resume"] * 2 + ["suspend"] * 2
     asyncio.run(_resume_all())

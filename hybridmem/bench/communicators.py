@@ -10,6 +10,7 @@ each communicator made by a first all-reduce.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 __all__ = ["destroy_communicators", "make_communicators"]
 
@@ -31,7 +32,7 @@ def make_communicators(count: int) -> None:
     os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    groups = [dist.group.WORLD] + [dist.new_group([0]) for _ in range(count - 1)]
+    groups: list[Any] = [dist.group.WORLD] + [dist.new_group([0]) for _ in range(count - 1)]
     for group in groups:
         dist.all_reduce(torch.ones(1, device=device), group=group)
     torch.cuda.synchronize()

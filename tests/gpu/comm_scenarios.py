@@ -46,6 +46,7 @@ def left_to_its_owner() -> dict[str, Any]:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     other = dist.new_group([0])
+    assert isinstance(other, dist.ProcessGroup)
     dist.all_reduce(torch.ones(1, device=device), group=other)
     entry = next(e for e in _torch.group_communicators() if e.group is other)
     nccl = _torch.nccl_calls()
