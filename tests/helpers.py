@@ -145,3 +145,12 @@ def answer_then_wait(conn: Any) -> None:
         conn.recv()
     except EOFError:
         return
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test's process group)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

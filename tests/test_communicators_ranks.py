@@ -9,7 +9,6 @@ What ran on real NCCL, and what did not: docs/communicators.md.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,21 +16,15 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, clean_env, free_port
 
 WORLD = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_case(tmp_path: Path, case: str, world: int = WORLD) -> dict[int, dict[str, Any]]:
     """Run the ranks; return each rank's record. A hang fails the test; a rank that
     dies on purpose (``dies:R``) exits 3, every other exit must be 0."""
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.gloo_communicators", str(tmp_path), case],

@@ -8,7 +8,6 @@ weights or syncing; the next cycle succeeds everywhere; nothing hangs.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,9 @@ from typing import Any
 import pytest
 
 from tests.gloo_teardown import DONE_ENV
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, clean_env, free_port
 
 CYCLES = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 #: Why a rank's abort inside gloo's own teardown is not this suite's failure: it came
@@ -48,7 +41,7 @@ def start_ranks(
         teardown_abort: why an abort after every rank marked itself done is not a
             failure here (None: it is one). Nothing is retried.
     """
-    port = _free_port()
+    port = free_port()
     procs = []
     marks = []
     with tempfile.TemporaryDirectory() as marks_dir:

@@ -106,6 +106,23 @@ def _group_key(entry: GroupCommunicator, step: str, n: int) -> str:
     return f"hybridmem/comm/{entry.name}/{n}/{step}"
 
 
+def _call(entry: GroupCommunicator, calls: NcclCalls | None, *, suspend: bool) -> str:
+    """NCCL's suspend or resume of ``entry``: torch's where it has it (2.12+), else the library's.
+
+    Returns:
+        "" when it succeeded, else ``"failed: <NCCL's error>"`` (what this rank tells
+        its peers).
+    """
+    try:
+        if _torch.torch_suspends(entry.native):
+            entry.native.suspend() if suspend else entry.native.resume()
+        elif calls is not None:
+            calls.suspend(entry.pointer) if suspend else calls.resume(entry.pointer)
+    except (NcclCallError, RuntimeError) as exc:
+        return f"failed: {exc}"
+    return ""
+
+
 @suggests_keywords
 class SuspendCommunicators(ScopedContext):
     """Suspend the NCCL communicators of process groups for a block; resume them after.
@@ -278,14 +295,7 @@ class SuspendCommunicators(ScopedContext):
         released = 0
         if calls is not None and calls.has_suspend:
             released = calls.mem_stat(entry.pointer, MemStat.SUSPENDABLE)
-        failure = ""
-        try:
-            if _torch.torch_suspends(entry.native):
-                entry.native.suspend()
-            elif calls is not None:
-                calls.suspend(entry.pointer)
-        except (NcclCallError, RuntimeError) as exc:
-            failure = f"failed: {exc}"
+        failure = _call(entry, calls, suspend=True)
         held: _Held | None = None
         if not failure:  # held by no scope (0) until every rank says it suspended too
             held = _Held(entry, 0, self._label)
@@ -407,14 +417,7 @@ class SuspendCommunicators(ScopedContext):
             suspended=True,
             label=held.label,
         )
-        failure = ""
-        try:
-            if _torch.torch_suspends(entry.native):
-                entry.native.resume()
-            elif calls is not None:
-                calls.resume(entry.pointer)
-        except (NcclCallError, RuntimeError) as exc:
-            failure = f"failed: {exc}"
+        failure = _call(entry, calls, suspend=False)
         if not failure:  # running again here, whatever the peers say
             with _lock:
                 _held.pop(entry.pointer, None)
