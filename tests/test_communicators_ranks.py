@@ -9,14 +9,12 @@ What ran on real NCCL, and what did not: docs/communicators.md.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, clean_env, free_port
+from tests.ranks import run_rank_processes
 
 WORLD = 3
 
@@ -24,35 +22,14 @@ WORLD = 3
 def run_case(tmp_path: Path, case: str, world: int = WORLD) -> dict[int, dict[str, Any]]:
     """Run the ranks; return each rank's record. A hang fails the test; a rank that
     dies on purpose (``dies:R``) exits 3, every other exit must be 0."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.gloo_communicators", str(tmp_path), case],
-            cwd=REPO,
-            env=clean_env(
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
+    done = run_rank_processes(
+        "tests.gloo_communicators", [str(tmp_path), case], world, what=f"case {case}"
+    )
+    errors = [
+        f"rank {rank} exited {code}:\n{err[-3000:]}"
+        for rank, (code, err) in enumerate(done)
+        if code != (3 if case == f"dies:{rank}" else 0)
     ]
-    errors = []
-    for rank, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-                other.communicate()
-            pytest.fail(f"rank {rank} hung in case {case}")
-        dies = case == f"dies:{rank}"
-        if proc.returncode != (3 if dies else 0):
-            errors.append(f"rank {rank} exited {proc.returncode}:\n{err[-3000:]}")
     if errors:
         pytest.fail("\n".join(errors))
     return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}

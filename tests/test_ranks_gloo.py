@@ -8,8 +8,6 @@ weights or syncing; the next cycle succeeds everywhere; nothing hangs.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.gloo_teardown import DONE_ENV
-from tests.helpers import REPO, clean_env, free_port
+from tests.ranks import run_rank_processes
 
 CYCLES = 4
 
@@ -41,46 +39,17 @@ def start_ranks(
         teardown_abort: why an abort after every rank marked itself done is not a
             failure here (None: it is one). Nothing is retried.
     """
-    port = free_port()
-    procs = []
-    marks = []
     with tempfile.TemporaryDirectory() as marks_dir:
-        for rank in range(world):
-            mark = Path(marks_dir) / f"rank{rank}.done"
-            marks.append(mark)
-            env = clean_env(
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                **{DONE_ENV: str(mark)},
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", module, *args],
-                    cwd=REPO,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        errors = []
-        for proc in procs:
-            try:
-                _, err = proc.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                for other in procs:
-                    other.kill()
-                    other.communicate()
-                pytest.fail("a rank hung")
-            errors.append(err)
+        marks = [Path(marks_dir) / f"rank{rank}.done" for rank in range(world)]
+        done = run_rank_processes(
+            module, args, world, env={r: {DONE_ENV: str(m)} for r, m in enumerate(marks)}
+        )
         all_done = all(mark.exists() for mark in marks)
     where = "after every rank was done" if all_done else "before every rank was done"
     failed = [
-        f"rank {rank} exited {proc.returncode} {where}:\n{err[-2000:]}"
-        for rank, (proc, err) in enumerate(zip(procs, errors))
-        if proc.returncode != 0
+        f"rank {rank} exited {code} {where}:\n{err[-2000:]}"
+        for rank, (code, err) in enumerate(done)
+        if code != 0
     ]
     if failed and not (all_done and teardown_abort is not None):  # TEARDOWN says why
         pytest.fail("\n".join(failed))

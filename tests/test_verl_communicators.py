@@ -99,11 +99,17 @@ class Worker:
         return "synced"
 
 
+@pytest.fixture
+def nccl(world: list[Any], monkeypatch: pytest.MonkeyPatch) -> StandInNccl:
+    """The world's groups taken for NCCL's, over the stand-in."""
+    standin = StandInNccl()
+    as_nccl(monkeypatch, standin, world)
+    return standin
+
+
 def test_suspended_at_the_kv_wake_and_resumed_by_the_next_collective(
-    world: list[Any], monkeypatch: pytest.MonkeyPatch
+    world: list[Any], nccl: StandInNccl
 ) -> None:
-    nccl = StandInNccl()
-    as_nccl(monkeypatch, nccl, world)
     rollout = Rollout(nccl)
     update = communicators.suspends_through_rollout(Worker.update_weights)
     assert communicators.suspends_through_rollout(update) is update  # once
@@ -118,11 +124,7 @@ def test_suspended_at_the_kv_wake_and_resumed_by_the_next_collective(
     assert not held_communicators()
 
 
-def test_a_step_that_starts_with_update_weights_resumes_first(
-    world: list[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    nccl = StandInNccl()
-    as_nccl(monkeypatch, nccl, world)
+def test_a_step_that_starts_with_update_weights_resumes_first(nccl: StandInNccl) -> None:
     rollout = Rollout(nccl)
     update = communicators.suspends_through_rollout(Worker.update_weights)
     _run(update, Worker(rollout))
