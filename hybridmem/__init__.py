@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         HybridSwitchError,
         IpcUnavailableError,
         OffloadError,
+        SleepPoolError,
         SyncError,
     )
     from hybridmem.allocator.state import allocator_state
@@ -85,6 +86,7 @@ _LAZY = {
     "Offloader": "hybridmem.memory.offload",
     "SGLangEngine": "hybridmem.scopes.engines",
     "Step": "hybridmem.scopes.profiles",
+    "SleepPoolError": "hybridmem._errors",
     "SyncError": "hybridmem._errors",
     "EngineAsleepError": "hybridmem._errors",
     "TensorHandle": "hybridmem.ipc.export",
@@ -188,6 +190,7 @@ __all__ = [
     "OffloadError",
     "Offloader",
     "SGLangEngine",
+    "SleepPoolError",
     "Step",
     "SyncError",
     "TensorHandle",

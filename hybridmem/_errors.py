@@ -11,6 +11,7 @@ __all__ = [
     "HybridSwitchError",
     "IpcUnavailableError",
     "OffloadError",
+    "SleepPoolError",
     "SyncError",
 ]
 
@@ -115,3 +116,23 @@ class CommunicatorSuspendedError(CommunicatorError):
     Raised before torch or NCCL see the call: NCCL does not check, and a collective
     on a suspended communicator reads the buffers it released. Nothing ran.
     """
+
+
+class SleepPoolError(RuntimeError):
+    """A sleep, wake or discard of vLLM's sleep-mode pool stopped part way.
+
+    The message says which tags' memory is asleep now, which of it is kept in host
+    memory (woken with its bytes) and which was discarded. Nothing kept is lost: the
+    pool's records still hold each kept allocation's host copy, and a later wake (of
+    hybridmem's backend or vLLM's own ``wake_up``) maps it and copies it back. The
+    error the driver or torch raised is its ``__cause__``.
+
+    Attributes:
+        asleep: bytes asleep now, by tag.
+        kept: of those, the bytes whose contents are kept in host memory, by tag.
+    """
+
+    def __init__(self, message: str, *, asleep: dict[str, int], kept: dict[str, int]) -> None:
+        super().__init__(message)
+        self.asleep = asleep
+        self.kept = kept

@@ -426,6 +426,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(sets HYBRIDMEM_VLLM_FILES for the engine process)",
     )
     bench.add_argument(
+        "--sleep-backend",
+        choices=["cumem", "hybridmem"],
+        help="with --engine vllm/vllm-l1: the vLLM sleep-mode backend the engine sleeps "
+        "through, vLLM's default (cumem) or hybridmem's (--sleep-mode-backend hybridmem); "
+        "default cumem",
+    )
+    bench.add_argument(
         "--anatomy",
         action="store_true",
         help="record, at each KV wake, what each process's cache is made of and which "
@@ -523,6 +530,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     elif args.command == "bench" and {"planned", "fraction"} & set(args.strategies or []):
         parser.error("strategies planned and fraction run with --scale SIZES --need SHARES")
+    if args.command == "bench" and args.sleep_backend is not None:
+        if not args.engine.startswith("vllm"):
+            parser.error(f"--sleep-backend is for --engine vllm or vllm-l1, not {args.engine}")
+        # the engine process is started with this process's environment
+        os.environ["HYBRIDMEM_BENCH_SLEEP_BACKEND"] = args.sleep_backend
     if args.command == "bench" and args.vllm_files is not None:
         if not args.engine.startswith("vllm"):
             parser.error(f"--vllm-files is for --engine vllm or vllm-l1, not {args.engine}")

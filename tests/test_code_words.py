@@ -113,10 +113,14 @@ def _set_on_self(name: str, text: str) -> bool:
     return re.search(rf"self\.{re.escape(name)}\s*(?::[^=]+)?=", text) is not None
 
 
+#: Modules that import vLLM (their names need vLLM to resolve).
+NEEDS_VLLM = ("integrations/vllm/backend", "integrations/vllm/sleep_backend")
+
+
 def test_every_name_the_code_points_at_exists() -> None:
     pytest.importorskip("torch")
     for name, _ in _sources():  # every module loaded: short names resolve among them
-        if "integrations/vllm/backend" not in name and "integrations/vllm/plugin" not in name:
+        if not any(m in name for m in NEEDS_VLLM) and "integrations/vllm/plugin" not in name:
             importlib.import_module(
                 name.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
             )
@@ -125,8 +129,9 @@ def test_every_name_the_code_points_at_exists() -> None:
         {
             f"{name}: {dotted}"
             for name, module, dotted in _pointers()
-            if "integrations/vllm/backend" not in name  # vLLM's classes: needs vLLM
+            if not any(m in name for m in NEEDS_VLLM)  # vLLM's classes: needs vLLM
             and not dotted.startswith("hybridmem.integrations.vllm.backend")
+            and not dotted.startswith("hybridmem.integrations.vllm.sleep_backend")
             and dotted not in NOT_OBJECTS
             and not _set_on_self(dotted, texts[name])
             and not _resolves(dotted, module)

@@ -69,7 +69,10 @@ def _third_party(module: str) -> bool:
 
 #: Modules only their engine loads (through its plugin entry point), which subclass its
 #: classes and so import it at module level; nothing else imports them.
-ENGINE_MODULES = {"hybridmem/integrations/vllm/backend.py": "vllm"}
+ENGINE_MODULES = {
+    "hybridmem/integrations/vllm/backend.py": "vllm",
+    "hybridmem/integrations/vllm/sleep_backend.py": "vllm",
+}
 #: What tests/vllm/ may import besides the dev extra: vLLM and what vllm 0.32 requires.
 VLLM_TESTS = {"vllm", "transformers", "tokenizers", "safetensors", "psutil"}
 # TRL's real trainer, run in a child where trl is installed (CI's trl job); its "vllm" is

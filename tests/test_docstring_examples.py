@@ -18,7 +18,10 @@ from pathlib import Path
 from tests.helpers import REPO, run_python
 
 #: Modules that cannot be imported without an optional package (the package named).
-OPTIONAL = {"hybridmem.integrations.vllm.backend": "vllm"}
+OPTIONAL = {
+    "hybridmem.integrations.vllm.backend": "vllm",
+    "hybridmem.integrations.vllm.sleep_backend": "vllm",
+}
 
 #: What both runners share: every example of a module run in one fresh namespace each.
 _RUN_EXAMPLES = """

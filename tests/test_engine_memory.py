@@ -196,6 +196,17 @@ def cumem(monkeypatch: pytest.MonkeyPatch) -> FakeCuMem:
     return allocator
 
 
+def test_the_vllm_engines_sleep_backend_is_checked_and_needs_the_factory_file(
+    cpu_cuda: FakeCuda, cumem: FakeCuMem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYBRIDMEM_BENCH_SLEEP_BACKEND", "criu")
+    with pytest.raises(ValueError, match="backends are cumem, hybridmem"):
+        make_engine_memory("vllm", SHAPES, 1 << 30, 0)
+    monkeypatch.setenv("HYBRIDMEM_BENCH_SLEEP_BACKEND", "hybridmem")
+    with pytest.raises(FileNotFoundError, match=r"sleep_mode_backend\.py: missing"):
+        make_engine_memory("vllm", SHAPES, 1 << 30, 0)  # the files lack vLLM's factory
+
+
 @pytest.mark.parametrize(("kind", "offload"), [("vllm", "()"), ("vllm-l1", "('weights',)")])
 def test_vllm_engine_sleeps_its_pool_as_verl_asks_at_each_level(
     kind: str, offload: str, cpu_cuda: FakeCuda, cumem: FakeCuMem
@@ -203,7 +214,7 @@ def test_vllm_engine_sleeps_its_pool_as_verl_asks_at_each_level(
     memory = make_engine_memory(kind, SHAPES, 1 << 30, 0)
     assert isinstance(memory, VllmSleepMemory)
     assert cumem.sources == ["/files"]  # type: ignore[attr-defined]
-    assert memory.name == f"vllm sleep level {2 if kind == 'vllm' else 1}"
+    assert memory.name == f"vllm sleep level {2 if kind == 'vllm' else 1} (cumem backend)"
     memory.wake(["weights"])
     assert memory.wake(["kv_cache"]) == 1 << 30
     weights, kv = memory.weights, memory.kv

@@ -45,6 +45,8 @@ def test_what_applies_follows_the_release() -> None:
     assert "weight-transfer backend needs vLLM 0.32+" in old
     assert "PoolBackup needs vLLM 0.25+" in old
     assert "the weight-transfer backend applies; PoolBackup applies" in new
+    assert "--sleep-mode-backend hybridmem applies" in new
+    assert "--sleep-mode-backend hybridmem needs vLLM 0.33" in old
 
 
 @pytest.mark.parametrize(

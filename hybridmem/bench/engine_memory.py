@@ -45,6 +45,8 @@ from hybridmem.memory.one_segment import one_segment
 __all__ = [
     "ENGINE_MEMORIES",
     "KV_ALIGN",
+    "SLEEP_BACKENDS",
+    "SLEEP_BACKEND_ENV",
     "VLLM_FILES_ENV",
     "EngineMemory",
     "HandmadeMemory",
@@ -70,6 +72,10 @@ ENGINE_MEMORIES = ("auto", "tms", "tms-torch", "vllm", "vllm-l1", "handmade")
 #: Where vLLM's allocator files are, where vLLM is not installed: its wheel, or a
 #: folder of the files (:func:`hybridmem.integrations.vllm.sleep_files.extract`).
 VLLM_FILES_ENV = "HYBRIDMEM_VLLM_FILES"
+#: Which sleep-mode backend the bench's vLLM engine is slept through (``--sleep-backend``).
+SLEEP_BACKEND_ENV = "HYBRIDMEM_BENCH_SLEEP_BACKEND"
+#: The backends ``--sleep-backend`` takes: vLLM's default, and hybridmem's.
+SLEEP_BACKENDS = ("cumem", "hybridmem")
 GiB = 1 << 30
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -469,36 +475,73 @@ class VllmSleepMemory(_TaggedMemory):
     """vLLM's way: weights and KV cache in its ``CuMemAllocator`` pool, by tag.
 
     vLLM's own code runs (:func:`~hybridmem.integrations.vllm.sleep_files.load_cumem`:
-    installed vLLM, or the files ``HYBRIDMEM_VLLM_FILES`` names). ``sleep`` is vLLM's
-    worker's: level 2 discards both tags (``allocator.sleep(offload_tags=())``, the
-    trainer syncs the weights after every wake), level 1 copies the weights into host
-    memory first (``offload_tags=("weights",)``: vLLM pins that memory at the first
-    sleep and reuses torch's cached pinned blocks after). Waking is vLLM's
-    ``wake_up(tags)``, one tag at a time as verl 0.9.1 asks.
+    installed vLLM, or the files ``HYBRIDMEM_VLLM_FILES`` names), slept and woken
+    through a sleep-mode backend as vLLM 0.33's GPU worker calls it: ``suspend(level)``
+    for its ``sleep``, ``resume([tag])`` for ``wake_up``, one tag at a time as verl
+    0.9.1 asks. The backend is :data:`SLEEP_BACKEND_ENV`'s: ``cumem`` (vLLM's own,
+    from its ``sleep_mode_backend.py``; where the files lack it, the same
+    ``CuMemAllocator.sleep``/``wake_up`` calls) or ``hybridmem``
+    (:class:`~hybridmem.integrations.vllm.sleep_backend.HybridmemSleepModeBackend`,
+    through vLLM's factory after hybridmem's plugin registered it; at level 1 its host
+    memory is pinned when the weights are made, as ``reserve_sleep_backup`` at load).
+    Level 2 discards both tags (the trainer syncs the weights after every wake), level
+    1 keeps the weights in host memory.
     """
 
     def __init__(self, shapes: Shapes, kv_target: int, device: int, *, level: int) -> None:
-        from hybridmem.integrations.vllm.sleep_files import load_cumem
+        from hybridmem.integrations.vllm.plugin import register
+        from hybridmem.integrations.vllm.sleep_files import load_cumem, load_sleep_backends
 
         super().__init__(shapes, kv_target, device)
         if level not in (1, 2):
             raise ValueError(f"vLLM sleep level must be 1 or 2, got {level!r}")
-        cumem = load_cumem(os.environ.get(VLLM_FILES_ENV))
+        backend = os.environ.get(SLEEP_BACKEND_ENV, "cumem")
+        if backend not in SLEEP_BACKENDS:
+            raise ValueError(
+                f"{SLEEP_BACKEND_ENV}={backend!r}: the bench's vLLM sleep-mode backends are "
+                f"{', '.join(SLEEP_BACKENDS)}"
+            )
+        files = os.environ.get(VLLM_FILES_ENV)
+        cumem = load_cumem(files)
         if not cumem.cumem_available:
             raise RuntimeError("vLLM's cumem_allocator extension did not load on this machine")
         self.allocator = cumem.CuMemAllocator.get_instance()
         self.level = level
-        self.name = f"vllm sleep level {level}"
+        self.backend: Any = None  # None: files of a vLLM before its backends
+        try:
+            factory = load_sleep_backends(files).SleepModeBackendFactory
+            register()
+            self.backend = factory.get_backend_class(backend)()
+        except FileNotFoundError:
+            if backend == "hybridmem":
+                raise
+        self.sleep_backend = backend
+        self._reserved = False
+        self.name = f"vllm sleep level {level} ({backend} backend)"
 
     def _region(self, tag: str) -> contextlib.AbstractContextManager[Any]:
         return self.allocator.use_memory_pool(tag=tag)  # type: ignore[no-any-return]
 
+    def wake(self, tags: list[str]) -> int:
+        obtained = super().wake(tags)
+        made = self.weights is not None  # pin for them now, as reserve_sleep_backup at load
+        if self.sleep_backend == "hybridmem" and self.level == 1 and made and not self._reserved:
+            self.backend.pool.reserve(1)
+            self._reserved = True
+        return obtained
+
     def _wake_tag(self, tag: str) -> None:
-        self.allocator.wake_up([tag])
+        if self.backend is None:
+            self.allocator.wake_up([tag])
+        else:
+            self.backend.resume([tag])
 
     def _sleep_tags(self, tags: list[str]) -> None:
         # vLLM's worker sleeps the whole pool in one call; what is asleep stays so.
-        self.allocator.sleep(offload_tags=("weights",) if self.level == 1 else ())
+        if self.backend is None:
+            self.allocator.sleep(offload_tags=("weights",) if self.level == 1 else ())
+        else:
+            self.backend.suspend(self.level)
 
 
 def make_engine_memory(kind: str, shapes: Shapes, kv_target: int, device: int) -> EngineMemory:

@@ -58,6 +58,9 @@ RELEASES: tuple[PoolRelease, ...] = (
 
 #: vLLM releases hybridmem's weight-transfer backend runs on (its engine API).
 WEIGHT_TRANSFER_FROM = (0, 32)
+#: vLLM releases whose sleep-mode backend factory hybridmem's backend was read against
+#: (0.32.0's ``sleep_mode_backend.py`` is 0.33.0's, byte for byte).
+SLEEP_BACKEND_FROM = (0, 32)
 
 
 def release_of(version: str) -> PoolRelease | None:
@@ -96,6 +99,7 @@ def pool_notes(version: str, env: Mapping[str, str]) -> list[str]:
         return [f"vllm {version}: a release hybridmem has not read; see docs/backends/vllm.md"]
     known = major_minor(version)
     transfer = known is not None and known >= WEIGHT_TRANSFER_FROM
+    sleep_backend = known is not None and known >= SLEEP_BACKEND_FROM
     notes = [
         f"vllm {version} (its sleep-mode pool as in {band.name()}): hybridmem's phases, "
         "VLLMEngine and the TRL drop-in apply; "
@@ -104,6 +108,9 @@ def pool_notes(version: str, env: Mapping[str, str]) -> list[str]:
         + "; "
         + ("PoolBackup applies" if band.asleep_flag else "PoolBackup needs vLLM 0.25+ "
            "(the pool's records say nothing of what sleeps)")
+        + "; "
+        + ("--sleep-mode-backend hybridmem applies" if sleep_backend else
+           "--sleep-mode-backend hybridmem needs vLLM 0.33")
     ]  # fmt: skip
     cuda = env.get("PYTORCH_CUDA_ALLOC_CONF", "")
     generic = env.get("PYTORCH_ALLOC_CONF", "")

@@ -9,6 +9,9 @@ wheel (``pip download --no-deps vllm==0.33.0``) or a folder holding
 - ``vllm/cumem_allocator.abi3.so``,
 - ``vllm/device_allocator/__init__.py``, ``cumem.py``, and ``alloc_conf.py`` where the
   release has it (0.31 and later: :data:`SINCE_0_31`),
+- ``vllm/device_allocator/sleep_mode_backend.py`` where the release has it (the
+  sleep-mode backends and their factory, with vLLM's ``cumem`` backend: 0.33's;
+  :data:`BACKENDS_FILE`, never required),
 - ``vllm/distributed/device_communicators/cuda_wrapper.py``,
 - ``vllm/utils/system_utils.py`` (only ``find_loaded_library``, and
   ``find_loaded_libraries`` where the release has it (0.33), are taken from it,
@@ -38,7 +41,15 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FILES", "SINCE_0_31", "extract", "first_missing", "load_cumem"]
+__all__ = [
+    "BACKENDS_FILE",
+    "FILES",
+    "SINCE_0_31",
+    "extract",
+    "first_missing",
+    "load_cumem",
+    "load_sleep_backends",
+]
 
 #: The wheel's files that run, by their path inside the wheel.
 FILES = (
@@ -53,6 +64,8 @@ FILES = (
 #: only where ``cumem.py`` imports them. vLLM 0.24 to 0.30 load with the rest (0.24,
 #: 0.29 and 0.31 run on an H100; 0.22 imports a module with no stand-in here).
 SINCE_0_31 = ("vllm/device_allocator/alloc_conf.py",)
+#: vLLM's sleep-mode backends and their factory, copied where the wheel has the file.
+BACKENDS_FILE = "vllm/device_allocator/sleep_mode_backend.py"
 _FROM_SYSTEM_UTILS = ("find_loaded_libraries", "find_loaded_library")
 
 
@@ -89,6 +102,8 @@ def extract(wheel: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Pa
             target = out / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(archive.read(name))
+        if BACKENDS_FILE in names:
+            (out / BACKENDS_FILE).write_bytes(archive.read(BACKENDS_FILE))
     return out
 
 
@@ -241,3 +256,42 @@ def load_cumem(source: str | os.PathLike[str] | None = None) -> Any:
         )
     _stand_ins(root)
     return importlib.import_module("vllm.device_allocator.cumem")
+
+
+def load_sleep_backends(source: str | os.PathLike[str] | None = None) -> Any:
+    """Return vLLM's ``vllm.device_allocator.sleep_mode_backend`` module, with its allocator.
+
+    Args:
+        source: as for :func:`load_cumem`. A wheel's files are extracted again when
+            an earlier extraction left out :data:`BACKENDS_FILE`.
+
+    Returns:
+        The module: ``SleepModeBackendFactory``, ``SleepModeBackend``, vLLM's
+        ``CuMemBackend``.
+
+    Raises:
+        FileNotFoundError: the files have no :data:`BACKENDS_FILE` (a release before
+            the pluggable backends, or a folder extracted without it).
+
+    Scope: process-global, as :func:`load_cumem`.
+
+    Example:
+        >>> backends = load_sleep_backends("vllm-files")  # doctest: +SKIP
+        >>> backends.SleepModeBackendFactory.get_backend_class("cumem")  # doctest: +SKIP
+        <class 'vllm.device_allocator.sleep_mode_backend.CuMemBackend'>
+    """
+    if source is not None:
+        root = Path(source)
+        if root.is_file():
+            folder = root.with_name(root.name + ".files")
+            if not (folder / BACKENDS_FILE).is_file():
+                extract(root, folder)
+            root = folder
+        if not (root / BACKENDS_FILE).is_file():
+            raise FileNotFoundError(
+                f"{root / BACKENDS_FILE}: missing; vLLM 0.33's wheel has it "
+                "(extract(wheel, folder) copies it where the wheel has it)"
+            )
+        source = root
+    load_cumem(source)
+    return importlib.import_module("vllm.device_allocator.sleep_mode_backend")
