@@ -1,13 +1,12 @@
 """PoolBackup: vLLM's pool's tagged memory kept in host memory pinned once (a fake pool here).
 
-The fake allocator keeps vLLM 0.33's records (``pointer_to_data``: handle, tag,
-``is_asleep``); its "device" memory is host tensors by address, which a sleep fills with
-garbage (discarded) and a wake leaves as it is (vLLM maps fresh memory).
+The fake pool (:mod:`tests.fake_vllm_pool`) keeps vLLM 0.33's records; its "device"
+memory is host tensors by address, which a sleep fills with garbage (discarded) and a
+wake leaves as it is (vLLM maps fresh memory).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -15,38 +14,7 @@ import torch
 
 from hybridmem import _torch
 from hybridmem.integrations.vllm.sleep_backup import PoolBackup
-
-
-@dataclass
-class Record:
-    handle: tuple[int, int, int, int]
-    tag: str
-    is_asleep: bool = False
-    cpu_backup_tensor: Any = None
-
-
-@dataclass
-class FakePool:
-    memory: dict[int, torch.Tensor] = field(default_factory=dict)
-    pointer_to_data: dict[int, Record] = field(default_factory=dict)
-    calls: list[str] = field(default_factory=list)
-
-    def make(self, address: int, size: int, tag: str, fill: int) -> None:
-        self.memory[address] = torch.full((size,), fill, dtype=torch.uint8)
-        self.pointer_to_data[address] = Record((0, size, address, 0), tag)
-
-    def sleep(self, offload_tags: tuple[str, ...] = ()) -> None:
-        self.calls.append(f"sleep:{offload_tags!r}")
-        for address, data in self.pointer_to_data.items():
-            if not data.is_asleep:
-                self.memory[address].fill_(0xEE)  # unmapped: the bytes are gone
-                data.is_asleep = True
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.calls.append(f"wake_up:{tags!r}")
-        for data in self.pointer_to_data.values():
-            if tags is None or data.tag in tags:
-                data.is_asleep = False
+from tests.fake_vllm_pool import GARBAGE, FakePool, OldRecord, fake_device
 
 
 @pytest.fixture
@@ -55,20 +23,7 @@ def pool(monkeypatch: pytest.MonkeyPatch) -> FakePool:
     fake.make(0x1000, 4096, "weights", 1)
     fake.make(0x9000, 8192, "weights", 2)
     fake.make(0x20000, 65536, "kv_cache", 3)
-
-    def view(address: int, nbytes: int, device: int | None, on_free: Any) -> torch.Tensor:
-        assert device == 0
-        return fake.memory[address][:nbytes]
-
-    monkeypatch.setattr(_torch, "tensor_from_memory", view)
-    # pinning asked once per reservation; pageable here (no CUDA)
-    fake.pinned = []  # type: ignore[attr-defined]
-    monkeypatch.setattr(
-        _torch,
-        "pin_host_tensor",
-        lambda tensor, mapped=False: fake.pinned.append(tensor.nbytes) or False,  # type: ignore[attr-defined]
-    )
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    fake.pinned = fake_device(monkeypatch, fake)  # type: ignore[attr-defined]
     return fake
 
 
@@ -86,7 +41,7 @@ def test_the_tags_memory_comes_back_byte_for_byte_and_the_rest_is_discarded(
         assert bool((pool.memory[0x9000] == 2).all())
         assert pool.pointer_to_data[0x20000].is_asleep  # the KV cache still sleeps
         backup.wake_up(["kv_cache"])
-        assert bool((pool.memory[0x20000] == 0xEE).all())  # level 1: the KV cache is not kept
+        assert bool((pool.memory[0x20000] == GARBAGE).all())  # level 1: the KV cache is not kept
     assert backup.host_bytes == 4096 + 8192
     assert pool.pinned == [4096 + 8192]  # type: ignore[attr-defined]  # pinned once, exactly
 
@@ -138,15 +93,6 @@ def test_misuse_is_refused_with_what_to_pass() -> None:
         PoolBackup(FakePool(), tags="weights")
     with pytest.raises(ValueError, match="that is vLLM's level 2"):
         PoolBackup(FakePool(), tags=())
-
-
-@dataclass
-class OldRecord:
-    """vLLM 0.22-0.24's AllocationData: no is_asleep flag."""
-
-    handle: tuple[int, int, int, int]
-    tag: str
-    cpu_backup_tensor: Any = None
 
 
 def test_a_pool_without_the_asleep_flag_is_refused_before_anything_moves(pool: FakePool) -> None:

@@ -1,11 +1,8 @@
 """PoolSleep: vLLM's pool slept and woken by hybridmem (a fake pool with vLLM 0.33's records).
 
-The fake pool keeps vLLM's records (``pointer_to_data``: handle, tag, ``is_asleep``,
-``cpu_backup_tensor``) and stands in for its C extension: ``unmap_and_release`` fills
-the allocation's bytes with garbage (the memory is gone) and ``create_and_map`` leaves
-them so (fresh memory). Its ``wake_up`` is vLLM 0.33's ``CuMemAllocator.wake_up`` in
-miniature (maps, copies a ``cpu_backup_tensor`` back, drops it), to check that what
-hybridmem's sleep keeps, vLLM's own wake brings back.
+The fake pool (:mod:`tests.fake_vllm_pool`) keeps vLLM's records and stands in for its
+C extension and for ``CuMemAllocator.wake_up``, to check that what hybridmem's sleep
+keeps, vLLM's own wake brings back.
 """
 
 from __future__ import annotations
@@ -13,7 +10,6 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -27,55 +23,7 @@ from hybridmem.integrations.vllm import sleep_pool
 from hybridmem.integrations.vllm.sleep_pool import PoolSleep, kept_tags
 from hybridmem.integrations.vllm.sleep_state import refuse_while_asleep
 from hybridmem.scopes.garbage import GarbageGate
-
-GARBAGE = 0xEE
-
-
-@dataclass
-class Record:
-    handle: tuple[int, int, int, int]
-    tag: str
-    cpu_backup_tensor: Any = None
-    is_asleep: bool = False
-
-
-@dataclass
-class FakePool:
-    memory: dict[int, torch.Tensor] = field(default_factory=dict)
-    pointer_to_data: dict[int, Record] = field(default_factory=dict)
-    calls: list[str] = field(default_factory=list)
-    fail_unmap_at: int | None = None  # the n-th unmap raises
-    fail_map: list[str] = field(default_factory=list)  # messages the next maps raise
-
-    def make(self, address: int, size: int, tag: str, fill: int) -> None:
-        self.memory[address] = torch.full((size,), fill, dtype=torch.uint8)
-        self.pointer_to_data[address] = Record((0, size, address, 0), tag)
-
-    def unmap_and_release(self, handle: tuple[int, int, int, int]) -> None:
-        self.calls.append(f"unmap:{handle[2]:#x}")
-        if (
-            self.fail_unmap_at is not None
-            and sum(c.startswith("unmap") for c in self.calls) == self.fail_unmap_at
-        ):
-            raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:155")
-        self.memory[handle[2]].fill_(GARBAGE)
-
-    def create_and_map(self, handle: tuple[int, int, int, int]) -> None:
-        self.calls.append(f"map:{handle[2]:#x}")
-        if self.fail_map:
-            raise RuntimeError(self.fail_map.pop(0))
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """vLLM 0.33's CuMemAllocator.wake_up, its record handling."""
-        for address, data in self.pointer_to_data.items():
-            if not data.is_asleep:
-                continue
-            if tags is None or data.tag in tags or data.tag not in ("weights", "kv_cache"):
-                self.create_and_map(data.handle)
-                data.is_asleep = False
-                if data.cpu_backup_tensor is not None:
-                    self.memory[address].copy_(data.cpu_backup_tensor)
-                    data.cpu_backup_tensor = None
+from tests.fake_vllm_pool import GARBAGE, FakePool, OldRecord, fake_device
 
 
 @pytest.fixture
@@ -87,19 +35,7 @@ def pool(monkeypatch: pytest.MonkeyPatch) -> FakePool:
     fake.make(0x40000, 1024, "runtime", 4)
     fake.make(0x50000, 2048, "cudagraph", 5)
     fake.make(0x60000, 512, "workspace", 6)
-
-    def view(address: int, nbytes: int, device: int | None, on_free: Any) -> torch.Tensor:
-        assert device == 0
-        return fake.memory[address][:nbytes]
-
-    monkeypatch.setattr(_torch, "tensor_from_memory", view)
-    fake.pinned = []  # type: ignore[attr-defined]
-    monkeypatch.setattr(
-        _torch,
-        "pin_host_tensor",
-        lambda tensor, mapped=False: fake.pinned.append(tensor.nbytes) or False,  # type: ignore[attr-defined]
-    )
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    fake.pinned = fake_device(monkeypatch, fake)  # type: ignore[attr-defined]
     fake.free = 1 << 40  # type: ignore[attr-defined]
     monkeypatch.setattr(_torch, "mem_get_info", lambda index: (fake.free, 1 << 40))  # type: ignore[attr-defined]
     fake.releases = []  # type: ignore[attr-defined]
@@ -354,15 +290,6 @@ def test_misuse_is_refused_with_what_to_pass(pool: FakePool) -> None:
     assert s.host_bytes == 0
 
 
-@dataclass
-class OldRecord:
-    """vLLM 0.22-0.24's AllocationData: no is_asleep flag."""
-
-    handle: tuple[int, int, int, int]
-    tag: str
-    cpu_backup_tensor: Any = None
-
-
 def test_a_pool_without_the_asleep_flag_is_refused(pool: FakePool) -> None:
     pool.pointer_to_data = {0x1000: OldRecord((0, 4096, 0x1000, 0), "weights")}  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=r"before 0\.25"):
@@ -417,9 +344,7 @@ def test_random_lifecycles_keep_state_and_kept_bytes_exact(
         pool.make(0x1000, 4096, "weights", 1)
         pool.make(0x20000, 8192, "kv_cache", 3)
         pool.make(0x40000, 1024, "runtime", 4)
-        mp.setattr(_torch, "tensor_from_memory", lambda a, n, d, f: pool.memory[a][:n])
-        mp.setattr(_torch, "pin_host_tensor", lambda tensor, mapped=False: False)
-        mp.setattr(torch.cuda, "synchronize", lambda *a: None)
+        fake_device(mp, pool)
         mp.setattr(_torch, "mem_get_info", lambda index: (1 << 40, 1 << 40))
         mp.setattr(GarbageGate, "release", lambda self, d, k: None)
         s = sleeper(pool)

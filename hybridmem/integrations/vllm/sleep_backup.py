@@ -19,16 +19,14 @@ Scope: the process of one vLLM worker (the pool is process-global); not thread-s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hybridmem import _torch
-from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
-from hybridmem.memory.host_pool import HostPool
+from hybridmem.integrations.vllm.host_places import HostPlaces
 
 __all__ = ["PoolBackup"]
 
@@ -75,15 +73,13 @@ class PoolBackup:
             )
         self.allocator = allocator
         self.tags = tuple(tags)
-        self._pool = HostPool(pin_memory=True)
-        # address -> (its size, the host bytes it is kept in)
-        self._places: dict[int, tuple[int, torch.Tensor]] = {}
+        self._places = HostPlaces(pin_memory=True)
         self._kept: set[int] = set()  # addresses whose bytes are in host memory now
 
     @property
     def host_bytes(self) -> int:
         """Host memory pinned for the tags so far."""
-        return self._pool.nbytes
+        return self._places.nbytes
 
     def _tagged(self) -> list[tuple[int, Any]]:
         tagged = [
@@ -103,36 +99,14 @@ class PoolBackup:
         """Pin host memory for every tagged allocation that has none yet; return its bytes.
 
         Call it once the engine has made its weights (vLLM's model load), so that no
-        sleep pins. An allocation freed since its place was made gives the place up;
-        one made since gets a new place (a chunk of its own, pinned then).
+        sleep pins. An allocation freed since its place was made gives the place up to
+        a later one of its size or less; one made since gets a place (reused, or in a
+        chunk of its own, pinned then).
         """
         records = _records(self.allocator)
-        for address in [a for a in self._places if a not in records]:
-            del self._places[address]
-            self._kept.discard(address)
-        new = [
-            (address, int(data.handle[1]))
-            for address, data in self._tagged()
-            if address not in self._places or self._places[address][0] != data.handle[1]
-        ]
-        total = sum(size for _, size in new)
-        if not total:
-            return 0
-        start, began = self._pool.nbytes, time.perf_counter()
-        self._pool.grow(start + total, None)
-        chunk = self._pool.chunks[-1].tensor  # one chunk holds exactly these places
-        offset = 0
-        for address, size in new:
-            self._places[address] = (size, chunk[offset : offset + size])
-            offset += size
-        logger.info(
-            "vLLM pool backup: pinned %s of host memory for %d allocations of tags %s in %.2f s",
-            fmt_bytes(total),
-            len(new),
-            list(self.tags),
-            time.perf_counter() - began,
-        )
-        return total
+        for address in [a for a in self._kept if a not in records]:
+            self._kept.discard(address)  # freed while asleep: nothing to put back
+        return self._places.reserve(self._tagged(), live=records)
 
     def sleep(self) -> None:
         """Copy the tags' memory to host memory, then vLLM's sleep discards the whole pool.
@@ -143,8 +117,10 @@ class PoolBackup:
         awake = [(a, d) for a, d in self._tagged() if not d.is_asleep]
         views = []
         for address, data in awake:
-            size, host = self._places[address]
-            device = _torch.tensor_from_memory(address, size, int(data.handle[0]), lambda: None)
+            host = self._places[address]
+            device = _torch.tensor_from_memory(
+                address, host.numel(), int(data.handle[0]), lambda: None
+            )
             host.copy_(device, non_blocking=True)
             views.append(device)
         torch.cuda.synchronize()
@@ -164,8 +140,10 @@ class PoolBackup:
                 continue
             if data.is_asleep:
                 continue
-            size, host = self._places[address]
-            device = _torch.tensor_from_memory(address, size, int(data.handle[0]), lambda: None)
+            host = self._places[address]
+            device = _torch.tensor_from_memory(
+                address, host.numel(), int(data.handle[0]), lambda: None
+            )
             device.copy_(host, non_blocking=True)
             back.append(device)
             self._kept.discard(address)
@@ -178,6 +156,5 @@ class PoolBackup:
                 "vLLM pool backup closed with %d allocations asleep: their bytes are lost",
                 len(self._kept),
             )
-        self._pool.close()
-        self._places.clear()
+        self._places.close()
         self._kept.clear()

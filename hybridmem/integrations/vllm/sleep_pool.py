@@ -44,7 +44,7 @@ from hybridmem import _torch
 from hybridmem._errors import SleepPoolError
 from hybridmem._format import fmt_bytes
 from hybridmem._log import info_once, logger
-from hybridmem.memory.host_pool import HostPool
+from hybridmem.integrations.vllm.host_places import HostPlaces
 from hybridmem.scopes.garbage import GarbageGate
 from hybridmem.scopes.release import release_cache
 
@@ -192,10 +192,7 @@ class PoolSleep:
         self.allocator = allocator
         self._map = create_and_map
         self._unmap = unmap_and_release
-        self._host = HostPool(pin_memory=True)
-        #: address -> (its size, its place in host memory)
-        self._places: dict[int, tuple[int, torch.Tensor]] = {}
-        self._spare: list[torch.Tensor] = []  # places of allocations since freed
+        self._places = HostPlaces(pin_memory=True)
         self._gate = GarbageGate()
         self._resuming = False
         #: the last call's report (None before the first)
@@ -252,7 +249,7 @@ class PoolSleep:
     @property
     def host_bytes(self) -> int:
         """Host memory pinned for kept allocations so far."""
-        return self._host.nbytes
+        return self._places.nbytes
 
     def reserve(self, level: int = 1) -> int:
         """Pin host memory for what a sleep at ``level`` keeps; return the bytes pinned now.
@@ -277,38 +274,7 @@ class PoolSleep:
         return pinned
 
     def _reserve(self, records: Sequence[tuple[int, Any]]) -> int:
-        live = pool_records(self.allocator)
-        for address in [a for a in self._places if a not in live]:
-            self._spare.append(self._places.pop(address)[1])
-        new = [
-            (address, _size(data))
-            for address, data in records
-            if address not in self._places or self._places[address][0] != _size(data)
-        ]
-        fresh = []
-        for address, size in new:
-            spare = next((i for i, s in enumerate(self._spare) if s.numel() >= size), None)
-            if spare is None:
-                fresh.append((address, size))
-            else:
-                self._places[address] = (size, self._spare.pop(spare)[:size])
-        total = sum(size for _, size in fresh)
-        if not total:
-            return 0
-        began = time.perf_counter()
-        self._host.grow(self._host.nbytes + total, None)
-        chunk = self._host.chunks[-1].tensor  # one chunk holds exactly these places
-        offset = 0
-        for address, size in fresh:
-            self._places[address] = (size, chunk[offset : offset + size])
-            offset += size
-        logger.info(
-            "vLLM sleep pool: pinned %s of host memory for %d allocations in %.2f s",
-            fmt_bytes(total),
-            len(fresh),
-            time.perf_counter() - began,
-        )
-        return total
+        return self._places.reserve(records, live=pool_records(self.allocator))
 
     # -- the lifecycle -----------------------------------------------------------------
 
@@ -352,10 +318,10 @@ class PoolSleep:
         copy_began = time.perf_counter()
         try:
             for address, data in kept:
-                size, host = self._places[address]
-                view = _torch.tensor_from_memory(address, size, _device(data), _noop)
+                host = self._places[address]
+                view = _torch.tensor_from_memory(address, _size(data), _device(data), _noop)
                 host.copy_(view, non_blocking=True)
-                copied += size
+                copied += _size(data)
             for device in devices:
                 torch.cuda.synchronize(device)
         except Exception as exc:
@@ -369,7 +335,7 @@ class PoolSleep:
                 self._unmap(data.handle)
                 data.is_asleep = True
                 if data.tag in keep:
-                    data.cpu_backup_tensor = self._places[address][1]
+                    data.cpu_backup_tensor = self._places[address]
                 done += 1
         except Exception as exc:
             raise self._error(
@@ -531,6 +497,4 @@ class PoolSleep:
             raise RuntimeError(
                 f"the pool keeps {said} in host memory only: wake it (resume) before closing"
             )
-        self._host.close()
-        self._places.clear()
-        self._spare.clear()
+        self._places.close()
