@@ -47,9 +47,9 @@ def test_recipes_follow_the_design() -> None:
         assert [s.action for s in recipes["wake_up"]] == ["release_cache", "expandable_segments"]
         assert [s.action for s in recipes["weight_sync"]] == ["ipc_safe", "release_cache"]
         assert recipes["weight_sync"][1].args["ipc_collect"] is True
-        assert [(s.action, dict(s.args)) for s in recipes["rollout"]] == [
-            ("expandable_segments", {"enabled": False}),
-            ("suspend_communicators", {"enabled": False}),  # opt-in: collective
+        assert [(s.action, dict(s.args), s.opt_in) for s in recipes["rollout"]] == [
+            ("expandable_segments", {"enabled": False}, False),
+            ("suspend_communicators", {}, True),  # opt-in: collective
         ]
     assert [s.action for s in hm.get_backend("sglang").recipes["sleep"]] == [
         "release_cache",

@@ -253,6 +253,18 @@ def test_offload_steps_in_a_custom_profile(fake_gpu: FakeTorch) -> None:
     assert calls == ["offload:None", "body", "reload:['optimizer']"]
 
 
+def test_an_opt_in_step_runs_only_when_an_override_names_it(fake_gpu: FakeTorch) -> None:
+    step = hm.Step("extra", "release_cache", "exit", {"collect_garbage": False}, opt_in=True)
+    profile = hm.BackendProfile("opting", "test", {"sleep": (step,)})
+    assert hm.phase("sleep", backend=profile).steps == ()
+    assert [s.name for s in hm.phase("sleep", backend=profile, extra=True).steps] == ["extra"]
+    (named,) = hm.phase("sleep", backend=profile, extra={"sync": False}).steps
+    assert dict(named.args) == {"collect_garbage": False, "sync": False}
+    assert hm.phase("sleep", backend=profile, extra=False).steps == ()
+    with pytest.raises(TypeError, match="opt_in must be True or False, got 'yes'"):
+        hm.Step("extra", "release_cache", "exit", opt_in="yes")  # type: ignore[arg-type]
+
+
 def test_a_reload_step_passes_its_way_and_refuses_a_bad_one(fake_gpu: FakeTorch) -> None:
     ways: list[Any] = []
 

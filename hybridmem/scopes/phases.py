@@ -132,8 +132,8 @@ def check_wait(timeout_s: object, enough: object = None) -> None:
 def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: str) -> list[Step]:
     """Apply overrides: False/None switches a step off, True keeps it, a mapping changes args.
 
-    A step whose args say ``enabled: False`` (the opt-in ``suspend_communicators``) is
-    left out unless an override names it: True or a mapping switches it on.
+    An opt-in step (``Step.opt_in``: ``suspend_communicators``) is left out unless an
+    override names it: True or a mapping switches it on.
     """
     names = [s.name for s in recipe]
     unknown = sorted(set(overrides) - set(names))
@@ -146,21 +146,19 @@ def _resolve(recipe: tuple[Step, ...], overrides: Mapping[str, object], where: s
         )
     steps: list[Step] = []
     for step in recipe:
-        opt_in = step.args.get("enabled") is False and step.action == "suspend_communicators"
         if step.name not in overrides:
-            if not opt_in:
+            if not step.opt_in:
                 steps.append(step)
             continue
         value = overrides[step.name]
         if value is False or value is None:
             continue
-        on = {"enabled": True} if opt_in else {}
         if value is True:
-            steps.append(replace(step, args={**step.args, **on}) if on else step)
+            steps.append(step)
         elif isinstance(value, Mapping):
             check_step_args(f"{where}: override {step.name}", step.action, value)
             try:
-                steps.append(replace(step, args={**step.args, **on, **value}))
+                steps.append(replace(step, args={**step.args, **value}))
             except (TypeError, ValueError) as exc:  # the step's own check, with the phase
                 raise type(exc)(f"{where}: {exc}") from None
         elif step.action in ("offload", "reload"):  # an Offloader, as a shorthand

@@ -109,6 +109,9 @@ class Step:
         args: keyword arguments of the action.
         why: the evidence for the step (issue, PR or code reference).
         versions: the engine versions it applies to.
+        opt_in: left out of the phase unless an override names it (``True`` or a dict
+            of its arguments): a step that changes what every rank must do, such as
+            ``suspend_communicators``.
     """
 
     name: str
@@ -117,6 +120,7 @@ class Step:
     args: Mapping[str, Any] = field(default_factory=dict)
     why: str = ""
     versions: str = ""
+    opt_in: bool = False
 
     def __post_init__(self) -> None:
         _check_str("a step", "name", self.name, empty=False)
@@ -141,6 +145,8 @@ class Step:
             )
         _check_str(where, "why", self.why)
         _check_str(where, "versions", self.versions)
+        if not isinstance(self.opt_in, bool):
+            raise TypeError(f"{where}: opt_in must be True or False, got {self.opt_in!r}")
         object.__setattr__(self, "args", MappingProxyType(dict(args)))
 
 
