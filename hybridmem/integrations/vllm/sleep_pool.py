@@ -228,13 +228,9 @@ class PoolSleep:
         parts = []
         for tag, n in sorted(asleep.items()):
             held = kept.get(tag, 0)
-            how = (
-                "kept in host memory"
-                if held == n
-                else "discarded"
-                if not held
-                else (f"{fmt_bytes(held)} of it kept in host memory")
-            )
+            how = "kept in host memory" if held == n else f"{fmt_bytes(held)} of it kept"
+            if not held:
+                how = "discarded"
             parts.append(f"{tag} {fmt_bytes(n)} ({how})")
         return SleepPoolError(
             f"{what}: {exc}. Asleep now: {', '.join(parts) or 'nothing'}; the rest of the "
@@ -258,8 +254,8 @@ class PoolSleep:
         after the KV cache and CUDA graphs for the ``runtime`` and ``cudagraph``
         tags), so that no sleep pins: pinning runs at a few GB/s, copies into pinned
         memory at tens. It also pays here the one full garbage collection the sleeps'
-        cache releases start with. An allocation freed since gives its place to later ones of
-        its size or less; one made since gets a place of its own.
+        cache releases start with. An allocation freed since gives its place to a later
+        one of its size or less; one made since gets a place of its own.
 
         Raises:
             ValueError: ``level`` is not 1 or 2.
