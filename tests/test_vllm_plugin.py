@@ -48,6 +48,9 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., dict[str
             module.SleepModeBackendFactory = types.SimpleNamespace(  # type: ignore[attr-defined]
                 register_backend=made["sleep"].register
             )
+            module.SleepModeBackend = types.SimpleNamespace(  # type: ignore[attr-defined]
+                state=None, discard=None, resume=None
+            )
             monkeypatch.setitem(sys.modules, module.__name__, module)
         else:  # a vLLM before its backends: the import fails
             monkeypatch.setitem(sys.modules, "vllm.device_allocator.sleep_mode_backend", None)
@@ -109,3 +112,21 @@ def test_a_vllm_with_only_the_sleep_factory_gets_it_and_one_line(
         assert plugin.register() is False
     assert "hybridmem" in made["sleep"].registry
     assert len(_lines(caplog, "weight-transfer backend needs vLLM 0.32 or later")) == 1
+
+
+def test_a_factory_of_another_shape_is_left_alone_with_one_line(
+    stand_in: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    made = stand_in(sleep=True, transfer=True)
+    backends = sys.modules["vllm.device_allocator.sleep_mode_backend"]
+    del backends.SleepModeBackend.discard  # an earlier interface
+    with caplog.at_level(logging.INFO, logger="hybridmem"):
+        assert plugin.register() is True  # the weight-transfer backend still
+    assert made["sleep"].registry == {}
+    assert len(_lines(caplog, "has another: --sleep-mode-backend hybridmem is not")) == 1
+    backends.SleepModeBackend.discard = None
+    backends.SleepModeBackendFactory.register_backend = lambda name: None  # other arguments
+    _log.reset_once()
+    with caplog.at_level(logging.INFO, logger="hybridmem"):
+        plugin.register()
+    assert len(_lines(caplog, "refused it")) == 1

@@ -57,20 +57,33 @@ def _has_vllm() -> bool:
 def _register_sleep_backend() -> bool:
     """Register the sleep-mode backend where vLLM has the factory; say once where it has not."""
     try:
-        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+        from vllm.device_allocator import sleep_mode_backend as backends
     except ImportError:
+        backends = None
+    factory = getattr(backends, "SleepModeBackendFactory", None)
+    base = getattr(backends, "SleepModeBackend", None)
+    # the interface read in 0.32.0 and 0.33.0 (one file): a factory registering by
+    # module path, a backend with state() and discard()
+    if factory is None or not all(hasattr(base, m) for m in ("state", "discard", "resume")):
         info_once(
             "vllm-sleep-backend-missing",
             f"hybridmem's sleep-mode backend needs vLLM 0.33 (its SleepModeBackendFactory); "
-            f"vLLM {_vllm_version()} has none: --sleep-mode-backend hybridmem is not "
-            "available, the rest of hybridmem's vLLM support is",
+            f"vLLM {_vllm_version()} has {'another' if factory else 'none'}: "
+            "--sleep-mode-backend hybridmem is not available, the rest of hybridmem's vLLM "
+            "support is",
         )
         return False
     try:
-        SleepModeBackendFactory.register_backend(
-            BACKEND_NAME, _SLEEP_MODULE, "HybridmemSleepModeBackend"
-        )
+        factory.register_backend(BACKEND_NAME, _SLEEP_MODULE, "HybridmemSleepModeBackend")
     except ValueError:  # "already registered": a process that loaded plugins twice
+        return False
+    except TypeError as exc:  # a factory whose registration takes other arguments
+        info_once(
+            "vllm-sleep-backend-missing",
+            f"hybridmem's sleep-mode backend needs vLLM 0.33's SleepModeBackendFactory; "
+            f"vLLM {_vllm_version()}'s refused it ({exc}): --sleep-mode-backend hybridmem "
+            "is not available, the rest of hybridmem's vLLM support is",
+        )
         return False
     logger.debug("vLLM sleep-mode backend %r registered", BACKEND_NAME)
     return True
