@@ -20,7 +20,7 @@ import torch
 
 from hybridmem import _torch
 
-__all__ = ["GARBAGE", "FakePool", "OldRecord", "Record", "fake_device"]
+__all__ = ["GARBAGE", "FakePool", "OldRecord", "Record", "break_copies", "fake_device"]
 
 GARBAGE = 0xEE
 DEFERRABLE = ("weights", "kv_cache")
@@ -113,3 +113,12 @@ def fake_device(monkeypatch: pytest.MonkeyPatch, pool: FakePool) -> list[int]:
     monkeypatch.setattr(_torch, "pin_host_tensor", pin)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     return pinned
+
+
+def break_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every view of device memory fails, as a copy from a faulted device would."""
+
+    def broken(*args: Any) -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(_torch, "tensor_from_memory", broken)

@@ -7,14 +7,10 @@ wake leaves as it is (vLLM maps fresh memory).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import torch
 
-from hybridmem import _torch
 from hybridmem.integrations.vllm.sleep_backup import PoolBackup
-from tests.fake_vllm_pool import GARBAGE, FakePool, OldRecord, fake_device
+from tests.fake_vllm_pool import GARBAGE, FakePool, OldRecord, break_copies, fake_device
 
 
 @pytest.fixture
@@ -65,11 +61,7 @@ def test_a_failed_copy_leaves_the_pool_awake_and_untouched(
     pool: FakePool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backup = PoolBackup(pool)
-
-    def broken(*args: Any) -> torch.Tensor:
-        raise RuntimeError("CUDA error: an illegal memory access")
-
-    monkeypatch.setattr(_torch, "tensor_from_memory", broken)
+    break_copies(monkeypatch)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         backup.sleep()
     assert pool.calls == []  # vLLM's sleep never ran

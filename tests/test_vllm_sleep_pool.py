@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +22,7 @@ from hybridmem.integrations.vllm import sleep_pool
 from hybridmem.integrations.vllm.sleep_pool import PoolSleep, kept_tags
 from hybridmem.integrations.vllm.sleep_state import refuse_while_asleep
 from hybridmem.scopes.garbage import GarbageGate
-from tests.fake_vllm_pool import GARBAGE, FakePool, OldRecord, fake_device
+from tests.fake_vllm_pool import GARBAGE, FakePool, OldRecord, break_copies, fake_device
 
 
 @pytest.fixture
@@ -169,11 +168,7 @@ def test_a_failed_copy_leaves_the_pool_awake_and_untouched(
     pool: FakePool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = sleeper(pool)
-
-    def broken(*args: Any) -> torch.Tensor:
-        raise RuntimeError("CUDA error: an illegal memory access")
-
-    monkeypatch.setattr(_torch, "tensor_from_memory", broken)
+    break_copies(monkeypatch)
     with pytest.raises(SleepPoolError, match=r"nothing was unmapped.*Asleep now: nothing"):
         s.suspend(1)
     assert not any(c.startswith("unmap") for c in pool.calls)

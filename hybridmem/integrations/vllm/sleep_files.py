@@ -38,6 +38,7 @@ import os
 import sys
 import types
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,18 @@ def _stand_ins(root: Path) -> None:
     )
 
 
+def _folder(source: str | os.PathLike[str], complete: Callable[[Path], bool]) -> Path:
+    """``source`` as a folder of files: a wheel's files are extracted next to it
+    (``<wheel>.files/``), again when an earlier extraction is not ``complete``."""
+    root = Path(source)
+    if not root.is_file():
+        return root
+    folder = root.with_name(root.name + ".files")
+    if not complete(folder):
+        extract(root, folder)
+    return folder
+
+
 def load_cumem(source: str | os.PathLike[str] | None = None) -> Any:
     """Return vLLM's ``vllm.device_allocator.cumem`` module (``CuMemAllocator`` in it).
 
@@ -234,12 +247,7 @@ def load_cumem(source: str | os.PathLike[str] | None = None) -> Any:
                 "(pip download --no-deps vllm==0.33.0)"
             )
         return module
-    root = Path(source)
-    if root.is_file():
-        folder = root.with_name(root.name + ".files")
-        if first_missing(folder) is not None:
-            extract(root, folder)
-        root = folder
+    root = _folder(source, lambda folder: first_missing(folder) is None)
     missing = first_missing(root)
     if missing is not None:
         raise FileNotFoundError(
@@ -281,12 +289,7 @@ def load_sleep_backends(source: str | os.PathLike[str] | None = None) -> Any:
         <class 'vllm.device_allocator.sleep_mode_backend.CuMemBackend'>
     """
     if source is not None:
-        root = Path(source)
-        if root.is_file():
-            folder = root.with_name(root.name + ".files")
-            if not (folder / BACKENDS_FILE).is_file():
-                extract(root, folder)
-            root = folder
+        root = _folder(source, lambda folder: (folder / BACKENDS_FILE).is_file())
         if not (root / BACKENDS_FILE).is_file():
             raise FileNotFoundError(
                 f"{root / BACKENDS_FILE}: missing; vLLM 0.33's wheel has it "

@@ -262,15 +262,14 @@ class PoolSleep:
         """
         keep = kept_tags(level)
         records = pool_records(self.allocator)
-        pinned = self._reserve([(a, d) for a, d in records.items() if d.tag in keep])
+        pinned = self._places.reserve(
+            [(a, d) for a, d in records.items() if d.tag in keep], live=records
+        )
         # The sleeps' cache release pays one full garbage collection, the first time
         # (GarbageGate): pay it here, at load, not in the first sleep.
         for device in {_device(d) for d in records.values()}:
             self._gate.release(device, "vllm sleep")
         return pinned
-
-    def _reserve(self, records: Sequence[tuple[int, Any]]) -> int:
-        return self._places.reserve(records, live=pool_records(self.allocator))
 
     # -- the lifecycle -----------------------------------------------------------------
 
@@ -299,7 +298,7 @@ class PoolSleep:
             )
         awake = [(a, d) for a, d in records.items() if not d.is_asleep]
         kept = [(a, d) for a, d in awake if d.tag in keep]
-        pinned = self._reserve(kept)
+        pinned = self._places.reserve(kept, live=records)
         if pinned:
             info_once(
                 "vllm-sleep-pinned-in-sleep",
