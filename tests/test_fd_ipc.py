@@ -32,6 +32,7 @@ from hybridmem._torch import dlpack
 from hybridmem.ipc import capabilities, fd_reducer, fd_server
 from hybridmem.ipc import export as export_module
 from hybridmem.ipc.export import TensorHandle
+from tests.helpers import run_python
 
 WAIT_S = 10.0  # bound on every wait for the server thread (it answers in microseconds)
 
@@ -533,6 +534,26 @@ def test_a_failing_callback_is_logged_not_raised(caplog: pytest.LogCaptureFixtur
     del tensor
     gc.collect()
     assert any("releasing an external tensor" in r.getMessage() for r in caplog.records)
+
+
+def test_an_external_tensor_alive_at_exit_is_let_go_without_a_traceback() -> None:
+    # At exit the interpreter sets a module's globals to None before it frees what other
+    # modules still hold; the deleter runs then. Done here as the interpreter does it.
+    code = (
+        "import ctypes\n"
+        "from hybridmem._torch import dlpack\n"
+        "buffer = ctypes.create_string_buffer(64)\n"
+        "kept = dlpack.tensor_from_memory(ctypes.addressof(buffer), 64, None,"
+        " lambda: print('let go'))\n"
+        "for name in [n for n in vars(dlpack) if not n.startswith('__')]:\n"
+        "    setattr(dlpack, name, None)\n"
+        "del kept\n"
+    )
+    done = run_python("-c", code, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "let go\n"  # the callback ran
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
 
 
 def test_driver_calls_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:

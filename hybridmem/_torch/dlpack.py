@@ -16,9 +16,10 @@ in any thread that drops the last reference; ctypes takes the GIL for it).
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.utils.dlpack
@@ -75,8 +76,16 @@ _lock = threading.Lock()
 _live: dict[int, tuple[_DLManagedTensor, ctypes.Array[ctypes.c_int64], Callable[[], None]]] = {}
 
 
-def _deleted(managed: ctypes._Pointer[_DLManagedTensor]) -> None:
-    key = ctypes.addressof(managed.contents)
+def _deleted(
+    managed: ctypes._Pointer[_DLManagedTensor],
+    _addressof: Callable[[Any], int] = ctypes.addressof,
+    _lock: threading.Lock = _lock,
+    _live: dict[int, Any] = _live,
+    _logger: logging.Logger = logger,
+) -> None:
+    # The defaults hold what it needs: a tensor alive at interpreter exit is freed after
+    # this module's globals are cleared, and the deleter still runs then.
+    key = _addressof(managed.contents)
     with _lock:
         entry = _live.pop(key, None)
     if entry is None:
@@ -84,7 +93,7 @@ def _deleted(managed: ctypes._Pointer[_DLManagedTensor]) -> None:
     try:
         entry[2]()
     except BaseException:  # a deleter must not raise into torch's C++
-        logger.exception("hybridmem: releasing an external tensor's memory failed")
+        _logger.exception("hybridmem: releasing an external tensor's memory failed")
 
 
 _DELETER_FN = _DELETER(_deleted)  # kept alive for the process's lifetime
