@@ -52,6 +52,7 @@ class FakePool:
     calls: list[str] = field(default_factory=list)
     fail_unmap_at: int | None = None  # the n-th unmap raises
     fail_map: list[str] = field(default_factory=list)  # messages the next maps raise
+    viewed: list[int] = field(default_factory=list)  # addresses hybridmem viewed, in order
 
     def make(self, address: int, size: int, tag: str, fill: int) -> None:
         self.memory[address] = torch.full((size,), fill, dtype=torch.uint8)
@@ -103,6 +104,7 @@ def fake_device(monkeypatch: pytest.MonkeyPatch, pool: FakePool) -> list[int]:
 
     def view(address: int, nbytes: int, device: int | None, on_free: Any) -> torch.Tensor:
         assert device == 0
+        pool.viewed.append(address)
         return pool.memory[address][:nbytes]
 
     def pin(tensor: torch.Tensor, mapped: bool = False) -> bool:

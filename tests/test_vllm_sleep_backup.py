@@ -42,6 +42,25 @@ def test_the_tags_memory_comes_back_byte_for_byte_and_the_rest_is_discarded(
     assert pool.pinned == [4096 + 8192]  # type: ignore[attr-defined]  # pinned once, exactly
 
 
+def test_reserve_makes_the_first_copy_into_each_place_it_pins_and_a_sleep_one_more(
+    pool: FakePool,
+) -> None:
+    backup = PoolBackup(pool)
+    backup.reserve()  # the first copy into fresh pages is the slow one: made at start-up
+    assert sorted(pool.viewed) == [0x1000, 0x9000]
+    pool.viewed.clear()
+    backup.reserve()
+    assert pool.viewed == []  # nothing new pinned, nothing copied
+    backup.sleep()
+    assert sorted(pool.viewed) == [0x1000, 0x9000]  # the sleep's own copies, once each
+    pool.make(0x40000, 2048, "weights", 7)  # made while asleep: mapped, nothing kept
+    pool.viewed.clear()
+    assert backup.reserve() == 2048
+    assert pool.viewed == [0x40000]  # the sleeping ones' places keep their bytes
+    backup.wake_up(None)
+    assert bool((pool.memory[0x1000] == 1).all())
+
+
 def test_allocations_made_or_freed_between_sleeps_are_placed_or_given_up(
     pool: FakePool,
 ) -> None:

@@ -87,6 +87,38 @@ def test_level_1_keeps_the_weights_runtime_and_graphs_byte_for_byte_pinned_once(
     assert pool.pinned == [s.host_bytes]  # type: ignore[attr-defined]  # one pinning
 
 
+def test_reserve_makes_the_first_copy_into_each_place_it_pins_and_only_that(
+    pool: FakePool,
+) -> None:
+    s = sleeper(pool)
+    s.reserve(1)  # the first copy into fresh pages is the slow one: made at load
+    assert sorted(pool.viewed) == [0x1000, 0x9000, 0x40000, 0x50000]
+    assert filled(pool, 0x1000, 1)  # a read: the engine's memory is as it was
+    pool.viewed.clear()
+    assert s.reserve(1) == 0
+    assert pool.viewed == []  # nothing new pinned, nothing copied
+    pool.make(0x70000, 4096, "weights", 7)  # an allocation made since
+    assert s.reserve(1) == 4096
+    assert pool.viewed == [0x70000]  # only the new place gets its first copy
+    pool.viewed.clear()
+    s.suspend(1)
+    assert sorted(pool.viewed) == [0x1000, 0x9000, 0x40000, 0x50000, 0x70000]  # once each
+    s.resume(None)
+    assert filled(pool, 0x70000, 7)
+
+
+def test_reserve_while_asleep_copies_nothing_over_what_is_kept(pool: FakePool) -> None:
+    s = sleeper(pool)
+    s.suspend(1)  # pins in the sleep: its places hold the weights now
+    pool.make(0x70000, 4096, "weights", 7)
+    pool.viewed.clear()
+    s.reserve(1)
+    assert pool.viewed == [0x70000]  # the sleeping ones' places keep their bytes
+    s.resume(None)
+    assert filled(pool, 0x1000, 1)
+    assert filled(pool, 0x9000, 2)
+
+
 def test_level_2_discards_the_weights_and_keeps_runtime_and_graphs(pool: FakePool) -> None:
     s = sleeper(pool)
     s.suspend(2)

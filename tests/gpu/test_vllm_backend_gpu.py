@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.gpu.runner import run_scenario, window_drift
+from tests.gpu.vllm_backend_scenarios import PYNCCL_FILES
 from tests.gpu.vllm_sleep_scenarios import FILES_ENV, USER_ENV
 
 pytestmark = [
@@ -117,3 +119,43 @@ def test_the_backend_composes_with_vllms_toggle_hybridmems_scopes_and_communicat
     assert facts["asleep_in_comm_scope"] == "SUSPENDED"
     assert facts["allreduce"] == 1.0
     assert facts["weights"] is True
+
+
+LIBRARY_ENV = "HM_NCCL_LIBRARY"  # not HYBRIDMEM_*: clean_env keeps it for the child
+
+
+@pytest.mark.skipif(
+    not os.environ.get(LIBRARY_ENV),
+    reason=f"needs an NCCL with ncclCommSuspend (2.29.7+): {LIBRARY_ENV}=<libnccl.so.2> "
+    "(benchmarks/build_nccl.sh builds one from NVIDIA/nccl's source)",
+)
+def test_vllms_own_communicator_suspend_composes_with_the_backend_and_hybridmems() -> None:
+    missing = [name for name in PYNCCL_FILES if not (Path(os.environ[FILES_ENV]) / name).is_file()]
+    if missing:
+        pytest.skip(
+            f"{FILES_ENV} has no {missing[0]}: unzip -o vllm-0.33.0-*.whl "
+            "'vllm/distributed/device_communicators/pynccl*.py' -d <that folder>"
+        )
+    facts = _run("composition_nccl", LD_PRELOAD=os.environ[LIBRARY_ENV])
+    assert facts["has_suspend"] is True
+    assert facts["vllm_suspendable"] > 0
+    # the rollout: the trainer's group suspended, vLLM's communicator untouched and working
+    assert facts["rollout_freed"] > 0
+    assert facts["vllm_all_reduce_before"] is True
+    assert facts["vllm_all_reduce_in_rollout"] is True
+    assert facts["trainer_collective_in_rollout"] == "refused: CommunicatorSuspendedError"
+    # the training step: the backend's sleep, then vLLM's own suspend, each giving back its own
+    assert facts["sleep_freed_backend"] >= 0.99 * (128 + 256 + 32 + 32) * MiB
+    assert facts["sleep_freed_vllm_comm"] >= 0.95 * facts["vllm_suspendable"]
+    assert facts["vllm_suspended_in_training"] == 1
+    assert facts["state_in_training"] == "SUSPENDED"
+    assert facts["trainer_all_reduce"] == 1.0
+    # hybridmem's scope leaves vLLM's suspended communicator to vLLM
+    assert facts["vllm_suspended_inside_scope"] == 1
+    assert facts["vllm_suspended_after_scope"] == 1
+    # the wake: vLLM's resume after the backend's, bit-exact collectives and weights
+    assert facts["vllm_suspended_after_wake"] == 0
+    assert facts["vllm_all_reduce_after_wake"] is True
+    assert facts["state_after_wake"] == "RUNNING"
+    assert facts["weights"] is True
+    assert facts["kept"] is True

@@ -243,10 +243,150 @@ def composition() -> dict[str, Any]:
     }
 
 
+#: vLLM's own NCCL wrapper and its communicator's suspend flag, in the files' folder.
+PYNCCL_FILES = (
+    "vllm/distributed/device_communicators/pynccl_wrapper.py",
+    "vllm/distributed/device_communicators/pynccl.py",
+)
+
+
+def _vllm_nccl(library: str) -> tuple[Any, int]:
+    """vLLM's ``pynccl_wrapper`` module over ``library``, and ``_NCCL_SUSPEND_MEM``.
+
+    The wrapper is the wheel's file, loaded with the allocator's stand-ins and one more
+    (``vllm.utils.nccl.find_nccl_library``: ``library``); the flag is read from the
+    wheel's ``pynccl.py`` (``PyNcclCommunicator.suspend`` passes it), not imported:
+    that module pulls in vLLM's process groups.
+    """
+    import ast
+    import importlib
+    from pathlib import Path
+
+    root = Path(os.environ[FILES_ENV])
+    nccl_utils = types.ModuleType("vllm.utils.nccl")
+    nccl_utils.find_nccl_library = lambda: library  # type: ignore[attr-defined]
+    sys.modules["vllm.utils.nccl"] = nccl_utils
+    sys.modules["vllm.envs"].VLLM_USE_NCCL_SYMM_MEM = False  # type: ignore[attr-defined]
+    platform = sys.modules["vllm.platforms"].current_platform
+    platform.fp8_dtype = lambda: torch.float8_e4m3fn
+    wrapper = importlib.import_module("vllm.distributed.device_communicators.pynccl_wrapper")
+    flags = [
+        ast.literal_eval(node.value)
+        for node in ast.parse((root / PYNCCL_FILES[1]).read_text()).body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "_NCCL_SUSPEND_MEM" for t in node.targets)
+    ]
+    assert len(flags) == 1, "vLLM's pynccl.py has no _NCCL_SUSPEND_MEM"
+    return wrapper, int(flags[0])
+
+
+def composition_nccl() -> dict[str, Any]:
+    """vLLM's own communicator suspend beside the backend and hybridmem's, in one process.
+
+    As a colocated run holds them: a trainer's torch process group, which hybridmem's
+    ``suspend_communicators`` suspends through the rollout, and vLLM's own
+    communicator (its wheel's ``pynccl_wrapper``: ``ncclCommInitRank``,
+    ``ncclAllReduce``), which vLLM's GPU worker suspends after the backend's
+    ``suspend(level)`` when ``enable_nccl_comm_suspend`` is set
+    (``ncclCommSuspend(comm, _NCCL_SUSPEND_MEM)``, as ``PyNcclCommunicator.suspend``)
+    and resumes after the backend's ``resume(tags)``. One NCCL (2.29.7+, preloaded)
+    serves both, as in a real run.
+    """
+    library = os.environ["LD_PRELOAD"]
+    torch.zeros(1, device="cuda")
+    factory = _factory()
+    wrapper, flag = _vllm_nccl(library)
+    from hybridmem._platform.nccl import MemStat
+    from hybridmem._torch.nccl import nccl_calls
+    from hybridmem.scopes.communicators import held_communicators
+
+    lib = wrapper.NCCLLibrary(library)
+    calls = nccl_calls()
+    assert calls is not None
+    pool = _Pool(weights_mib=128, kv_mib=256)
+    ours = factory.create_backend(types.SimpleNamespace(sleep_mode_backend="hybridmem"))
+    vllm_comm = lib.ncclCommInitRank(1, lib.ncclGetUniqueId(), 0)
+    data = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+
+    def vllm_all_reduce() -> bool:
+        out = torch.empty_like(data)
+        lib.ncclAllReduce(
+            wrapper.buffer_type(data.data_ptr()),
+            wrapper.buffer_type(out.data_ptr()),
+            data.numel(),
+            wrapper.ncclDataTypeEnum.from_torch(data.dtype),
+            wrapper.ncclRedOpTypeEnum.from_torch(torch.distributed.ReduceOp.SUM),
+            vllm_comm,
+            wrapper.cudaStream_t(torch.cuda.current_stream().cuda_stream),
+        )
+        torch.cuda.synchronize()
+        return bool(torch.equal(out, data))  # one rank: the sum is the input
+
+    def vllm_suspended() -> int:
+        return calls.mem_stat(int(vllm_comm.value), MemStat.SUSPENDED)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29700 + os.getpid() % 1000))
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    trainer = torch.ones(1024, device="cuda")
+    dist.all_reduce(trainer)
+    facts: dict[str, Any] = {
+        "nccl": lib.ncclGetVersion(),
+        "has_suspend": lib.has_symbol("ncclCommSuspend"),
+        "flag": flag,
+        "vllm_suspendable": calls.mem_stat(int(vllm_comm.value), MemStat.SUSPENDABLE),
+        "vllm_all_reduce_before": vllm_all_reduce(),
+    }
+    # the rollout: the trainer's group suspended by hybridmem, vLLM's in use
+    before = _free()
+    with hm.suspend_communicators() as held:
+        facts["rollout_freed"] = _free() - before
+        facts["held_in_rollout"] = held_communicators()
+        facts["vllm_all_reduce_in_rollout"] = vllm_all_reduce()
+        try:
+            dist.all_reduce(trainer)
+            facts["trainer_collective_in_rollout"] = "ran"
+        except hm.CommunicatorSuspendedError as exc:
+            facts["trainer_collective_in_rollout"] = f"refused: {type(exc).__name__}"
+    facts["rollout_report"] = str(getattr(held, "report", held))
+    # the training step: vLLM's worker.sleep(1) with enable_nccl_comm_suspend
+    before = _free()
+    ours.suspend(1)
+    after_backend = _free()
+    lib.ncclCommSuspend(vllm_comm, flag)
+    facts["sleep_freed_backend"] = after_backend - before
+    facts["sleep_freed_vllm_comm"] = _free() - after_backend
+    facts["vllm_suspended_in_training"] = vllm_suspended()
+    facts["state_in_training"] = ours.state()
+    dist.all_reduce(trainer)  # the trainer's group, resumed by hybridmem's scope exit
+    torch.cuda.synchronize()
+    facts["trainer_all_reduce"] = float(trainer[0])
+    # hybridmem's scope in the training step meets vLLM's suspended communicator
+    with hm.suspend_communicators():
+        facts["held_beside_vllms"] = held_communicators()
+        facts["vllm_suspended_inside_scope"] = vllm_suspended()
+    facts["vllm_suspended_after_scope"] = vllm_suspended()
+    # vLLM's worker.wake_up(["weights"]), then wake_up(["kv_cache"]), as verl wakes
+    ours.resume(["weights"])
+    lib.ncclCommResume(vllm_comm)
+    ours.resume(["kv_cache"])
+    facts["vllm_suspended_after_wake"] = vllm_suspended()
+    facts["vllm_all_reduce_after_wake"] = vllm_all_reduce()
+    facts["state_after_wake"] = ours.state()
+    facts["weights"] = pool.weights_intact()
+    facts["kept"] = pool.kept_intact()
+    lib.ncclCommDestroy(vllm_comm)
+    dist.destroy_process_group()
+    return facts
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "factory": factory,
     "lifecycle": lifecycle,
     "composition": composition,
+    "composition_nccl": composition_nccl,
 }
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ sleeps (:meth:`HostPlaces.reserve`), in exact-size chunks of a
 place whose allocation was freed goes to the next allocation of its size or less, so
 host memory stays flat while the engine remakes allocations of the same sizes.
 
+The first copy into pages just registered runs slower than the ones after it (on an
+H100, 1 GiB: 0.75-0.96 of the pinned rate, then 0.99-1.08; ``benchmarks/first_copy.py``
+and ``benchmarks/vllm_level1.py``), so the pool's owners copy once into fresh places
+where they reserve them (:meth:`HostPlaces.copy_in`, at load), not in the first sleep.
+
 Scope: one process's pool; not thread-safe.
 """
 
@@ -18,11 +23,16 @@ from typing import Any
 
 import torch
 
+from hybridmem import _torch
 from hybridmem._format import fmt_bytes
 from hybridmem._log import logger
 from hybridmem.memory.host_pool import HostPool
 
 __all__ = ["HostPlaces"]
+
+
+def _noop() -> None:
+    return None
 
 
 class HostPlaces:
@@ -41,6 +51,7 @@ class HostPlaces:
         self._host = HostPool(pin_memory=pin_memory)
         self._places: dict[int, torch.Tensor] = {}
         self._spare: list[torch.Tensor] = []  # places of allocations since freed
+        self._cold: set[int] = set()  # addresses whose place is fresh, never copied into
 
     @property
     def nbytes(self) -> int:
@@ -63,6 +74,7 @@ class HostPlaces:
         """
         for address in [a for a in self._places if a not in live]:
             self._spare.append(self._places.pop(address))
+            self._cold.discard(address)
         fresh = []
         for address, data in records:
             size = int(data.handle[1])
@@ -83,6 +95,7 @@ class HostPlaces:
         offset = 0
         for address, size in fresh:
             self._places[address] = chunk[offset : offset + size]
+            self._cold.add(address)
             offset += size
         logger.info(
             "vLLM sleep pool: pinned %s of host memory for %d allocations in %.2f s",
@@ -92,9 +105,39 @@ class HostPlaces:
         )
         return total
 
+    def cold(self, records: Sequence[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        """Those of ``records`` whose place was pinned fresh and has had no copy yet."""
+        return [(address, data) for address, data in records if address in self._cold]
+
+    def copy_in(self, records: Sequence[tuple[int, Any]]) -> int:
+        """Copy each of ``records`` (``(address, record)``, mapped) into its place; return bytes.
+
+        The copies are queued together and waited for once, on every device they read.
+        Each record needs a place (:meth:`reserve`); a record's handle is vLLM's
+        ``(device, size, address, ...)``.
+
+        Raises:
+            KeyError: a record has no place (reserve it first); nothing is copied.
+        """
+        missing = [address for address, _ in records if address not in self._places]
+        if missing:
+            raise KeyError(f"no place reserved for the allocation at {missing[0]:#x}")
+        copied, devices = 0, set()
+        for address, data in records:
+            device, size = int(data.handle[0]), int(data.handle[1])
+            view = _torch.tensor_from_memory(address, size, device, _noop)
+            self._places[address].copy_(view, non_blocking=True)
+            copied += size
+            devices.add(device)
+        for device in devices:
+            torch.cuda.synchronize(device)
+        self._cold.difference_update(address for address, _ in records)
+        return copied
+
     def forget(self, address: int) -> None:
         """Give the place of ``address`` up to later allocations (its allocation was freed)."""
         place = self._places.pop(address, None)
+        self._cold.discard(address)
         if place is not None:
             self._spare.append(place)
 
@@ -103,3 +146,4 @@ class HostPlaces:
         self._host.close()
         self._places.clear()
         self._spare.clear()
+        self._cold.clear()

@@ -99,10 +99,19 @@ class PoolBackup:
         """Pin host memory for every tagged allocation that has none yet; return its bytes.
 
         Call it once the engine has made its weights (vLLM's model load), so that no
-        sleep pins. An allocation freed since its place was made gives the place up to
-        a later one of its size or less; one made since gets a place (reused, or in a
-        chunk of its own, pinned then).
+        sleep pins; it also makes the first copy into what it pinned, the slow one
+        (:mod:`~hybridmem.integrations.vllm.host_places`). An allocation freed since
+        its place was made gives the place up to a later one of its size or less; one
+        made since gets a place (reused, or in a chunk of its own, pinned then).
         """
+        pinned = self._reserve()
+        # the first copy into pages just pinned is the slow one: make it now
+        self._places.copy_in(
+            self._places.cold([(a, d) for a, d in self._tagged() if not d.is_asleep])
+        )
+        return pinned
+
+    def _reserve(self) -> int:
         records = _records(self.allocator)
         for address in [a for a in self._kept if a not in records]:
             self._kept.discard(address)  # freed while asleep: nothing to put back
@@ -113,18 +122,9 @@ class PoolBackup:
 
         If a copy fails, vLLM's sleep is not called: the pool is as it was.
         """
-        self.reserve()
+        self._reserve()
         awake = [(a, d) for a, d in self._tagged() if not d.is_asleep]
-        views = []
-        for address, data in awake:
-            host = self._places[address]
-            device = _torch.tensor_from_memory(
-                address, host.numel(), int(data.handle[0]), lambda: None
-            )
-            host.copy_(device, non_blocking=True)
-            views.append(device)
-        torch.cuda.synchronize()
-        del views
+        self._places.copy_in(awake)
         self._kept.update(address for address, _ in awake)
         self.allocator.sleep(offload_tags=())
 

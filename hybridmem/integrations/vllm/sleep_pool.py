@@ -253,18 +253,30 @@ class PoolSleep:
         Call it once the engine has made its memory (after vLLM's model load, and
         after the KV cache and CUDA graphs for the ``runtime`` and ``cudagraph``
         tags), so that no sleep pins: pinning runs at a few GB/s, copies into pinned
-        memory at tens. It also pays here the one full garbage collection the sleeps'
-        cache releases start with. An allocation freed since gives its place to a later
-        one of its size or less; one made since gets a place of its own.
+        memory at tens. It also pays here the first copy into what it pinned (slower
+        than the ones after it: :mod:`~hybridmem.integrations.vllm.host_places`) and the
+        one full garbage collection the sleeps' cache releases start with. An
+        allocation freed since gives its place to a later one of its size or less; one
+        made since gets a place of its own.
 
         Raises:
             ValueError: ``level`` is not 1 or 2.
         """
         keep = kept_tags(level)
         records = pool_records(self.allocator)
-        pinned = self._places.reserve(
-            [(a, d) for a, d in records.items() if d.tag in keep], live=records
-        )
+        kept = [(a, d) for a, d in records.items() if d.tag in keep]
+        pinned = self._places.reserve(kept, live=records)
+        # The first copy into pages just pinned is the slow one (host_places): make
+        # it here, at load, not in the first sleep.
+        cold = self._places.cold([(a, d) for a, d in kept if not d.is_asleep])
+        if cold:
+            began = time.perf_counter()
+            warmed = self._places.copy_in(cold)
+            logger.info(
+                "vLLM sleep pool: first copy of %s into the places in %.1f ms (at reserve)",
+                fmt_bytes(warmed),
+                (time.perf_counter() - began) * 1e3,
+            )
         # The sleeps' cache release pays one full garbage collection, the first time
         # (GarbageGate): pay it here, at load, not in the first sleep.
         for device in {_device(d) for d in records.values()}:
@@ -309,16 +321,9 @@ class PoolSleep:
         devices = {_device(d) for _, d in awake}
         for device in devices:
             torch.cuda.synchronize(device)  # the engine's last kernels on this memory
-        copied = 0
         copy_began = time.perf_counter()
         try:
-            for address, data in kept:
-                host = self._places[address]
-                view = _torch.tensor_from_memory(address, _size(data), _device(data), _noop)
-                host.copy_(view, non_blocking=True)
-                copied += _size(data)
-            for device in devices:
-                torch.cuda.synchronize(device)
+            copied = self._places.copy_in(kept)
         except Exception as exc:
             raise self._error(
                 "the sleep's copies into host memory failed, nothing was unmapped", exc
