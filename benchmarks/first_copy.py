@@ -118,12 +118,17 @@ def main() -> int:
         return 0
     if args.copies < 2:
         parser.error(f"--copies is at least 2 (a first copy and others), got {args.copies}")
-    if args.repeat < 1 or any(g < 1 for g in args.gib):
-        parser.error("--repeat and --gib are whole numbers >= 1")
+    if args.repeat < 1:
+        parser.error(f"--repeat is at least 1 (fresh processes per size), got {args.repeat}")
+    bad = [g for g in args.gib if g < 1]
+    if bad:
+        parser.error(f"--gib sizes are whole GiB >= 1, got {bad[0]}")
+    if args.pause_s < 0:
+        parser.error(f"--pause-s is 0 or more seconds, got {args.pause_s}")
     import torch
 
     if not torch.cuda.is_available():
-        print("first_copy needs a CUDA device", file=sys.stderr)
+        print("first_copy needs a CUDA device: it copies device memory", file=sys.stderr)
         return 2
     rows = []
     for gib in args.gib:

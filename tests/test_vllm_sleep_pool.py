@@ -207,6 +207,24 @@ def test_a_failed_copy_leaves_the_pool_awake_and_untouched(
     assert s.state() == "RUNNING"
 
 
+def test_a_failed_first_copy_at_reserve_says_so_and_the_next_reserve_copies_again(
+    pool: FakePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = sleeper(pool)
+    with monkeypatch.context() as broken:
+        break_copies(broken)
+        with pytest.raises(SleepPoolError, match=r"first copy .* failed.*Asleep now: nothing"):
+            s.reserve(1)
+    assert s.host_bytes == 4096 + 8192 + 1024 + 2048  # pinned, and stays so
+    assert s.state() == "RUNNING"
+    pool.viewed.clear()
+    assert s.reserve(1) == 0  # nothing more to pin ...
+    assert sorted(pool.viewed) == [0x1000, 0x9000, 0x40000, 0x50000]  # ... the copy again
+    s.suspend(1)
+    s.resume(None)
+    assert filled(pool, 0x9000, 2)
+
+
 def test_a_failed_unmap_says_what_sleeps_and_a_wake_brings_the_kept_back(pool: FakePool) -> None:
     s = sleeper(pool)
     pool.fail_unmap_at = 2

@@ -7,10 +7,13 @@ sleeps (:meth:`HostPlaces.reserve`), in exact-size chunks of a
 place whose allocation was freed goes to the next allocation of its size or less, so
 host memory stays flat while the engine remakes allocations of the same sizes.
 
-The first copy into pages just registered runs slower than the ones after it (on an
-H100, 1 GiB: 0.75-0.96 of the pinned rate, then 0.99-1.08; ``benchmarks/first_copy.py``
-and ``benchmarks/vllm_level1.py``), so the pool's owners copy once into fresh places
-where they reserve them (:meth:`HostPlaces.copy_in`, at load), not in the first sleep.
+A process's first copies into its places take longer than the ones after (an H100, 1
+GiB: about 1.8 ms more, 0.75-0.96 of the pinned rate against 0.99-1.08;
+``benchmarks/vllm_level1.py``): a first use paid once, of the copy path (the seam's
+view of device memory) and perhaps of the pages just registered
+(``benchmarks/first_copy.py``). So the pool's owners make the first copy into fresh
+places where they reserve them (:meth:`HostPlaces.cold`, :meth:`HostPlaces.copy_in`,
+at load), not in the first sleep.
 
 Scope: one process's pool; not thread-safe.
 """

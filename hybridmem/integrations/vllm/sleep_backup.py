@@ -99,13 +99,14 @@ class PoolBackup:
         """Pin host memory for every tagged allocation that has none yet; return its bytes.
 
         Call it once the engine has made its weights (vLLM's model load), so that no
-        sleep pins; it also makes the first copy into what it pinned, the slow one
-        (:mod:`~hybridmem.integrations.vllm.host_places`). An allocation freed since
-        its place was made gives the place up to a later one of its size or less; one
-        made since gets a place (reused, or in a chunk of its own, pinned then).
+        sleep pins; it also makes the first copy into what it pinned, which pays a
+        first use (:mod:`~hybridmem.integrations.vllm.host_places`). An allocation
+        freed since its place was made gives the place up to a later one of its size or
+        less; one made since gets a place (reused, or in a chunk of its own, pinned
+        then).
         """
         pinned = self._reserve()
-        # the first copy into pages just pinned is the slow one: make it now
+        # the first copy into the places pays a first use: make it here, not in a sleep
         self._places.copy_in(
             self._places.cold([(a, d) for a, d in self._tagged() if not d.is_asleep])
         )

@@ -253,25 +253,34 @@ class PoolSleep:
         Call it once the engine has made its memory (after vLLM's model load, and
         after the KV cache and CUDA graphs for the ``runtime`` and ``cudagraph``
         tags), so that no sleep pins: pinning runs at a few GB/s, copies into pinned
-        memory at tens. It also pays here the first copy into what it pinned (slower
-        than the ones after it: :mod:`~hybridmem.integrations.vllm.host_places`) and the
+        memory at tens. It also pays here the first copy into what it pinned (a first
+        use, paid once: :mod:`~hybridmem.integrations.vllm.host_places`) and the
         one full garbage collection the sleeps' cache releases start with. An
         allocation freed since gives its place to a later one of its size or less; one
         made since gets a place of its own.
 
         Raises:
             ValueError: ``level`` is not 1 or 2.
+            SleepPoolError: the first copy failed (what was pinned stays pinned, nothing
+                sleeps).
         """
         keep = kept_tags(level)
         records = pool_records(self.allocator)
         kept = [(a, d) for a, d in records.items() if d.tag in keep]
         pinned = self._places.reserve(kept, live=records)
-        # The first copy into pages just pinned is the slow one (host_places): make
-        # it here, at load, not in the first sleep.
+        # The first copy into the places pays a first use (host_places): make it
+        # here, at load, not in the first sleep.
         cold = self._places.cold([(a, d) for a, d in kept if not d.is_asleep])
         if cold:
             began = time.perf_counter()
-            warmed = self._places.copy_in(cold)
+            try:
+                warmed = self._places.copy_in(cold)
+            except Exception as exc:
+                raise self._error(
+                    "the first copy into the host memory just pinned failed (it stays "
+                    "pinned; the next reserve or sleep copies again)",
+                    exc,
+                ) from exc
             logger.info(
                 "vLLM sleep pool: first copy of %s into the places in %.1f ms (at reserve)",
                 fmt_bytes(warmed),
