@@ -12,8 +12,8 @@ GiB: about 1.8 ms more, 0.75-0.96 of the pinned rate against 0.99-1.08;
 ``benchmarks/vllm_level1.py``): a first use paid once, of the copy path (the seam's
 view of device memory) and perhaps of the pages just registered
 (``benchmarks/first_copy.py``). So the pool's owners make the first copy into fresh
-places where they reserve them (:meth:`HostPlaces.cold`, :meth:`HostPlaces.copy_in`,
-at load), not in the first sleep.
+places where they reserve them (:meth:`HostPlaces.warm`, at load), not in the first
+sleep.
 
 Scope: one process's pool; not thread-safe.
 """
@@ -108,9 +108,15 @@ class HostPlaces:
         )
         return total
 
-    def cold(self, records: Sequence[tuple[int, Any]]) -> list[tuple[int, Any]]:
-        """Those of ``records`` whose place was pinned fresh and has had no copy yet."""
-        return [(address, data) for address, data in records if address in self._cold]
+    def warm(self, records: Sequence[tuple[int, Any]]) -> int:
+        """Make the first copy into the places of ``records`` that have had none; return bytes.
+
+        Only mapped records are copied (a sleeping one's place may hold its bytes), only
+        into places pinned fresh and never copied into since (:meth:`copy_in`).
+        """
+        return self.copy_in(
+            [(a, data) for a, data in records if a in self._cold and not data.is_asleep]
+        )
 
     def copy_in(self, records: Sequence[tuple[int, Any]]) -> int:
         """Copy each of ``records`` (``(address, record)``, mapped) into its place; return bytes.

@@ -107,9 +107,7 @@ class PoolBackup:
         """
         pinned = self._reserve()
         # the first copy into the places pays a first use: make it here, not in a sleep
-        self._places.copy_in(
-            self._places.cold([(a, d) for a, d in self._tagged() if not d.is_asleep])
-        )
+        self._places.warm(self._tagged())
         return pinned
 
     def _reserve(self) -> int:

@@ -270,17 +270,16 @@ class PoolSleep:
         pinned = self._places.reserve(kept, live=records)
         # The first copy into the places pays a first use (host_places): make it
         # here, at load, not in the first sleep.
-        cold = self._places.cold([(a, d) for a, d in kept if not d.is_asleep])
-        if cold:
-            began = time.perf_counter()
-            try:
-                warmed = self._places.copy_in(cold)
-            except Exception as exc:
-                raise self._error(
-                    "the first copy into the host memory just pinned failed (it stays "
-                    "pinned; the next reserve or sleep copies again)",
-                    exc,
-                ) from exc
+        began = time.perf_counter()
+        try:
+            warmed = self._places.warm(kept)
+        except Exception as exc:
+            raise self._error(
+                "the first copy into the host memory just pinned failed (it stays "
+                "pinned; the next reserve or sleep copies again)",
+                exc,
+            ) from exc
+        if warmed:
             logger.info(
                 "vLLM sleep pool: first copy of %s into the places in %.1f ms (at reserve)",
                 fmt_bytes(warmed),
