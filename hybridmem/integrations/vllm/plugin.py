@@ -54,6 +54,16 @@ def _has_vllm() -> bool:
         return False
 
 
+def _no_sleep_backend(why: str) -> bool:
+    """Say once why ``--sleep-mode-backend hybridmem`` is not available here; return False."""
+    info_once(
+        "vllm-sleep-backend-missing",
+        f"hybridmem's sleep-mode backend needs vLLM 0.33 {why}: --sleep-mode-backend "
+        "hybridmem is not available, the rest of hybridmem's vLLM support is",
+    )
+    return False
+
+
 def _register_sleep_backend() -> bool:
     """Register the sleep-mode backend where vLLM has the factory; say once where it has not."""
     try:
@@ -65,26 +75,18 @@ def _register_sleep_backend() -> bool:
     # the interface read in 0.32.0 and 0.33.0 (one file): a factory registering by
     # module path, a backend with state() and discard()
     if factory is None or not all(hasattr(base, m) for m in ("state", "discard", "resume")):
-        info_once(
-            "vllm-sleep-backend-missing",
-            f"hybridmem's sleep-mode backend needs vLLM 0.33 (its SleepModeBackendFactory); "
-            f"vLLM {_vllm_version()} has {'another' if factory else 'none'}: "
-            "--sleep-mode-backend hybridmem is not available, the rest of hybridmem's vLLM "
-            "support is",
+        return _no_sleep_backend(
+            f"(its SleepModeBackendFactory); vLLM {_vllm_version()} has "
+            f"{'another' if factory else 'none'}"
         )
-        return False
     try:
         factory.register_backend(BACKEND_NAME, _SLEEP_MODULE, "HybridmemSleepModeBackend")
     except ValueError:  # "already registered": a process that loaded plugins twice
         return False
     except TypeError as exc:  # a factory whose registration takes other arguments
-        info_once(
-            "vllm-sleep-backend-missing",
-            f"hybridmem's sleep-mode backend needs vLLM 0.33's SleepModeBackendFactory; "
-            f"vLLM {_vllm_version()}'s refused it ({exc}): --sleep-mode-backend hybridmem "
-            "is not available, the rest of hybridmem's vLLM support is",
+        return _no_sleep_backend(
+            f"(its SleepModeBackendFactory); vLLM {_vllm_version()}'s refused it ({exc})"
         )
-        return False
     logger.debug("vLLM sleep-mode backend %r registered", BACKEND_NAME)
     return True
 
